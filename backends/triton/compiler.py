@@ -1,0 +1,181 @@
+"""Compiling and launching Triton kernels from an explicit specialisation.
+
+A ``KernelSpec`` names a kernel, the Triton type of every argument (``constexpr`` for
+compile-time ones), the constexpr values, which pointers are 16-byte aligned, and the launch
+options. The GPU launcher and the AOT compile for sm_90/sm_100 both go through ``compile_spec``,
+so what CI compiles without a GPU is exactly what runs on one. Runtime sizes (token counts) are
+plain ``i32`` arguments: one compile serves every size.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+
+from fusedops._backend import triton_interpreter_active
+from fusedops._cache import COMPILE_CACHE
+
+TRITON_POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
+                        torch.bool: "*i1", torch.uint8: "*u8", torch.int32: "*i32",
+                        torch.int64: "*i64"}
+
+
+_POINTER_DTYPES = {t: d for d, t in TRITON_POINTER_TYPES.items()}
+
+
+def pointer_type(dtype: torch.dtype) -> str:
+    return TRITON_POINTER_TYPES[dtype]
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    """One compiled specialisation of a ``@triton.jit`` kernel.
+
+    ``signature`` lists (argument name, Triton type) in the kernel's argument order, with type
+    ``"constexpr"`` for compile-time arguments whose values are in ``constexprs``; ``aligned``
+    names the pointer arguments guaranteed 16-byte aligned (the plans check it at execute).
+    """
+
+    kernel: Any
+    signature: tuple[tuple[str, str], ...]
+    constexprs: tuple[tuple[str, Any], ...]
+    aligned: tuple[str, ...] = ()
+    num_warps: int = 4
+    num_stages: int = 1
+
+    @property
+    def name(self) -> str:
+        return self.kernel.__name__ if hasattr(self.kernel, "__name__") else self.kernel.fn.__name__
+
+    def runtime_arg_names(self) -> tuple[str, ...]:
+        return tuple(n for n, t in self.signature if t != "constexpr")
+
+    def full_args(self, runtime_args: Sequence[Any]) -> list[Any]:
+        """All kernel arguments in order: ``runtime_args`` with the constexpr values put back."""
+        constexprs = dict(self.constexprs)
+        it = iter(runtime_args)
+        return [constexprs[n] if t == "constexpr" else next(it) for n, t in self.signature]
+
+
+def compile_spec(spec: KernelSpec, target) -> Any:
+    """``triton.compile`` of ``spec`` for ``target`` (a ``GPUTarget``); returns the
+    CompiledKernel. Works without a GPU for any target Triton knows, but not in a process running
+    the interpreter (there ``@triton.jit`` makes interpreted functions): AOT tests use a
+    subprocess (``python -m fusedops.backends.triton.aot``)."""
+    import triton
+    from triton.compiler import ASTSource
+
+    names = [n for n, _ in spec.signature]
+    signature = dict(spec.signature)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec.aligned}
+    source = ASTSource(spec.kernel, signature, dict(spec.constexprs), attrs)
+    return triton.compile(source, target=target,
+                          options={"num_warps": spec.num_warps, "num_stages": spec.num_stages,
+                                   "enable_fp_fusion": True})
+
+
+def make_launcher(spec: KernelSpec, grid: tuple[int, int, int],
+                  device: torch.device) -> Callable[..., None]:
+    """Returns ``launch(*runtime_args, stream)`` for ``spec`` on ``grid``.
+
+    On CUDA the kernel is compiled for the device's target (cached process-wide by spec and
+    device) and its module loaded now; launching is then a single driver call. On CPU (the
+    Triton interpreter, tests only) the interpreted kernel runs on the CPU tensors.
+    """
+    if device.type == "cpu":
+        if not triton_interpreter_active():
+            raise RuntimeError("Triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
+
+        pointer_dtypes = {n: _POINTER_DTYPES[t] for n, t in spec.signature if t in _POINTER_DTYPES}
+        names = spec.runtime_arg_names()
+
+        def interpret(*runtime_args, stream):
+            # the interpreter reads memory through the tensor's dtype: reinterpret buffers handed
+            # as raw bytes (workspace) or as placeholders for absent optional inputs
+            args = [_reinterpret(a, pointer_dtypes[n]) if n in pointer_dtypes else a
+                    for n, a in zip(names, runtime_args)]
+            spec.kernel[grid](*spec.full_args(args), num_warps=spec.num_warps)
+        return interpret
+
+    compiled = COMPILE_CACHE.get_or_build(("triton", spec, device.index),
+                                          lambda: _compile_for_device(spec, device))
+    runner = compiled[grid]  # loads the module and resolves the function handle now
+    constexpr_slots = tuple(i for i, (_, t) in enumerate(spec.signature) if t == "constexpr")
+    constexprs = dict(spec.constexprs)
+    template = [constexprs[spec.signature[i][0]] if i in constexpr_slots else None
+                for i in range(len(spec.signature))]
+    runtime_slots = tuple(i for i in range(len(template)) if i not in constexpr_slots)
+
+    def launch(*runtime_args, stream):
+        args = list(template)
+        for slot, value in zip(runtime_slots, runtime_args):
+            args[slot] = value
+        runner(*args, stream=stream)
+    return launch
+
+
+def _reinterpret(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    if tensor.dtype == dtype:
+        return tensor
+    flat = tensor.reshape(-1).view(torch.uint8)
+    size = torch.empty((), dtype=dtype).element_size()
+    return flat[: flat.numel() - flat.numel() % size].view(dtype)
+
+
+def _compile_for_device(spec: KernelSpec, device: torch.device):
+    from triton.runtime import driver
+    with torch.cuda.device(device):
+        compiled = compile_spec(spec, driver.active.get_current_target())
+    scratch = [getattr(compiled.metadata, f, 0) or 0
+               for f in ("global_scratch_size", "profile_scratch_size")]
+    if any(scratch):
+        raise RuntimeError(f"{spec.name} needs Triton global scratch memory, which would make "
+                           "execute() allocate; the kernel must be restructured")
+    return compiled
+
+
+# -- ahead-of-time compiles and their resource figures ---------------------------------------
+@dataclass(frozen=True)
+class ResourceUsage:
+    kernel: str
+    arch: int
+    registers: int
+    local_bytes: int      # per-thread local memory: register spills or stack arrays
+    shared_bytes: int
+    num_warps: int
+
+    def row(self) -> str:
+        return (f"{self.kernel:<40} sm_{self.arch:<4} regs {self.registers:>3}  local "
+                f"{self.local_bytes:>4} B  shared {self.shared_bytes:>6} B  warps {self.num_warps}")
+
+
+def gpu_target(arch: int):
+    from triton.backends.compiler import GPUTarget
+    return GPUTarget("cuda", arch, 32)
+
+
+def cuobjdump_path() -> str:
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def resource_usage(spec: KernelSpec, arch: int) -> ResourceUsage:
+    """AOT-compiles ``spec`` for sm_``arch`` and reads registers, local (spill) and shared
+    memory from the cubin with cuobjdump."""
+    compiled = compile_spec(spec, gpu_target(arch))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([cuobjdump_path(), "--dump-resource-usage", f.name], check=True,
+                              capture_output=True, text=True).stdout
+    fields = dict(re.findall(r"(REG|LOCAL|SHARED|STACK):(\d+)", text))
+    return ResourceUsage(spec.name, arch, int(fields["REG"]),
+                         int(fields["LOCAL"]) + int(fields.get("STACK", 0)),
+                         max(int(fields["SHARED"]), int(compiled.metadata.shared)), spec.num_warps)

@@ -1,0 +1,90 @@
+"""Engram saved-state gate benchmark: fusedops (the auto backend) against torch.compile of the
+reference math and eager torch, with achieved GB/s against the copy bandwidth measured in the
+same run.
+
+    python bench/engram_gate.py [--tokens 4096 8192 16384] [--json out.json] [--png out.png]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+import harness  # noqa: E402
+
+import fusedops  # noqa: E402
+from fusedops.backends.torch import engram as reference  # noqa: E402
+
+
+def forward_bytes(n, s, d, e):
+    return n * (2 * s * d * e + (s + 1) * d * e + 1 + 16 * s)
+
+
+def backward_bytes(n, s, d, e, workspace):
+    # reads x, kv, grad_out, saved; writes grad_x, grad_kv; partials written and read; grad_weight
+    return n * (3 * s * d * e + 2 * (s + 1) * d * e + 16 * s) + 2 * workspace + 4 * s * d
+
+
+def main(argv=None) -> None:
+    p = harness.parser(__doc__)
+    p.add_argument("--tokens", type=int, nargs="+", default=[4096, 8192, 16384])
+    p.add_argument("--streams", type=int, default=4)
+    p.add_argument("--hidden", type=int, default=5120)
+    p.add_argument("--no-compile", action="store_true", help="skip the torch.compile peer")
+    args = p.parse_args(argv)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    if args.quick:
+        args.tokens, args.hidden = [64], 256
+    dtype, s, d = torch.bfloat16, args.streams, args.hidden
+    copy_gbs = harness.copy_bandwidth_gbs(device)
+    report = harness.Report("Engram saved-state gate", harness.device_name(device),
+                            {"copy GB/s": copy_gbs}, versions=harness.versions())
+    compiled_fwd = None if args.no_compile else torch.compile(reference.gate_forward)
+    compiled_bwd = None if args.no_compile else torch.compile(reference.gate_backward)
+    for n in args.tokens:
+        gen = torch.Generator(device=device).manual_seed(n)
+        x = torch.randn(n, s, d, device=device, dtype=dtype, generator=gen)
+        kv = torch.randn(n, (s + 1) * d, device=device, dtype=dtype, generator=gen)
+        w = 1 + 0.1 * torch.randn(s, d, device=device, generator=gen)
+        mask = torch.rand(n, device=device, generator=gen) > 0.1
+        g = torch.randn_like(x)
+        fwd = fusedops.EngramGateSavedForward(x, kv, w, mask).compile()
+        out, saved = torch.empty_like(x), torch.empty(n, s, 4, device=device)
+        bwd = fusedops.EngramGateSavedBackward(x, kv, w, saved, g).compile()
+        gx, gkv, gw = torch.empty_like(x), torch.empty_like(kv), torch.empty_like(w)
+        ws = bwd.allocate_workspace()
+        fb = forward_bytes(n, s, d, x.element_size())
+        bb = backward_bytes(n, s, d, x.element_size(), bwd.workspace_size)
+        run_fwd = lambda: fwd.execute(x, kv, w, mask, out, saved)  # noqa: E731
+        run_bwd = lambda: bwd.execute(x, kv, w, saved, g, gx, gkv, gw, ws)  # noqa: E731
+        run_fwd()
+        candidates = [(f"fusedops[{fwd.selected_backend}]", run_fwd, run_bwd)]
+        candidates.append(("torch eager", lambda: reference.gate_forward(x, kv, w, mask, 1e-20),
+                           lambda: reference.gate_backward(x, kv, w, saved, g)))
+        if compiled_fwd is not None:
+            candidates.append(("torch.compile", lambda: compiled_fwd(x, kv, w, mask, 1e-20),
+                               lambda: compiled_bwd(x, kv, w, saved, g)))
+        times = {(name, direction): harness.time_ms(fn, device, reps=5 if args.quick else 20)
+                 for name, f_fn, b_fn in candidates
+                 for direction, fn in (("fwd", f_fn), ("bwd", b_fn))}
+        for (name, direction), ms in times.items():
+            gbs = (fb if direction == "fwd" else bb) / ms / 1e6
+            peer = times.get(("torch.compile", direction))
+            report.add(case=f"N={n} {direction}", impl=name, us=ms * 1e3, **{"GB/s": gbs},
+                       **{"% copy": 100 * gbs / copy_gbs,
+                          "speedup vs compile": peer / ms if peer else None})
+        report.add(case=f"N={n} execute host overhead", impl=candidates[0][0],
+                   us=harness.host_overhead_us(run_fwd, device, calls=200 if args.quick else 2000))
+    report.print()
+    if args.json:
+        report.save_json(args.json)
+    if args.png:
+        report.rows = [dict(r, label=f"{r['case']} {r['impl']}") for r in report.rows if "GB/s" in r]
+        report.save_png(args.png, "label", "GB/s")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,17 @@
+"""fusedops: fused GPU operators for hybrid LLMs, as plans (validate -> compile -> execute)
+and eager wrappers. See docs/getting_started.md."""
+
+from . import errors
+from ._cache import cache_clear, cache_info
+from ._desc import TensorDesc
+from ._tupledict import TupleDict
+from .engram import (EngramGateSavedBackward, EngramGateSavedForward, engram_gate_saved_backward,
+                     engram_gate_saved_forward)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "EngramGateSavedBackward", "EngramGateSavedForward", "TensorDesc", "TupleDict",
+    "cache_clear", "cache_info", "engram_gate_saved_backward", "engram_gate_saved_forward",
+    "errors",
+]

@@ -1,0 +1,36 @@
+"""Test session setup.
+
+Without a GPU the Triton kernels run under the Triton interpreter, which must be chosen before
+triton is first imported; this file is imported before any test module, so it decides here.
+"""
+
+import os
+import sys
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("triton was imported before tests/conftest.py could select the interpreter")
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+AOT_FIGURES_KEY = pytest.StashKey[list]()
+
+
+def pytest_configure(config):
+    config.stash[AOT_FIGURES_KEY] = []
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    rows = config.stash.get(AOT_FIGURES_KEY, [])
+    if rows:
+        terminalreporter.section("Triton AOT resource figures (cuobjdump of the cubin)")
+        for row in rows:
+            terminalreporter.write_line(row)
+
+
+@pytest.fixture
+def aot_figures(request):
+    """Rows appended here are printed in the test summary."""
+    return request.config.stash[AOT_FIGURES_KEY]

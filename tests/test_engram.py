@@ -1,0 +1,561 @@
+"""Engram saved-state gate (specs/engram_gate.md): reference, kernels, edge cases, validation,
+plan contract, and GPU checks, parametrised over the backends this machine can run."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fusedops
+from fusedops import EngramGateSavedBackward, EngramGateSavedForward, TensorDesc
+from fusedops.backends.torch.engram import DOT_CLAMP
+from fusedops.errors import PlanStateError, UnsupportedError, ValidationError
+
+import oracles
+from helpers import (DEVICE, FP32_REDUCTION, HAS_CUDA, TOLERANCES, assert_close, requires_cuda,
+                     runnable_backends)
+
+BACKENDS = runnable_backends()
+EPS = 1e-20
+
+
+def make_inputs(n, s, d, dtype=torch.float32, *, mask="some", seed=0, device=DEVICE):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, s, d, generator=gen)
+    kv = torch.randn(n, (s + 1) * d, generator=gen)
+    weight = 1.0 + 0.2 * torch.randn(s, d, generator=gen)
+    grad_out = torch.randn(n, s, d, generator=gen)
+    if mask == "some":
+        m = torch.rand(n, generator=gen) > 0.3
+        m[0] = True
+    elif mask == "none":
+        m = None
+    else:
+        m = torch.full((n,), mask == "all")
+    wdtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return dict(x=x.to(device, dtype), kv=kv.to(device, dtype), weight=weight.to(device, wdtype),
+                mask=None if m is None else m.to(device), grad_out=grad_out.to(device, dtype))
+
+
+def run_plans(t, backend, eps=EPS, accumulate=False, grad_weight=None):
+    """Forward + backward through the plan API with caller-allocated buffers."""
+    fwd = EngramGateSavedForward(t["x"], t["kv"], t["weight"], t["mask"], eps=eps, backend=backend)
+    fwd.compile()
+    out = torch.empty_like(t["x"])
+    saved = torch.empty(fwd.saved_desc.shape, dtype=fwd.saved_desc.dtype, device=t["x"].device)
+    fwd.execute(t["x"], t["kv"], t["weight"], t["mask"], out, saved)
+    bwd = EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved, t["grad_out"],
+                                  accumulate=accumulate, backend=backend)
+    bwd.compile()
+    grad_x, grad_kv = torch.empty_like(t["x"]), torch.empty_like(t["kv"])
+    grad_weight = torch.empty_like(t["weight"]) if grad_weight is None else grad_weight
+    bwd.execute(t["x"], t["kv"], t["weight"], saved, t["grad_out"], grad_x, grad_kv, grad_weight,
+                bwd.allocate_workspace())
+    assert fwd.selected_backend == bwd.selected_backend == backend
+    return dict(out=out, saved=saved, grad_x=grad_x, grad_kv=grad_kv, grad_weight=grad_weight)
+
+
+def check_against_oracle(t, r, dtype, eps=EPS):
+    out, gate, dot, rx, rk = oracles.engram_gate(t["x"], t["kv"], t["weight"], t["mask"], eps)
+    grads = oracles.engram_gate_grads(t["x"], t["kv"], t["weight"], t["mask"], eps, t["grad_out"])
+    fp = torch.float64 if dtype == torch.float64 else torch.float32
+    assert_close(r["out"], out, dtype, "out")
+    assert_close(r["saved"], torch.stack((gate, dot, rx, rk), -1), fp, "saved")
+    for name, expected in zip(("grad_x", "grad_kv"), grads):
+        assert_close(r[name], expected, dtype, name)
+    assert_close(r["grad_weight"], grads[2],
+                 TOLERANCES[fp] if fp == torch.float64 else FP32_REDUCTION, "grad_weight")
+
+
+# -- 1. the reference against independent float64 math -----------------------------------------
+@pytest.mark.parametrize("n,s,d", [(1, 1, 8), (7, 4, 16), (5, 3, 40)])
+def test_reference_float64_matches_oracle(n, s, d):
+    t = make_inputs(n, s, d, torch.float64, device=torch.device("cpu"))
+    check_against_oracle(t, run_plans(t, "torch"), torch.float64)
+
+
+class _GateThroughPlans(torch.autograd.Function):
+    """Forward and backward through the public plans (torch backend, float64) for gradcheck."""
+
+    @staticmethod
+    def forward(ctx, x, kv, weight, mask):
+        out, saved = fusedops.engram_gate_saved_forward(x, kv, weight, mask, backend="torch")
+        ctx.save_for_backward(x, kv, weight, saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, kv, weight, saved = ctx.saved_tensors
+        grads = fusedops.engram_gate_saved_backward(x, kv, weight, saved, grad_out.contiguous(),
+                                                    backend="torch")
+        return grads["grad_x"], grads["grad_kv"], grads["grad_weight"], None
+
+
+@pytest.mark.parametrize("mask", ["none", "some"])
+def test_gradcheck_float64(mask):
+    t = make_inputs(4, 2, 8, torch.float64, mask=mask, seed=3, device=torch.device("cpu"))
+    args = [t["x"].requires_grad_(), t["kv"].requires_grad_(), t["weight"].requires_grad_(), t["mask"]]
+    assert torch.autograd.gradcheck(_GateThroughPlans.apply, args, eps=1e-6, atol=1e-8, rtol=1e-6)
+
+
+# -- 2. every backend against the oracle ---------------------------------------------------------
+SHAPES = [(1, 1, 64), (37, 4, 256)]
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("n,s,d", SHAPES, ids=lambda v: str(v))
+def test_backend_matches_oracle(backend, dtype, n, s, d):
+    t = make_inputs(n, s, d, dtype, seed=n + s + d)
+    check_against_oracle(t, run_plans(t, backend), dtype)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_default_shape_s4_d5120(backend):
+    t = make_inputs(3, 4, 5120, torch.bfloat16, seed=11)
+    check_against_oracle(t, run_plans(t, backend), torch.bfloat16)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rows_wider_than_one_block(backend):
+    """D = 12288 exceeds the widest row a Triton program holds: the chunked kernel paths."""
+    t = make_inputs(2, 2, 12288, torch.float32, seed=12)
+    check_against_oracle(t, run_plans(t, backend), torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("n", [16, 65])
+def test_token_counts_across_backward_blocks(backend, n):
+    t = make_inputs(n, 2, 64, torch.float32, seed=n)
+    check_against_oracle(t, run_plans(t, backend), torch.float32)
+
+
+# -- 3. edge cases of the spec -------------------------------------------------------------------
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the interpreter's discarded inf*0
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_masked_tokens_output_x_bit_for_bit(backend, dtype):
+    t = make_inputs(9, 2, 64, dtype, mask="some", seed=5)
+    kv = t["kv"].view(9, 3, 64)
+    kv[~t["mask"], 2] = float("inf")  # a masked token's value must not leak, not even as NaN
+    r = run_plans(t, backend)
+    masked = ~t["mask"]
+    assert torch.equal(r["out"][masked], t["x"][masked])
+    assert torch.all(r["saved"][masked][..., 0] == 0)
+    assert torch.equal(r["grad_x"][masked], t["grad_out"][masked])
+    assert torch.all(r["grad_kv"].view(9, 3, 64)[masked, :2] == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fully_masked(backend):
+    t = make_inputs(5, 4, 64, torch.bfloat16, mask="nothing", seed=6)
+    r = run_plans(t, backend)
+    assert torch.equal(r["out"], t["x"])
+    assert torch.equal(r["grad_x"], t["grad_out"])
+    assert torch.all(r["grad_kv"] == 0) and torch.all(r["grad_weight"] == 0)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_all_zero_rows_stay_finite(backend):
+    t = make_inputs(4, 2, 64, torch.float32, mask="none", seed=7)
+    t["x"][1] = 0          # rstd_x = 1/sqrt(eps) = 1e10
+    t["kv"][2, :64] = 0    # a zero key
+    t["kv"][3] = 0         # zero keys and value
+    r = run_plans(t, backend)
+    for name, value in r.items():
+        assert torch.isfinite(value).all(), name
+    assert r["saved"][1, 0, 2].item() == pytest.approx(1e10, rel=1e-6)
+    check_against_oracle(t, r, torch.float32)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("scale", [1e-4, 1e4])
+def test_scaled_rows(backend, scale):
+    t = make_inputs(6, 2, 128, torch.bfloat16, seed=8)
+    t["x"][::2] *= scale
+    t["kv"][1::2] *= scale
+    check_against_oracle(t, run_plans(t, backend), torch.bfloat16)
+
+
+def _point_inputs(d, dot_target, sign=1.0):
+    """x = e0, key = e0 and weight = c*e0 give dot = c*sqrt(D) (up to rounding)."""
+    x = torch.zeros(1, 1, d)
+    kv = torch.zeros(1, 2 * d)
+    weight = torch.ones(1, d)
+    x[0, 0, 0] = 1.0
+    kv[0, 0] = sign
+    kv[0, d:] = 1.0
+    weight[0, 0] = dot_target / math.sqrt(d)
+    return dict(x=x.to(DEVICE), kv=kv.to(DEVICE), weight=weight.to(DEVICE), mask=None,
+                grad_out=torch.ones(1, 1, d, device=DEVICE))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("target,sign", [(0.0, 1.0), (1e-7, 1.0), (1e-7, -1.0), (4e-6, 1.0)])
+def test_signed_sqrt_clamp_forward(backend, target, sign):
+    r = run_plans(_point_inputs(64, target, sign), backend)
+    gate, dot = r["saved"][0, 0, 0].item(), r["saved"][0, 0, 1].item()
+    if target == 0.0:
+        assert dot == 0.0 and gate == 0.5          # sign(0) = 0
+    elif abs(dot) < DOT_CLAMP:
+        assert gate == pytest.approx(1 / (1 + math.exp(-math.copysign(1e-3, dot))), rel=1e-6)
+    else:
+        assert gate == pytest.approx(1 / (1 + math.exp(-math.copysign(math.sqrt(abs(dot)), dot))),
+                                     rel=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_signed_sqrt_clamp_backward_boundary(backend):
+    """ddot is 0 just below the clamp and passes at it and above (torch.clamp_min's rule)."""
+    d = 64
+    t = make_inputs(5, 1, d, torch.float32, mask="none", seed=9)
+    clamp = torch.tensor(DOT_CLAMP, dtype=torch.float32)
+    below = torch.nextafter(clamp, torch.tensor(0.0)).item()
+    above = torch.nextafter(clamp, torch.tensor(1.0)).item()
+    dots = torch.tensor([below, DOT_CLAMP, above, -DOT_CLAMP, -below])
+    saved = torch.stack((torch.full((5,), 0.3), dots, torch.full((5,), 2.0), torch.full((5,), 0.5)),
+                        -1).view(5, 1, 4).to(DEVICE)
+    bwd = EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved, t["grad_out"],
+                                  backend=backend).compile()
+    gx, gkv, gw = torch.empty_like(t["x"]), torch.empty_like(t["kv"]), torch.empty_like(t["weight"])
+    bwd.execute(t["x"], t["kv"], t["weight"], saved, t["grad_out"], gx, gkv, gw, bwd.allocate_workspace())
+    live = (gx - t["grad_out"]).abs().amax(-1).flatten() > 0
+    assert live.tolist() == [False, True, True, True, False]
+    v = t["kv"][:, d:].double()
+    dgate = (t["grad_out"][:, 0].double() * v).sum(-1)
+    for i in (1, 2, 3):
+        ddot = dgate[i] * 0.3 * 0.7 * 0.5 / math.sqrt(abs(dots[i].item()))
+        coef = ddot * 2.0 * 0.5 / math.sqrt(d)
+        expected = (t["grad_out"][i, 0].double() + coef * t["weight"][0].double() * t["kv"][i, :d].double()
+                    - ddot * dots[i].item() * 4.0 / d * t["x"][i, 0].double())
+        assert_close(gx[i, 0], expected, torch.float32, f"grad_x at dot={dots[i].item():.9g}")
+
+
+# -- 4. validation errors ------------------------------------------------------------------------
+def _fwd_args(**overrides):
+    t = make_inputs(8, 4, 64, torch.bfloat16, seed=1)
+    args = dict(x=t["x"], kv=t["kv"], weight=t["weight"], mask=t["mask"])
+    args.update(overrides)
+    return args
+
+
+def _aligned_offset_view(like: torch.Tensor, offset_elems: int) -> torch.Tensor:
+    buffer = torch.empty(like.numel() + offset_elems, dtype=like.dtype, device=like.device)
+    return buffer[offset_elems:].view(like.shape)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(x=torch.zeros(8, 4, 64, dtype=torch.int32)), r"x: expected dtype bfloat16.*got int32"),
+    (dict(kv=torch.zeros(8, 320, dtype=torch.float16)), r"kv: expected dtype bfloat16, got float16"),
+    (dict(weight=torch.zeros(4, 64, dtype=torch.bfloat16)), r"weight: expected dtype float32"),
+    (dict(mask=torch.ones(8, dtype=torch.uint8)), r"mask: expected dtype bool, got uint8"),
+    (dict(x=torch.zeros(8, 256, dtype=torch.bfloat16)), r"x: expected a 3-d tensor \[N, S, D\]"),
+    (dict(kv=torch.zeros(8, 256, dtype=torch.bfloat16)), r"kv: expected shape \[N, \(S\+1\)\*D\] = \[8, 320\], got \[8, 256\]"),
+    (dict(weight=torch.zeros(4, 32)), r"weight: expected shape \[S, D\] = \[4, 64\]"),
+    (dict(mask=torch.ones(7, dtype=torch.bool)), r"mask: expected shape \[N\] = \[8\], got \[7\]"),
+    (dict(x=torch.zeros(0, 4, 64, dtype=torch.bfloat16), kv=torch.zeros(0, 320, dtype=torch.bfloat16),
+          mask=None), r"x: expected N, S and D >= 1"),
+    (dict(x=torch.zeros(8, 4, 4, dtype=torch.bfloat16), kv=torch.zeros(8, 20, dtype=torch.bfloat16),
+          weight=torch.zeros(4, 4)), r"x: expected rows of a multiple of 16 bytes.*D = 4"),
+    (dict(x=torch.zeros(8, 64, 4, dtype=torch.bfloat16).transpose(1, 2)), r"x: expected a contiguous tensor"),
+    (dict(kv=torch.zeros(8, 640, dtype=torch.bfloat16)[:, ::2]), r"kv: expected a contiguous tensor"),
+    (dict(x=_aligned_offset_view(torch.zeros(8, 4, 64, dtype=torch.bfloat16), 1)),
+     r"x: expected a data pointer aligned to 16 bytes"),
+    (dict(kv=TensorDesc((8, 320), torch.bfloat16, device="meta")), r"kv: expected device cpu"),
+    (dict(x=[1, 2]), r"x: expected a torch.Tensor or fusedops.TensorDesc, got list"),
+], ids=lambda v: v if isinstance(v, str) else None)
+def test_forward_construction_errors(overrides, match):
+    args = _fwd_args(**{k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in overrides.items()})
+    with pytest.raises(ValidationError, match=match.replace("cpu", str(DEVICE))):
+        EngramGateSavedForward(**args, backend="torch")
+
+
+@pytest.mark.parametrize("eps", [float("nan"), 0.0, -1e-6, float("inf"), 1e-45, "tiny"])
+def test_eps_must_be_finite_positive_normal_fp32(eps):
+    with pytest.raises(ValidationError, match=r"eps: expected a finite float"):
+        EngramGateSavedForward(**_fwd_args(), eps=eps)
+
+
+def test_backend_errors(monkeypatch):
+    with pytest.raises(ValidationError, match=r"backend: expected one of auto, torch, triton, cute, got 'cudnn'"):
+        EngramGateSavedForward(**_fwd_args(), backend="cudnn")
+    with pytest.raises(UnsupportedError, match=r"has no cute implementation"):
+        EngramGateSavedForward(**_fwd_args(), backend="cute")
+    t = make_inputs(2, 1, 8, torch.float64)
+    with pytest.raises(UnsupportedError, match=r"triton: the Triton gate kernels take bf16/fp16/fp32"):
+        EngramGateSavedForward(t["x"], t["kv"], t["weight"], None, backend="triton")
+    if not HAS_CUDA:
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(UnsupportedError, match=r"Triton kernels run on CUDA devices"):
+            EngramGateSavedForward(**_fwd_args(), backend="triton")
+        assert EngramGateSavedForward(**_fwd_args()).selected_backend == "torch"
+
+
+def test_cuda_declaration_without_cuda():
+    if HAS_CUDA:
+        pytest.skip("CUDA is available here")
+    with pytest.raises(UnsupportedError, match=r"x: declared on cuda, but CUDA is not available"):
+        EngramGateSavedForward(TensorDesc((8, 4, 64), torch.bfloat16), TensorDesc((8, 320), torch.bfloat16),
+                               TensorDesc((4, 64), torch.float32))
+
+
+def _compiled_pair(backend="torch", n=8):
+    t = make_inputs(n, 4, 64, torch.bfloat16, seed=2)
+    fwd = EngramGateSavedForward(t["x"], t["kv"], t["weight"], t["mask"], backend=backend).compile()
+    out, saved = torch.empty_like(t["x"]), torch.empty(n, 4, 4, device=DEVICE)
+    bwd = EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved, t["grad_out"], backend=backend).compile()
+    grads = dict(grad_x=torch.empty_like(t["x"]), grad_kv=torch.empty_like(t["kv"]),
+                 grad_weight=torch.empty_like(t["weight"]), workspace=bwd.allocate_workspace())
+    return t, fwd, bwd, out, saved, grads
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_execute_errors(backend):
+    t, fwd, bwd, out, saved, g = _compiled_pair(backend)
+    x, kv, w, mask, go = t["x"], t["kv"], t["weight"], t["mask"], t["grad_out"]
+    saved_in_kv = kv.view(-1).view(torch.float32)[: 8 * 4 * 4].view(8, 4, 4)
+    shared = torch.empty(1024 + 8 * 320, dtype=x.dtype, device=DEVICE)
+    cases = [
+        (lambda: fwd.execute(x, kv, w, mask, x, saved), r"out: must not overlap x"),
+        (lambda: fwd.execute(x, kv, w, mask, out, saved_in_kv), r"saved: must not overlap kv"),
+        (lambda: fwd.execute(x, kv, w, None, out, saved), r"mask: expected a torch.Tensor, got NoneType"),
+        (lambda: fwd.execute(x[:4], kv, w, mask, out, saved),
+         r"x: expected shape \[8, 4, 64\] as planned, got \[4, 4, 64\]"),
+        (lambda: fwd.execute(x.float(), kv, w, mask, out, saved),
+         r"x: expected dtype bfloat16 as planned, got float32"),
+        (lambda: fwd.execute(x, kv, w, mask, out.transpose(1, 2).contiguous().transpose(1, 2), saved),
+         r"out: expected a contiguous tensor"),
+        (lambda: fwd.execute(x, kv, w, mask, _aligned_offset_view(out, 4), saved),
+         r"out: expected a data pointer aligned to 16"),
+        (lambda: fwd.execute(x.to("meta"), kv, w, mask, out, saved),
+         r"x: expected device .* as planned, got meta"),
+        (lambda: bwd.execute(x, kv, w, saved, go, g["grad_x"], g["grad_kv"], g["grad_weight"],
+                             torch.empty(max(bwd.workspace_size - 4, 0), dtype=torch.float32, device=DEVICE)),
+         r"workspace: expected a contiguous uint8 tensor of at least \d+ bytes"),
+        (lambda: bwd.execute(x, kv, w, saved, go, shared[:2048].view(8, 4, 64), shared[1024:].view(8, 320),
+                             g["grad_weight"], g["workspace"]), r"grad_kv: must not overlap grad_x"),
+        (lambda: bwd.execute(x, kv, w, saved, go, g["grad_x"], g["grad_kv"],
+                             x.view(-1).view(torch.float32)[:256].view(4, 64), g["workspace"]),
+         r"grad_weight: must not overlap x"),
+    ]
+    if DEVICE.type == "cpu":
+        cases.append((lambda: fwd.execute(x, kv, w, mask, out, saved, current_stream=7),
+                      r"current_stream: expected None for a plan on cpu, got 7"))
+    if bwd.workspace_size:
+        cases.append((lambda: bwd.execute(x, kv, w, saved, go, g["grad_x"], g["grad_kv"], g["grad_weight"],
+                                          g["workspace"][:-4]),
+                      r"workspace: expected a contiguous uint8 tensor of at least \d+ bytes.*got uint8 of"))
+        cases.append((lambda: bwd.execute(x, kv, w, saved, go, g["grad_x"], g["grad_kv"], g["grad_weight"],
+                                          g["grad_weight"].view(torch.uint8)),
+                      r"workspace: (expected a contiguous uint8|must not overlap grad_weight)"))
+    for call, match in cases:
+        with pytest.raises(ValidationError, match=match):
+            call()
+
+
+def test_execute_before_compile():
+    t = make_inputs(8, 4, 64, torch.bfloat16)
+    fwd = EngramGateSavedForward(t["x"], t["kv"], t["weight"], t["mask"])
+    with pytest.raises(PlanStateError, match=r"EngramGateSavedForward.execute\(\) called before compile\(\)"):
+        fwd.execute(t["x"], t["kv"], t["weight"], t["mask"], torch.empty_like(t["x"]),
+                    torch.empty(8, 4, 4, device=DEVICE))
+
+
+def test_backward_argument_errors():
+    t = make_inputs(8, 4, 64, torch.bfloat16)
+    saved = torch.empty(8, 4, 4, device=DEVICE)
+    with pytest.raises(ValidationError, match=r"saved: expected shape \[N, S, 4\] = \[8, 4, 4\], got \[8, 4, 3\]"):
+        EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved[..., :3].contiguous(), t["grad_out"])
+    with pytest.raises(ValidationError, match=r"grad_out: expected dtype bfloat16, got float32"):
+        EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved, t["grad_out"].float())
+    with pytest.raises(ValidationError, match=r"accumulate: expected a bool, got 1"):
+        EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved, t["grad_out"], accumulate=1)
+
+
+# -- 5. the plan contract ------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_plans_from_tensor_descs_without_storage(backend):
+    n, s, d = 6, 4, 64
+    desc = dict(x=TensorDesc((n, s, d), torch.bfloat16, device=DEVICE),
+                kv=TensorDesc((n, (s + 1) * d), torch.bfloat16, device=DEVICE),
+                weight=TensorDesc((s, d), torch.float32, device=DEVICE))
+    fwd = EngramGateSavedForward(desc["x"], desc["kv"], desc["weight"],
+                                 TensorDesc((n,), torch.bool, device=DEVICE), backend=backend).compile()
+    bwd = EngramGateSavedBackward(desc["x"], desc["kv"], desc["weight"], fwd.saved_desc,
+                                  desc["x"], backend=backend).compile()
+    t = make_inputs(n, s, d, torch.bfloat16, seed=4)
+    out, saved = torch.empty_like(t["x"]), torch.empty(fwd.saved_desc.shape, device=DEVICE)
+    res = fwd.execute(t["x"], t["kv"], t["weight"], t["mask"], out, saved)
+    assert res.keys() == ("out", "saved") and res[0] is out and res["saved"] is saved
+    gx, gkv, gw = torch.empty_like(t["x"]), torch.empty_like(t["kv"]), torch.empty_like(t["weight"])
+    grads = bwd.execute(t["x"], t["kv"], t["weight"], saved, t["grad_out"], gx, gkv, gw,
+                        bwd.allocate_workspace())
+    assert grads.keys() == ("grad_x", "grad_kv", "grad_weight")
+    eager_f = fusedops.engram_gate_saved_forward(t["x"], t["kv"], t["weight"], t["mask"], backend=backend)
+    eager_b = fusedops.engram_gate_saved_backward(t["x"], t["kv"], t["weight"], eager_f["saved"],
+                                                  t["grad_out"], backend=backend)
+    for a, b in zip((*res, *grads), (*eager_f, *eager_b)):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_backward_bitwise_reproducible(backend):
+    t = make_inputs(70, 4, 128, torch.bfloat16, seed=10)
+    first, second = run_plans(t, backend), run_plans(t, backend)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_accumulate_adds_into_grad_weight(backend):
+    t = make_inputs(19, 2, 64, torch.float32, seed=13)
+    base = run_plans(t, backend)
+    start = torch.randn(2, 64, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    acc = run_plans(t, backend, accumulate=True, grad_weight=start.clone())
+    assert_close(acc["grad_weight"], start + base["grad_weight"], torch.float32, "accumulated grad_weight")
+    assert torch.equal(acc["grad_x"], base["grad_x"])
+
+
+class _NoTorchOps(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        raise AssertionError(f"execute() dispatched {func}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_execute_dispatches_no_torch_op(backend):
+    """execute() only checks host facts and calls the launcher: no allocation, conversion or
+    device read can hide in it (the launcher is replaced by a recorder here)."""
+    t, fwd, bwd, out, saved, g = _compiled_pair(backend)
+    calls = []
+    fwd._launch = bwd._launch = lambda *args, stream: calls.append((len(args), stream))
+    with _NoTorchOps():
+        fwd.execute(t["x"], t["kv"], t["weight"], t["mask"], out, saved)
+        bwd.execute(t["x"], t["kv"], t["weight"], saved, t["grad_out"], g["grad_x"], g["grad_kv"],
+                    g["grad_weight"], g["workspace"])
+    assert [c[0] for c in calls] == [6, 9]
+
+
+def test_kernel_specialisation_ignores_token_count():
+    """Compile-cache keys hold plan-time values only: a new N reuses the compiled kernels."""
+    pytest.importorskip("triton")
+    from fusedops.backends.triton import engram as kernels
+    from fusedops.engram import GateProblem
+    a = GateProblem(torch.bfloat16, 8, 4, 5120, EPS, True, False, DEVICE)
+    b = GateProblem(torch.bfloat16, 8193, 4, 5120, EPS, True, False, DEVICE)
+    assert kernels.forward_spec(a) == kernels.forward_spec(b)
+    assert kernels.backward_spec(a) == kernels.backward_spec(b)
+    assert kernels.reduce_spec(a) == kernels.reduce_spec(b)
+
+
+def test_workspace_formula():
+    """Backward workspace = 4 * S * D * blocks bytes, blocks = ceil(N / tokens_per_block) with
+    at least 4 tokens per block and at most 640 // ((S + 1) * chunks) blocks."""
+    pytest.importorskip("triton")
+    from fusedops.backends.triton.engram import backward_blocks, backward_workspace_size
+    from fusedops.engram import GateProblem
+    for n, expected_blocks in ((1, 1), (64, 16), (512, 128), (8192, 128), (100_000, 128)):
+        problem = GateProblem(torch.bfloat16, n, 4, 5120, EPS, False, False, DEVICE)
+        per_block, blocks = backward_blocks(problem)
+        assert blocks == expected_blocks == math.ceil(n / per_block) and per_block >= 4
+        assert backward_workspace_size(problem) == 4 * 4 * 5120 * blocks
+    if "triton" in BACKENDS:
+        t = make_inputs(64, 4, 64, torch.bfloat16)
+        bwd = EngramGateSavedBackward(t["x"], t["kv"], t["weight"], torch.empty(64, 4, 4, device=DEVICE),
+                                      t["grad_out"], backend="triton")
+        assert bwd.workspace_size == 4 * 4 * 64 * 16 == bwd.allocate_workspace().numel()
+
+
+def test_tupledict_behaves_like_tuple_and_dict():
+    t = make_inputs(3, 1, 64, torch.float32)
+    res = fusedops.engram_gate_saved_forward(t["x"], t["kv"], t["weight"], t["mask"], backend="torch")
+    out, saved = res
+    assert res[0] is out and res["saved"] is saved and len(res) == 2
+    assert list(res.keys()) == ["out", "saved"] and "out" in res
+    with pytest.raises(KeyError, match="grad_x"):
+        res["grad_x"]
+
+
+# -- 6. GPU checks (production shapes, graphs, no sync, no allocation) -------------------------
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [8192, 4099])
+def test_gpu_production_shape_bf16(n):
+    t = make_inputs(n, 4, 5120, torch.bfloat16, seed=21)
+    r = run_plans(t, "triton")
+    ref = run_plans(t, "torch")
+    for name in ("out", "grad_x", "grad_kv"):
+        assert_close(r[name], ref[name], torch.bfloat16, name)
+    for name in ("saved", "grad_weight"):
+        assert_close(r[name], ref[name], FP32_REDUCTION, name)
+    sub = {k: (v[:64] if v is not None and v.dim() and v.shape[0] == n else v) for k, v in t.items()}
+    check_against_oracle(sub, run_plans(sub, "triton"), torch.bfloat16)
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_gpu_cuda_graph_capture_with_changed_inputs_and_poisoned_outputs():
+    n, s, d = 1024, 4, 5120
+    t = make_inputs(n, s, d, torch.bfloat16, seed=22)
+    fwd = EngramGateSavedForward(t["x"], t["kv"], t["weight"], t["mask"]).compile()
+    out, saved = torch.empty_like(t["x"]), torch.empty(n, s, 4, device=DEVICE)
+    bwd = EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved, t["grad_out"]).compile()
+    assert fwd.selected_backend == "triton"
+    gx, gkv, gw = torch.empty_like(t["x"]), torch.empty_like(t["kv"]), torch.empty_like(t["weight"])
+    ws = bwd.allocate_workspace()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fwd.execute(t["x"], t["kv"], t["weight"], t["mask"], out, saved)  # warm-up outside capture
+        with torch.cuda.graph(graph, stream=stream):
+            fwd.execute(t["x"], t["kv"], t["weight"], t["mask"], out, saved)
+            bwd.execute(t["x"], t["kv"], t["weight"], saved, t["grad_out"], gx, gkv, gw, ws)
+    fresh = make_inputs(n, s, d, torch.bfloat16, seed=23)
+    for name in ("x", "kv", "grad_out", "mask"):
+        t[name].copy_(fresh[name])
+    for buf in (out, gx, gkv):
+        buf.fill_(float("nan"))
+    for buf in (saved, gw):
+        buf.fill_(float("nan"))
+    ws.fill_(0xFF)
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = run_plans(fresh, "triton")
+    for name, value in dict(out=out, saved=saved, grad_x=gx, grad_kv=gkv, grad_weight=gw).items():
+        assert torch.equal(value, ref[name]), name
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_gpu_execute_does_not_sync_or_allocate():
+    t, fwd, bwd, out, saved, g = _compiled_pair("triton", n=2048)
+    args_f = (t["x"], t["kv"], t["weight"], t["mask"], out, saved)
+    args_b = (t["x"], t["kv"], t["weight"], saved, t["grad_out"], g["grad_x"], g["grad_kv"], g["grad_weight"], g["workspace"])
+    fwd.execute(*args_f)
+    bwd.execute(*args_b)
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_stats()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(3):
+            fwd.execute(*args_f)
+            bwd.execute(*args_b)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    after = torch.cuda.memory_stats()
+    for key in ("allocation.all.allocated", "allocated_bytes.all.allocated", "segment.all.allocated"):
+        assert after.get(key, 0) == before.get(key, 0), key
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_gpu_new_token_count_reuses_compiled_kernels():
+    _compiled_pair("triton", n=512)
+    misses = fusedops.cache_info().misses
+    _compiled_pair("triton", n=777)
+    assert fusedops.cache_info().misses == misses

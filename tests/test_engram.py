@@ -497,6 +497,33 @@ def test_gpu_production_shape_bf16(n):
 
 @requires_cuda
 @pytest.mark.gpu
+def test_gpu_offsets_beyond_2_31_elements():
+    """kv of N * (S+1) * D > 2^31 elements: the kernels index with 64-bit offsets."""
+    s, d = 4, 5120
+    n = 2**31 // ((s + 1) * d) + 64
+    t = make_inputs(n, s, d, torch.bfloat16, mask="none", seed=24)
+    r = run_plans(t, "triton")
+    tail = {k: (v[-64:] if v is not None and v.dim() and v.shape[0] == n else v) for k, v in t.items()}
+    ref_out, ref_saved = fusedops.engram_gate_saved_forward(tail["x"], tail["kv"], tail["weight"], None,
+                                                           backend="torch")
+    assert_close(r["out"][-64:], ref_out, torch.bfloat16, "out tail")
+    assert_close(r["saved"][-64:], ref_saved, FP32_REDUCTION, "saved tail")
+    ref_grads = fusedops.engram_gate_saved_backward(tail["x"], tail["kv"], tail["weight"], r["saved"][-64:],
+                                                    tail["grad_out"], backend="torch")
+    assert_close(r["grad_x"][-64:], ref_grads["grad_x"], torch.bfloat16, "grad_x tail")
+    assert_close(r["grad_kv"][-64:], ref_grads["grad_kv"], torch.bfloat16, "grad_kv tail")
+    grad_weight = torch.zeros_like(t["weight"])
+    for start in range(0, n, 8192):
+        part = {k: (v[start:start + 8192] if v is not None and v.dim() and v.shape[0] == n else v)
+                for k, v in t.items()}
+        grad_weight += fusedops.engram_gate_saved_backward(
+            part["x"], part["kv"], part["weight"], r["saved"][start:start + 8192], part["grad_out"],
+            backend="torch")["grad_weight"]
+    assert_close(r["grad_weight"], grad_weight, FP32_REDUCTION, "grad_weight")
+
+
+@requires_cuda
+@pytest.mark.gpu
 def test_gpu_cuda_graph_capture_with_changed_inputs_and_poisoned_outputs():
     n, s, d = 1024, 4, 5120
     t = make_inputs(n, s, d, torch.bfloat16, seed=22)

@@ -106,7 +106,8 @@ def make_launcher(spec: KernelSpec, grid: tuple[int, int, int],
 
     compiled = COMPILE_CACHE.get_or_build(("triton", spec, device.index),
                                           lambda: _compile_for_device(spec, device))
-    runner = compiled[grid]  # loads the module and resolves the function handle now
+    with torch.cuda.device(device):
+        runner = compiled[grid]  # loads the module into the device's context now
     constexpr_slots = tuple(i for i, (_, t) in enumerate(spec.signature) if t == "constexpr")
     constexprs = dict(spec.constexprs)
     template = [constexprs[spec.signature[i][0]] if i in constexpr_slots else None

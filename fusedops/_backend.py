@@ -34,9 +34,19 @@ def device_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def _missing(package: str, extra: str) -> str | None:
-    if importlib.util.find_spec(package) is None:
-        return f"the {package} package is not installed (pip install 'fusedops[{extra}]')"
+def _missing(module: str, distribution: str, extra: str) -> str | None:
+    if importlib.util.find_spec(module) is None:
+        return f"the {distribution} package is not installed (pip install 'fusedops[{extra}]')"
+    return None
+
+
+def _gpu_reason(kernels: str, device: torch.device, minimum: tuple[int, int]) -> str | None:
+    if device.type != "cuda":
+        return f"{kernels} kernels run on CUDA devices, not on {device.type}"
+    cap = device_capability(device.index)
+    if cap < minimum:
+        return (f"{kernels} kernels need compute capability >= {minimum[0]}.{minimum[1]}; "
+                f"{device} has {cap[0]}.{cap[1]}")
     return None
 
 
@@ -45,32 +55,16 @@ def toolchain_unavailable_reason(backend: str, device: torch.device) -> str | No
     if backend == "torch":
         return None
     if backend == "triton":
-        missing = _missing("triton", "triton")
-        if missing:
-            return missing
-        if device.type == "cpu":
-            if triton_interpreter_active():
-                return None
-            return ("Triton kernels run on CUDA devices; on cpu only under the Triton interpreter "
-                    "(TRITON_INTERPRET=1 set before triton is imported)")
-        if device.type != "cuda":
-            return f"Triton kernels run on CUDA devices, not on {device.type}"
-        cap = device_capability(device.index)
-        if cap < MIN_TRITON_CAPABILITY:
-            return (f"Triton kernels need compute capability >= 8.0; {device} has "
-                    f"{cap[0]}.{cap[1]}")
-        return None
+        missing = _missing("triton", "triton", "triton")
+        if missing or device.type != "cpu":
+            return missing or _gpu_reason("Triton", device, MIN_TRITON_CAPABILITY)
+        if triton_interpreter_active():
+            return None
+        return ("Triton kernels run on CUDA devices; on cpu only under the Triton interpreter "
+                "(TRITON_INTERPRET=1 set before triton is imported)")
     if backend == "cute":
-        missing = _missing("cutlass", "cute")
-        if missing:
-            return missing.replace("cutlass package", "nvidia-cutlass-dsl package")
-        if device.type != "cuda":
-            return f"CuTe DSL kernels run on CUDA devices, not on {device.type}"
-        cap = device_capability(device.index)
-        if cap < MIN_CUTE_CAPABILITY:
-            return (f"CuTe DSL kernels need compute capability >= 9.0; {device} has "
-                    f"{cap[0]}.{cap[1]}")
-        return None
+        return (_missing("cutlass", "nvidia-cutlass-dsl", "cute")
+                or _gpu_reason("CuTe DSL", device, MIN_CUTE_CAPABILITY))
     raise ValidationError(f"backend: expected one of auto, {', '.join(BACKENDS)}, got {backend!r}")
 
 

@@ -28,7 +28,7 @@ from .compiler import KernelSpec, make_launcher, pointer_type
 MAX_BLOCK_D = 8192          # widest D row held in registers; wider rows are processed in chunks
 MIN_TOKENS_PER_BLOCK = 4    # backward: fewer tokens per program would make the partials dominate
 TARGET_PROGRAMS = 640       # backward: about five programs per SM on a 132-SM H100/H200
-REDUCE_BLOCK = 1024
+REDUCE_TILE = 8192          # fp32 elements one grad_weight-reduce program loads at once
 
 
 @triton.jit
@@ -181,18 +181,20 @@ def engram_gate_bwd_kernel(x_ptr, kv_ptr, w_ptr, saved_ptr, g_ptr, gx_ptr, gkv_p
 
 @triton.jit
 def engram_gate_weight_reduce_kernel(partial_ptr, gw_ptr, NUM_PARTIALS,
-                                     SD: tl.constexpr, BLOCK: tl.constexpr,
-                                     ACCUMULATE: tl.constexpr):
-    o = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    m = o < SD
-    b_acc = tl.zeros([BLOCK], dtype=tl.float32)
-    p_partial = partial_ptr + o
-    for _ in range(NUM_PARTIALS):
-        b_acc += tl.load(p_partial, mask=m, other=0.0)
-        p_partial += SD
+                                     SD: tl.constexpr, BLOCK_P: tl.constexpr,
+                                     BLOCK_C: tl.constexpr, ACCUMULATE: tl.constexpr):
+    # every partial row of a column tile is loaded at once (BLOCK_P >= NUM_PARTIALS), so the
+    # reduction is bound by bandwidth, not by one load latency per partial; the tree order of
+    # tl.sum is fixed by the compiled kernel, so results are bitwise reproducible
+    o_p = tl.arange(0, BLOCK_P)
+    o_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    m_c = o_c < SD
+    p_partial = partial_ptr + o_p[:, None].to(tl.int64) * SD + o_c[None, :]
+    b_partial = tl.load(p_partial, mask=(o_p[:, None] < NUM_PARTIALS) & m_c[None, :], other=0.0)
+    b_acc = tl.sum(b_partial, axis=0)
     if ACCUMULATE:
-        b_acc += tl.load(gw_ptr + o, mask=m, other=0.0)
-    tl.store(gw_ptr + o, b_acc, mask=m)
+        b_acc += tl.load(gw_ptr + o_c, mask=m_c, other=0.0)
+    tl.store(gw_ptr + o_c, b_acc, mask=m_c)
 
 
 # -- specialisations ---------------------------------------------------------------------------
@@ -241,21 +243,39 @@ def backward_spec(problem) -> KernelSpec:
                       num_warps=row_warps(block_d(problem.hidden, "bwd")))
 
 
-def reduce_spec(problem) -> KernelSpec:
-    return KernelSpec(engram_gate_weight_reduce_kernel,
-                      (("partial_ptr", "*fp32"), ("gw_ptr", "*fp32"), ("NUM_PARTIALS", "i32"),
-                       ("SD", "constexpr"), ("BLOCK", "constexpr"), ("ACCUMULATE", "constexpr")),
-                      (("SD", problem.streams * problem.hidden), ("BLOCK", REDUCE_BLOCK),
-                       ("ACCUMULATE", problem.accumulate)),
-                      aligned=("partial_ptr", "gw_ptr"), num_warps=4)
+def max_backward_blocks(streams: int, hidden: int) -> int:
+    """The most token blocks (grad_weight partial rows) any token count gets."""
+    chunks = triton.cdiv(hidden, block_d(hidden, "bwd"))
+    return max(1, TARGET_PROGRAMS // ((streams + 1) * chunks))
 
 
 def backward_blocks(problem) -> tuple[int, int]:
     """(tokens per block, number of blocks) of the backward kernel for ``problem.tokens``."""
-    chunks = triton.cdiv(problem.hidden, block_d(problem.hidden, "bwd"))
-    max_blocks = max(1, TARGET_PROGRAMS // ((problem.streams + 1) * chunks))
+    max_blocks = max_backward_blocks(problem.streams, problem.hidden)
     per_block = max(MIN_TOKENS_PER_BLOCK, triton.cdiv(problem.tokens, max_blocks))
     return per_block, triton.cdiv(problem.tokens, per_block)
+
+
+def reduce_spec(problem) -> KernelSpec:
+    """grad_weight (+)= the sum of the partial rows; specialised on the most rows any N gives."""
+    block_p = triton.next_power_of_2(max_backward_blocks(problem.streams, problem.hidden))
+    block_c = max(16, REDUCE_TILE // block_p)
+    return KernelSpec(engram_gate_weight_reduce_kernel,
+                      (("partial_ptr", "*fp32"), ("gw_ptr", "*fp32"), ("NUM_PARTIALS", "i32"),
+                       ("SD", "constexpr"), ("BLOCK_P", "constexpr"), ("BLOCK_C", "constexpr"),
+                       ("ACCUMULATE", "constexpr")),
+                      (("SD", problem.streams * problem.hidden), ("BLOCK_P", block_p),
+                       ("BLOCK_C", block_c), ("ACCUMULATE", problem.accumulate)),
+                      aligned=("partial_ptr", "gw_ptr"), num_warps=8)
+
+
+def reduce_launcher(problem):
+    """launch(partials, grad_weight, num_partials, stream=...): the deterministic grad_weight
+    reduction, shared with the CuTe backend."""
+    spec = reduce_spec(problem)
+    block_c = dict(spec.constexprs)["BLOCK_C"]
+    return make_launcher(spec, (triton.cdiv(problem.streams * problem.hidden, block_c), 1, 1),
+                         problem.device)
 
 
 # -- the backend surface -----------------------------------------------------------------------
@@ -285,9 +305,7 @@ def backward_launcher(problem):
     chunks = triton.cdiv(problem.hidden, block_d(problem.hidden, "bwd"))
     launch_main = make_launcher(backward_spec(problem), (problem.streams + 1, blocks, chunks),
                                 problem.device)
-    launch_reduce = make_launcher(
-        reduce_spec(problem), (triton.cdiv(problem.streams * problem.hidden, REDUCE_BLOCK), 1, 1),
-        problem.device)
+    launch_reduce = reduce_launcher(problem)
     tokens = problem.tokens
 
     def launch(x, kv, weight, saved, grad_out, grad_x, grad_kv, grad_weight, workspace, *, stream):

@@ -144,10 +144,11 @@ def parser(description: str) -> argparse.ArgumentParser:
 
 
 def versions() -> dict:
+    import importlib.metadata as md
     out = {"torch": torch.__version__}
-    try:
-        import triton
-        out["triton"] = triton.__version__
-    except ImportError:
-        pass
+    for dist in ("triton", "nvidia-cutlass-dsl"):
+        try:
+            out[dist] = md.version(dist)
+        except md.PackageNotFoundError:
+            pass
     return out

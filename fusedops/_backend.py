@@ -21,7 +21,6 @@ from .errors import UnsupportedError, ValidationError
 
 BACKENDS = ("torch", "triton", "cute")
 MIN_TRITON_CAPABILITY = (8, 0)
-MIN_CUTE_CAPABILITY = (9, 0)
 
 
 def triton_interpreter_active() -> bool:
@@ -63,8 +62,8 @@ def toolchain_unavailable_reason(backend: str, device: torch.device) -> str | No
         return ("Triton kernels run on CUDA devices; on cpu only under the Triton interpreter "
                 "(TRITON_INTERPRET=1 set before triton is imported)")
     if backend == "cute":
-        return (_missing("cutlass", "nvidia-cutlass-dsl", "cute")
-                or _gpu_reason("CuTe DSL", device, MIN_CUTE_CAPABILITY))
+        from fusedops.backends.cute.compiler import unsupported_reason
+        return _missing("cuda.bindings", "cuda-python", "cute") or unsupported_reason(device)
     raise ValidationError(f"backend: expected one of auto, {', '.join(BACKENDS)}, got {backend!r}")
 
 

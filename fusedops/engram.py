@@ -29,7 +29,8 @@ from .errors import ValidationError
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 DEFAULT_EPS = 1e-20
 _IMPLEMENTATIONS = {"torch": "fusedops.backends.torch.engram",
-                    "triton": "fusedops.backends.triton.engram"}
+                    "triton": "fusedops.backends.triton.engram",
+                    "cute": "fusedops.backends.cute.engram"}
 
 
 @dataclass(frozen=True)

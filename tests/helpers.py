@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -11,18 +10,20 @@ import torch
 
 HAS_CUDA = torch.cuda.is_available()
 HAS_TRITON = importlib.util.find_spec("triton") is not None
-INTERPRETING = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 DEVICE = torch.device("cuda", torch.cuda.current_device()) if HAS_CUDA else torch.device("cpu")
 
 requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
 
 def runnable_backends() -> list:
-    """torch everywhere; triton on CUDA, or on CPU under the interpreter."""
-    backends = ["torch"]
-    if HAS_TRITON and (HAS_CUDA or INTERPRETING):
-        backends.append("triton")
-    return backends
+    """torch everywhere; triton on CUDA, or on CPU under the interpreter; cute on sm_90/sm_100."""
+    from fusedops._backend import toolchain_unavailable_reason
+    return ["torch"] + [b for b in ("triton", "cute") if toolchain_unavailable_reason(b, DEVICE) is None]
+
+
+def gpu_backends() -> list:
+    """The kernel backends the GPU tests run: those of runnable_backends() that are not torch."""
+    return [b for b in runnable_backends() if b != "torch"] if HAS_CUDA else []
 
 
 @dataclass(frozen=True)

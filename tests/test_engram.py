@@ -15,10 +15,11 @@ from fusedops.backends.torch.engram import DOT_CLAMP
 from fusedops.errors import PlanStateError, UnsupportedError, ValidationError
 
 import oracles
-from helpers import (DEVICE, FP32_REDUCTION, HAS_CUDA, TOLERANCES, assert_close, requires_cuda,
-                     runnable_backends)
+from helpers import (DEVICE, FP32_REDUCTION, HAS_CUDA, TOLERANCES, assert_close, gpu_backends,
+                     requires_cuda, runnable_backends)
 
 BACKENDS = runnable_backends()
+GPU_BACKENDS = gpu_backends()
 EPS = 1e-20
 
 
@@ -283,8 +284,10 @@ def test_eps_must_be_finite_positive_normal_fp32(eps):
 def test_backend_errors(monkeypatch):
     with pytest.raises(ValidationError, match=r"backend: expected one of auto, torch, triton, cute, got 'cudnn'"):
         EngramGateSavedForward(**_fwd_args(), backend="cudnn")
-    with pytest.raises(UnsupportedError, match=r"has no cute implementation"):
-        EngramGateSavedForward(**_fwd_args(), backend="cute")
+    if not HAS_CUDA:
+        with pytest.raises(UnsupportedError, match=r"cute: (CuTe DSL kernels run on CUDA devices, not on cpu"
+                                                   r"|nvidia-cutlass-dsl is not installed)"):
+            EngramGateSavedForward(**_fwd_args(), backend="cute")
     t = make_inputs(2, 1, 8, torch.float64)
     with pytest.raises(UnsupportedError, match=r"triton: the Triton gate kernels take bf16/fp16/fp32"):
         EngramGateSavedForward(t["x"], t["kv"], t["weight"], None, backend="triton")
@@ -482,27 +485,29 @@ def test_tupledict_behaves_like_tuple_and_dict():
 # -- 6. GPU checks (production shapes, graphs, no sync, no allocation) -------------------------
 @requires_cuda
 @pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
 @pytest.mark.parametrize("n", [8192, 4099])
-def test_gpu_production_shape_bf16(n):
+def test_gpu_production_shape_bf16(backend, n):
     t = make_inputs(n, 4, 5120, torch.bfloat16, seed=21)
-    r = run_plans(t, "triton")
+    r = run_plans(t, backend)
     ref = run_plans(t, "torch")
     for name in ("out", "grad_x", "grad_kv"):
         assert_close(r[name], ref[name], torch.bfloat16, name)
     for name in ("saved", "grad_weight"):
         assert_close(r[name], ref[name], FP32_REDUCTION, name)
     sub = {k: (v[:64] if v is not None and v.dim() and v.shape[0] == n else v) for k, v in t.items()}
-    check_against_oracle(sub, run_plans(sub, "triton"), torch.bfloat16)
+    check_against_oracle(sub, run_plans(sub, backend), torch.bfloat16)
 
 
 @requires_cuda
 @pytest.mark.gpu
-def test_gpu_offsets_beyond_2_31_elements():
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_offsets_beyond_2_31_elements(backend):
     """kv of N * (S+1) * D > 2^31 elements: the kernels index with 64-bit offsets."""
     s, d = 4, 5120
     n = 2**31 // ((s + 1) * d) + 64
     t = make_inputs(n, s, d, torch.bfloat16, mask="none", seed=24)
-    r = run_plans(t, "triton")
+    r = run_plans(t, backend)
     tail = {k: (v[-64:] if v is not None and v.dim() and v.shape[0] == n else v) for k, v in t.items()}
     ref_out, ref_saved = fusedops.engram_gate_saved_forward(tail["x"], tail["kv"], tail["weight"], None,
                                                            backend="torch")
@@ -524,13 +529,14 @@ def test_gpu_offsets_beyond_2_31_elements():
 
 @requires_cuda
 @pytest.mark.gpu
-def test_gpu_cuda_graph_capture_with_changed_inputs_and_poisoned_outputs():
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_cuda_graph_capture_with_changed_inputs_and_poisoned_outputs(backend):
     n, s, d = 1024, 4, 5120
     t = make_inputs(n, s, d, torch.bfloat16, seed=22)
-    fwd = EngramGateSavedForward(t["x"], t["kv"], t["weight"], t["mask"]).compile()
+    fwd = EngramGateSavedForward(t["x"], t["kv"], t["weight"], t["mask"], backend=backend).compile()
     out, saved = torch.empty_like(t["x"]), torch.empty(n, s, 4, device=DEVICE)
-    bwd = EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved, t["grad_out"]).compile()
-    assert fwd.selected_backend == "triton"
+    bwd = EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved, t["grad_out"],
+                                  backend=backend).compile()
     gx, gkv, gw = torch.empty_like(t["x"]), torch.empty_like(t["kv"]), torch.empty_like(t["weight"])
     ws = bwd.allocate_workspace()
     stream = torch.cuda.Stream()
@@ -551,15 +557,16 @@ def test_gpu_cuda_graph_capture_with_changed_inputs_and_poisoned_outputs():
     ws.fill_(0xFF)
     graph.replay()
     torch.cuda.synchronize()
-    ref = run_plans(fresh, "triton")
+    ref = run_plans(fresh, backend)
     for name, value in dict(out=out, saved=saved, grad_x=gx, grad_kv=gkv, grad_weight=gw).items():
         assert torch.equal(value, ref[name]), name
 
 
 @requires_cuda
 @pytest.mark.gpu
-def test_gpu_execute_does_not_sync_or_allocate():
-    t, fwd, bwd, out, saved, g = _compiled_pair("triton", n=2048)
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_execute_does_not_sync_or_allocate(backend):
+    t, fwd, bwd, out, saved, g = _compiled_pair(backend, n=2048)
     args_f = (t["x"], t["kv"], t["weight"], t["mask"], out, saved)
     args_b = (t["x"], t["kv"], t["weight"], saved, t["grad_out"], g["grad_x"], g["grad_kv"], g["grad_weight"], g["workspace"])
     fwd.execute(*args_f)
@@ -581,8 +588,17 @@ def test_gpu_execute_does_not_sync_or_allocate():
 
 @requires_cuda
 @pytest.mark.gpu
-def test_gpu_new_token_count_reuses_compiled_kernels():
-    _compiled_pair("triton", n=512)
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_new_token_count_reuses_compiled_kernels(backend):
+    _compiled_pair(backend, n=512)
     misses = fusedops.cache_info().misses
-    _compiled_pair("triton", n=777)
+    _compiled_pair(backend, n=777)
     assert fusedops.cache_info().misses == misses
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_gpu_auto_selects_triton():
+    """auto takes CuTe only where a GPU benchmark showed it faster (docs/backends.md)."""
+    t, fwd, bwd, *_ = _compiled_pair("auto")
+    assert fwd.selected_backend == bwd.selected_backend == "triton"

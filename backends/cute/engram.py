@@ -1,0 +1,363 @@
+"""Engram saved-state gate: CuTe DSL kernels for sm_90a/sm_100a (specs/engram_gate.md).
+
+Forward: one CTA per token. Each thread owns ITERS 16-byte vectors of every row; the token's
+shared value stays in registers, all 3*S fp32 partial sums (x·x, k·k, x·w·k per stream) are
+formed from loads issued together and reduced across the block with one barrier, then every
+stream's output is written from the x vectors still held in registers (re-read, from L2, when a
+row is too wide to hold).
+
+Backward: CTAs (stream s, token block). A stream CTA keeps its weight row and its grad_weight
+partial in registers across the block's tokens; per token it issues the g, v, x and k loads
+together, reduces dgate = sum(g·v) across the block, and writes grad_x and grad_k. CTA s == S
+writes grad_v = sum_s gate_s·g_s. The fp32 partials are summed in fixed order by the Triton
+grad_weight reduction (shared with the Triton backend), so results are bitwise reproducible.
+"""
+
+import math
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import Float32, Int32
+
+from fusedops.backends.torch.engram import DOT_CLAMP
+from fusedops.backends.triton.engram import (backward_blocks, backward_workspace_size,
+                                             reduce_launcher)
+
+from . import compiler
+from .compiler import Arg, CuteKernel
+from .device import block_allreduce_sum
+
+MAX_THREADS = 1024
+VECTORS_PER_THREAD = 2      # 16-byte vectors per thread per row before the CTA grows
+# forward: x vectors (all streams) a thread keeps in registers between the reduction and the
+# output; beyond it x is re-read (from L2). Held: one DRAM pass, more registers (96-130 at
+# S=4, D=5120); re-read: 44-58 registers. Which is faster is for a GPU benchmark to say.
+MAX_HELD_VECTORS = 8
+
+__all__ = ["unsupported_reason", "forward_launcher", "backward_launcher", "backward_workspace_size"]
+
+
+def row_geometry(hidden: int, dtype: torch.dtype) -> tuple[int, int, int]:
+    """(VEC elements per 16-byte vector, THREADS, ITERS vectors per thread) for a row of D:
+    about VECTORS_PER_THREAD vectors per thread, in whole warps, at most MAX_THREADS."""
+    vec = 16 // torch.empty((), dtype=dtype).element_size()
+    vectors = hidden // vec
+    threads = min(MAX_THREADS, 32 * math.ceil(vectors / (32 * VECTORS_PER_THREAD)))
+    return vec, threads, math.ceil(vectors / threads)
+
+
+def copy_atom(dtype):
+    return cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dtype, num_bits_per_copy=128)
+
+
+def vector_slot(tidx, i, THREADS, NV):
+    """(j, valid) for pass i of a thread over a row of NV 16-byte vectors. When NV is not a
+    multiple of THREADS, surplus threads read a clamped (valid) vector, contribute nothing to
+    reductions and store nothing: every load is unconditional, so no zero-filled phi values."""
+    j = tidx + i * THREADS
+    if NV % THREADS == 0:
+        return j, True
+    return cutlass.min(j, NV - 1), j < NV
+
+
+def masked(valid, value):
+    return value if valid is True else Float32(cutlass.select_(valid, value, Float32(0.0)))
+
+
+def row_sum(ssa):
+    return ssa.reduce(cute.ReductionOp.ADD, Float32(0.0), reduction_profile=0)
+
+
+def gate_scalars(sxx, skk, sxwk, eps, D, SQRT_D, DOT_MIN):
+    rx = Float32(1.0) / cute.math.sqrt(sxx / Float32(D) + eps)
+    rk = Float32(1.0) / cute.math.sqrt(skk / Float32(D) + eps)
+    dot = sxwk * rx * rk / Float32(SQRT_D)
+    mag = cute.math.sqrt(cute.arch.fmax(cute.math.absf(dot), Float32(DOT_MIN)))
+    r = Float32(cutlass.select_(dot > Float32(0.0), mag,
+                                cutlass.select_(dot < Float32(0.0), -mag, Float32(0.0))))
+    gate = Float32(1.0) / (Float32(1.0) + cute.math.exp(-r))
+    return gate, dot, rx, rk
+
+
+@cute.kernel
+def gate_fwd_kernel(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer,
+                    pmask: cute.Pointer, pout: cute.Pointer, psaved: cute.Pointer,
+                    N: Int32, eps: Float32,
+                    DTYPE: cutlass.Constexpr, S: cutlass.Constexpr, D: cutlass.Constexpr,
+                    VEC: cutlass.Constexpr, THREADS: cutlass.Constexpr,
+                    ITERS: cutlass.Constexpr, X_HELD: cutlass.Constexpr,
+                    HAS_MASK: cutlass.Constexpr, SQRT_D: cutlass.Constexpr,
+                    DOT_MIN: cutlass.Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    n, _, _ = cute.arch.block_idx()
+    NV = D // VEC
+    NWARPS = THREADS // 32
+    rows = cute.make_layout((VEC, S, NV, N), stride=(1, D, VEC, S * D))
+    gX = cute.make_tensor(px, rows)[None, None, None, n]
+    gO = cute.make_tensor(pout, rows)[None, None, None, n]
+    gKV = cute.make_tensor(pkv, cute.make_layout((VEC, S + 1, NV, N),
+                                                 stride=(1, D, VEC, (S + 1) * D)))[None, None, None, n]
+    gW = cute.make_tensor(pw, cute.make_layout((VEC, S, NV), stride=(1, D, VEC)))
+    gSaved = cute.make_tensor(psaved, cute.make_layout((4, S, N), stride=(1, 4, 4 * S)))
+    atom, atom_w = copy_atom(DTYPE), copy_atom(Float32)
+    scratch = cutlass.memory.SmemAllocator().allocate_tensor(
+        Float32, cute.make_layout((3 * S, NWARPS, 1)), byte_alignment=16)
+
+    # v for the whole row; x for every stream when held (else re-read after the reduction)
+    rV = cute.make_rmem_tensor((VEC, ITERS), DTYPE)
+    rX = cute.make_rmem_tensor((VEC, S if X_HELD else 1, ITERS), DTYPE)
+    rK = cute.make_rmem_tensor((VEC,), DTYPE)
+    rW = cute.make_rmem_tensor((VEC,), Float32)
+    rO = cute.make_rmem_tensor((VEC,), DTYPE)
+    sums = cute.make_rmem_tensor((3 * S,), Float32)
+    for i in cutlass.range_constexpr(ITERS):
+        j, _ = vector_slot(tidx, i, THREADS, NV)
+        cute.copy(atom, gKV[None, S, j], rV[None, i])
+    for s in cutlass.range_constexpr(S):
+        hs = s if X_HELD else 0
+        sxx, skk, sxwk = Float32(0.0), Float32(0.0), Float32(0.0)
+        for i in cutlass.range_constexpr(ITERS):
+            j, valid = vector_slot(tidx, i, THREADS, NV)
+            cute.copy(atom, gX[None, s, j], rX[None, hs, i])
+            cute.copy(atom, gKV[None, s, j], rK)
+            cute.copy(atom_w, gW[None, s, j], rW)
+            x = rX[None, hs, i].load().to(Float32)
+            k = rK.load().to(Float32)
+            sxx += masked(valid, row_sum(x * x))
+            skk += masked(valid, row_sum(k * k))
+            sxwk += masked(valid, row_sum(x * rW.load() * k))
+        sums[3 * s] = sxx
+        sums[3 * s + 1] = skk
+        sums[3 * s + 2] = sxwk
+    block_allreduce_sum(sums, scratch, Int32(0), 3 * S, NWARPS)
+
+    keep = cutlass.Boolean(True)
+    if cutlass.const_expr(HAS_MASK):
+        keep = cute.make_tensor(pmask, cute.make_layout((N,)))[n] != cutlass.Uint8(0)
+    for s in cutlass.range_constexpr(S):
+        hs = s if X_HELD else 0
+        gate, dot, rx, rk = gate_scalars(sums[3 * s], sums[3 * s + 1], sums[3 * s + 2], eps,
+                                         D, SQRT_D, DOT_MIN)
+        if tidx == 0:
+            gSaved[0, s, n] = Float32(cutlass.select_(keep, gate, Float32(0.0)))
+            gSaved[1, s, n] = dot
+            gSaved[2, s, n] = rx
+            gSaved[3, s, n] = rk
+        for i in cutlass.range_constexpr(ITERS):
+            j, valid = vector_slot(tidx, i, THREADS, NV)
+            if cutlass.const_expr(not X_HELD):
+                cute.copy(atom, gX[None, s, j], rX[None, 0, i])
+            if keep:
+                rO.store((rX[None, hs, i].load().to(Float32)
+                          + gate * rV[None, i].load().to(Float32)).to(DTYPE))
+            else:  # a masked token's output is x, bit for bit, whatever v holds
+                rO.store(rX[None, hs, i].load())
+            if valid:
+                cute.copy(atom, rO, gO[None, s, j])
+
+
+@cute.jit
+def gate_fwd(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer, pmask: cute.Pointer,
+             pout: cute.Pointer, psaved: cute.Pointer, N: Int32, eps: Float32,
+             stream: cuda.CUstream, DTYPE: cutlass.Constexpr, S: cutlass.Constexpr,
+             D: cutlass.Constexpr, VEC: cutlass.Constexpr, THREADS: cutlass.Constexpr,
+             ITERS: cutlass.Constexpr, X_HELD: cutlass.Constexpr, HAS_MASK: cutlass.Constexpr,
+             SQRT_D: cutlass.Constexpr, DOT_MIN: cutlass.Constexpr):
+    gate_fwd_kernel(px, pkv, pw, pmask, pout, psaved, N, eps, DTYPE, S, D, VEC, THREADS,
+                    ITERS, X_HELD, HAS_MASK, SQRT_D, DOT_MIN).launch(
+        grid=[N, 1, 1], block=[THREADS, 1, 1], stream=stream)
+
+
+@cute.kernel
+def gate_bwd_kernel(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer,
+                    psaved: cute.Pointer, pg: cute.Pointer, pgx: cute.Pointer,
+                    pgkv: cute.Pointer, ppartial: cute.Pointer, N: Int32,
+                    TOKENS_PER_BLOCK: Int32,
+                    DTYPE: cutlass.Constexpr, S: cutlass.Constexpr, D: cutlass.Constexpr,
+                    VEC: cutlass.Constexpr, THREADS: cutlass.Constexpr,
+                    ITERS: cutlass.Constexpr, SQRT_D: cutlass.Constexpr,
+                    DOT_MIN: cutlass.Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    stream_id, block, _ = cute.arch.block_idx()
+    NV = D // VEC
+    NWARPS = THREADS // 32
+    rows = cute.make_layout((VEC, S, NV, N), stride=(1, D, VEC, S * D))
+    kv_rows = cute.make_layout((VEC, S + 1, NV, N), stride=(1, D, VEC, (S + 1) * D))
+    gX = cute.make_tensor(px, rows)
+    gG = cute.make_tensor(pg, rows)
+    gGX = cute.make_tensor(pgx, rows)
+    gKV = cute.make_tensor(pkv, kv_rows)
+    gGKV = cute.make_tensor(pgkv, kv_rows)
+    gW = cute.make_tensor(pw, cute.make_layout((VEC, S, NV), stride=(1, D, VEC)))
+    gSaved = cute.make_tensor(psaved, cute.make_layout((4, S, N), stride=(1, 4, 4 * S)))
+    atom, atom_w = copy_atom(DTYPE), copy_atom(Float32)
+    start = block * TOKENS_PER_BLOCK
+    count = cutlass.min(start + TOKENS_PER_BLOCK, N) - start
+    rG = cute.make_rmem_tensor((VEC, ITERS), DTYPE)
+    if stream_id == S:
+        # grad_v = sum_s gate_s * g_s, summed in fp32 and rounded once
+        rGV = cute.make_rmem_tensor((VEC,), DTYPE)
+        acc_v = cute.make_rmem_tensor((VEC,), Float32)
+        for t in cutlass.range(count):
+            n = start + t
+            for i in cutlass.range_constexpr(ITERS):
+                j, valid = vector_slot(tidx, i, THREADS, NV)
+                for s in cutlass.range_constexpr(S):
+                    cute.copy(atom, gG[None, s, j, n], rG[None, i])
+                    if cutlass.const_expr(s == 0):
+                        acc_v.store(gSaved[0, s, n] * rG[None, i].load().to(Float32))
+                    else:
+                        acc_v.store(acc_v.load() + gSaved[0, s, n] * rG[None, i].load().to(Float32))
+                rGV.store(acc_v.load().to(DTYPE))
+                if valid:
+                    cute.copy(atom, rGV, gGKV[None, S, j, n])
+    else:
+        s = stream_id
+        scratch = cutlass.memory.SmemAllocator().allocate_tensor(
+            Float32, cute.make_layout((1, NWARPS, 2)), byte_alignment=16)
+        rV = cute.make_rmem_tensor((VEC, ITERS), DTYPE)
+        rX = cute.make_rmem_tensor((VEC, ITERS), DTYPE)
+        rK = cute.make_rmem_tensor((VEC, ITERS), DTYPE)
+        rW = cute.make_rmem_tensor((VEC, ITERS), Float32)
+        acc = cute.make_rmem_tensor((VEC, ITERS), Float32)
+        rGX = cute.make_rmem_tensor((VEC,), DTYPE)
+        rGK = cute.make_rmem_tensor((VEC,), DTYPE)
+        dgate = cute.make_rmem_tensor((1,), Float32)
+        acc.fill(0.0)
+        for i in cutlass.range_constexpr(ITERS):
+            j, _ = vector_slot(tidx, i, THREADS, NV)
+            cute.copy(atom_w, gW[None, s, j], rW[None, i])
+        for t in cutlass.range(count):
+            n = start + t
+            # issue every load of the token before the reduction's barrier
+            for i in cutlass.range_constexpr(ITERS):
+                j, _ = vector_slot(tidx, i, THREADS, NV)
+                cute.copy(atom, gG[None, s, j, n], rG[None, i])
+                cute.copy(atom, gKV[None, S, j, n], rV[None, i])
+                cute.copy(atom, gX[None, s, j, n], rX[None, i])
+                cute.copy(atom, gKV[None, s, j, n], rK[None, i])
+            partial = Float32(0.0)
+            for i in cutlass.range_constexpr(ITERS):
+                _, valid = vector_slot(tidx, i, THREADS, NV)
+                partial += masked(valid, row_sum(rG[None, i].load().to(Float32)
+                                                 * rV[None, i].load().to(Float32)))
+            dgate[0] = partial
+            block_allreduce_sum(dgate, scratch, t % 2, 1, NWARPS)
+            gate = gSaved[0, s, n]
+            dot = gSaved[1, s, n]
+            rx = gSaved[2, s, n]
+            rk = gSaved[3, s, n]
+            mag = cute.math.absf(dot)
+            slope = Float32(0.5) / cute.math.sqrt(cute.arch.fmax(mag, Float32(DOT_MIN)))
+            live = (mag >= Float32(DOT_MIN)) & (gate != Float32(0.0))
+            ddot = Float32(cutlass.select_(live, dgate[0] * gate * (Float32(1.0) - gate) * slope,
+                                          Float32(0.0)))
+            coef = ddot * rx * rk / Float32(SQRT_D)
+            c_x = ddot * dot * rx * rx / Float32(D)
+            c_k = ddot * dot * rk * rk / Float32(D)
+            for i in cutlass.range_constexpr(ITERS):
+                j, valid = vector_slot(tidx, i, THREADS, NV)
+                x = rX[None, i].load().to(Float32)
+                k = rK[None, i].load().to(Float32)
+                w = rW[None, i].load()
+                rGX.store((rG[None, i].load().to(Float32) + coef * w * k - c_x * x).to(DTYPE))
+                rGK.store((coef * w * x - c_k * k).to(DTYPE))
+                if valid:
+                    cute.copy(atom, rGX, gGX[None, s, j, n])
+                    cute.copy(atom, rGK, gGKV[None, s, j, n])
+                acc[None, i].store(acc[None, i].load() + coef * x * k)
+        gPartial = cute.make_tensor(ppartial, cute.make_layout(
+            (VEC, S, NV, 1 + block), stride=(1, D, VEC, S * D)))
+        for i in cutlass.range_constexpr(ITERS):
+            j, valid = vector_slot(tidx, i, THREADS, NV)
+            if valid:
+                cute.copy(atom_w, acc[None, i], gPartial[None, s, j, block])
+
+
+@cute.jit
+def gate_bwd(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer, psaved: cute.Pointer,
+             pg: cute.Pointer, pgx: cute.Pointer, pgkv: cute.Pointer, ppartial: cute.Pointer,
+             N: Int32, TOKENS_PER_BLOCK: Int32, BLOCKS: Int32, stream: cuda.CUstream,
+             DTYPE: cutlass.Constexpr, S: cutlass.Constexpr, D: cutlass.Constexpr,
+             VEC: cutlass.Constexpr, THREADS: cutlass.Constexpr, ITERS: cutlass.Constexpr,
+             SQRT_D: cutlass.Constexpr, DOT_MIN: cutlass.Constexpr):
+    gate_bwd_kernel(px, pkv, pw, psaved, pg, pgx, pgkv, ppartial, N, TOKENS_PER_BLOCK,
+                    DTYPE, S, D, VEC, THREADS, ITERS, SQRT_D, DOT_MIN).launch(
+        grid=[S + 1, BLOCKS, 1], block=[THREADS, 1, 1], stream=stream)
+
+
+# -- specialisations ---------------------------------------------------------------------------
+def _constexprs(problem, *extra) -> tuple[tuple[str, object], ...]:
+    vec, threads, iters = row_geometry(problem.hidden, problem.dtype)
+    return (("DTYPE", compiler.cutlass_type(problem.dtype)), ("S", problem.streams),
+            ("D", problem.hidden), ("VEC", vec), ("THREADS", threads), ("ITERS", iters),
+            *extra, ("SQRT_D", math.sqrt(problem.hidden)), ("DOT_MIN", DOT_CLAMP))
+
+
+def forward_kernel(problem) -> CuteKernel:
+    dt = problem.dtype
+    args = (Arg("x", dt), Arg("kv", dt), Arg("weight", torch.float32), Arg("mask", torch.bool, 1),
+            Arg("out", dt), Arg("saved", torch.float32), Arg("N", scalar="i32"),
+            Arg("eps", scalar="f32"))
+    _, threads, iters = row_geometry(problem.hidden, problem.dtype)
+    held = problem.streams * iters <= MAX_HELD_VECTORS
+    return CuteKernel("engram_gate_fwd", gate_fwd, args,
+                      _constexprs(problem, ("X_HELD", held), ("HAS_MASK", problem.has_mask)),
+                      dynamic_shared_bytes=4 * 3 * problem.streams * (threads // 32))
+
+
+def backward_kernel(problem) -> CuteKernel:
+    dt = problem.dtype
+    args = (Arg("x", dt), Arg("kv", dt), Arg("weight", torch.float32), Arg("saved", torch.float32),
+            Arg("grad_out", dt), Arg("grad_x", dt), Arg("grad_kv", dt),
+            Arg("partials", torch.float32), Arg("N", scalar="i32"),
+            Arg("TOKENS_PER_BLOCK", scalar="i32"), Arg("BLOCKS", scalar="i32"))
+    _, threads, _ = row_geometry(problem.hidden, problem.dtype)
+    return CuteKernel("engram_gate_bwd", gate_bwd, args, _constexprs(problem),
+                      dynamic_shared_bytes=4 * 2 * (threads // 32))
+
+
+# -- the backend surface -----------------------------------------------------------------------
+def unsupported_reason(problem) -> str | None:
+    if problem.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return f"the cute gate kernels take bf16/fp16/fp32, not {problem.dtype} (use backend='torch')"
+    return None
+
+
+def forward_launcher(problem):
+    launch_fwd = compiler.make_launcher(forward_kernel(problem), problem.device)
+    n, eps = problem.tokens, problem.eps
+
+    def launch(x, kv, weight, mask, out, saved, *, stream):
+        launch_fwd(x, kv, weight, mask if mask is not None else x, out, saved, n, eps,
+                   stream=stream)
+    return launch
+
+
+def backward_launcher(problem):
+    per_block, blocks = backward_blocks(problem)
+    launch_main = compiler.make_launcher(backward_kernel(problem), problem.device)
+    launch_reduce = reduce_launcher(problem)
+    n = problem.tokens
+
+    def launch(x, kv, weight, saved, grad_out, grad_x, grad_kv, grad_weight, workspace, *, stream):
+        launch_main(x, kv, weight, saved, grad_out, grad_x, grad_kv, workspace, n, per_block,
+                    blocks, stream=stream)
+        launch_reduce(workspace, grad_weight, blocks, stream=stream)
+    return launch
+
+
+def aot_kernels():
+    """(label, CuteKernel) at the production shape (S=4, D=5120, bf16) and a small one."""
+    from fusedops.engram import GateProblem
+    cpu = torch.device("cpu")
+    shapes = (("S4 D5120 bf16", torch.bfloat16, 4, 5120), ("S1 D64 fp32", torch.float32, 1, 64),
+              ("S2 D200 fp16", torch.float16, 2, 200))
+    for label, dtype, streams, hidden in shapes:
+        for has_mask in (True, False):
+            problem = GateProblem(dtype, 8192, streams, hidden, 1e-20, has_mask, False, cpu)
+            yield f"gate fwd {label}{' mask' if has_mask else ''}", forward_kernel(problem)
+        yield f"gate bwd {label}", backward_kernel(
+            GateProblem(dtype, 8192, streams, hidden, 1e-20, False, False, cpu))

@@ -19,7 +19,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, Int64
 
 from fusedops.backends.torch.engram import DOT_CLAMP
 from fusedops.backends.triton.engram import (backward_blocks, backward_workspace_size,
@@ -91,7 +91,8 @@ def gate_fwd_kernel(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer,
                     HAS_MASK: cutlass.Constexpr, SQRT_D: cutlass.Constexpr,
                     DOT_MIN: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
-    n, _, _ = cute.arch.block_idx()
+    token, _, _ = cute.arch.block_idx()
+    n = Int64(token)  # a 64-bit token coordinate keeps n * (S+1) * D exact past 2^31
     NV = D // VEC
     NWARPS = THREADS // 32
     rows = cute.make_layout((VEC, S, NV, N), stride=(1, D, VEC, S * D))
@@ -201,7 +202,7 @@ def gate_bwd_kernel(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer,
         rGV = cute.make_rmem_tensor((VEC,), DTYPE)
         acc_v = cute.make_rmem_tensor((VEC,), Float32)
         for t in cutlass.range(count):
-            n = start + t
+            n = Int64(start + t)  # 64-bit token coordinate, see the forward
             for i in cutlass.range_constexpr(ITERS):
                 j, valid = vector_slot(tidx, i, THREADS, NV)
                 for s in cutlass.range_constexpr(S):
@@ -230,7 +231,7 @@ def gate_bwd_kernel(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer,
             j, _ = vector_slot(tidx, i, THREADS, NV)
             cute.copy(atom_w, gW[None, s, j], rW[None, i])
         for t in cutlass.range(count):
-            n = start + t
+            n = Int64(start + t)  # 64-bit token coordinate, see the forward
             # issue every load of the token before the reduction's barrier
             for i in cutlass.range_constexpr(ITERS):
                 j, _ = vector_slot(tidx, i, THREADS, NV)

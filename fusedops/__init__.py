@@ -15,3 +15,8 @@ __all__ = [
     "cache_clear", "cache_info", "engram_gate_saved_backward", "engram_gate_saved_forward",
     "errors",
 ]
+from .mamba2 import (Mamba2ChunkScanBackward, Mamba2ChunkScanForward, mamba2_chunk_scan_backward,
+                     mamba2_chunk_scan_forward)
+
+__all__ += ["Mamba2ChunkScanBackward", "Mamba2ChunkScanForward", "mamba2_chunk_scan_backward",
+            "mamba2_chunk_scan_forward"]

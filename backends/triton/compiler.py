@@ -21,6 +21,7 @@ import torch
 
 from fusedops._backend import triton_interpreter_active
 from fusedops._cache import COMPILE_CACHE
+from fusedops._workspace import Region
 
 TRITON_POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
                         torch.bool: "*i1", torch.uint8: "*u8", torch.int32: "*i32",
@@ -99,8 +100,9 @@ def make_launcher(spec: KernelSpec, grid: tuple[int, int, int],
         def interpret(*runtime_args, stream):
             # the interpreter reads memory through the tensor's dtype: reinterpret buffers handed
             # as raw bytes (workspace) or as placeholders for absent optional inputs
+            args = [a.tensor() if isinstance(a, Region) else a for a in runtime_args]
             args = [_reinterpret(a, pointer_dtypes[n]) if n in pointer_dtypes else a
-                    for n, a in zip(names, runtime_args)]
+                    for n, a in zip(names, args)]
             spec.kernel[grid](*spec.full_args(args), num_warps=spec.num_warps)
         return interpret
 
@@ -117,7 +119,7 @@ def make_launcher(spec: KernelSpec, grid: tuple[int, int, int],
     def launch(*runtime_args, stream):
         args = list(template)
         for slot, value in zip(runtime_slots, runtime_args):
-            args[slot] = value
+            args[slot] = value.address() if isinstance(value, Region) else value
         runner(*args, stream=stream)
     return launch
 

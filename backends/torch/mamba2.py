@@ -1,0 +1,225 @@
+"""Mamba2 chunked selective scan (SSD) in plain torch (specs/mamba2.md).
+
+The sequence is cut into *segments*: consecutive pieces of at most Q = chunk_size tokens of one
+sequence (sequence s covers ceil(len_s / Q) segments, the last one possibly short). Without
+cu_seqlens the sequences are the batch rows. Per segment and head, with a_t = dt_t·A and
+Acum_i = sum_{k<=i} a_k inside the segment:
+
+    y_i  = sum_{j<=i} exp(Acum_i - Acum_j) (C_i·B_j) dt_j x_j  +  exp(Acum_i) C_i·H0  +  D x_i
+    H1   = exp(Acum_last) H0 + sum_j exp(Acum_last - Acum_j) dt_j x_j ⊗ B_j
+
+H0 is the state entering the segment (the sequence's initial state, or zero, for its first
+segment; the previous segment's H1 otherwise); the last H1 of a sequence is its final state.
+Exponents are clamped to <= 0 so no decay factor can overflow. Every step is vectorised over
+segments (gathered into [segments, Q] tiles by index, static sizes, no host synchronisation);
+only the state passing loops, over segment positions within a sequence.
+
+The backward is autograd through this forward in the compute dtype, which implements the spec's
+conventions (torch.clamp passes the gradient at dt_limit's bounds; softplus with threshold 20).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+SOFTPLUS_THRESHOLD = 20.0
+
+
+def transform_dt(dt, dt_bias, dt_softplus: bool, dt_limit, compute_dtype=torch.float32):
+    """dt after bias, softplus (threshold 20) and the dt_limit clamp, in ``compute_dtype``."""
+    u = dt.to(compute_dtype)
+    if dt_bias is not None:
+        u = u + dt_bias.to(compute_dtype)
+    if dt_softplus:
+        u = F.softplus(u, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
+    return torch.clamp(u, min=dt_limit[0], max=dt_limit[1])
+
+
+def max_segments(batch: int, length: int, chunk: int, num_sequences: int | None) -> int:
+    """Segments a problem can have: batch·ceil(l/Q) without cu_seqlens, else
+    ceil(l/Q) + nseq (each sequence adds at most one partial segment)."""
+    if num_sequences is None:
+        return batch * math.ceil(length / chunk)
+    return math.ceil(length / chunk) + num_sequences
+
+
+def segments(batch: int, length: int, chunk: int, cu_seqlens: torch.Tensor | None,
+             device: torch.device):
+    """(seg_start, seg_end, seg_offsets): token ranges [start, end) of every segment in the
+    flattened [batch·length] token index (unused trailing segments are empty, start == end == 0),
+    and the first segment of each sequence (seg_offsets[s] .. seg_offsets[s+1])."""
+    if cu_seqlens is None:
+        per_row = math.ceil(length / chunk)
+        k = torch.arange(batch * per_row, device=device)
+        row, c = k // per_row, k % per_row
+        start = row * length + c * chunk
+        end = row * length + torch.clamp((c + 1) * chunk, max=length)
+        offsets = torch.arange(batch + 1, device=device) * per_row
+        return start, end, offsets
+    cu = cu_seqlens.to(device=device, dtype=torch.int64)
+    lengths = cu[1:] - cu[:-1]
+    counts = (lengths + chunk - 1) // chunk
+    offsets = torch.cat((torch.zeros(1, dtype=torch.int64, device=device), torch.cumsum(counts, 0)))
+    total = max_segments(1, length, chunk, lengths.numel())
+    k = torch.arange(total, device=device)
+    seq = torch.searchsorted(offsets[1:], k, right=True).clamp(max=lengths.numel() - 1)
+    used = k < offsets[-1]
+    start = cu[seq] + (k - offsets[seq]) * chunk
+    end = torch.minimum(cu[seq + 1], start + chunk)
+    zero = torch.zeros_like(start)
+    return torch.where(used, start, zero), torch.where(used, end, zero), offsets
+
+
+def chunk_scan_forward(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=None,
+                       dt_softplus=False, dt_limit=(0.0, math.inf), initial_states=None,
+                       cu_seqlens=None, compute_dtype=torch.float32):
+    """Returns ``(y, final_states, y_pre_gate, segment_start_states)``.
+
+    y [b, l, h, p] in x's dtype (z-gated when z is given, rounded once); final_states
+    [nseq, h, p, n] in compute_dtype (nseq = b, or len(cu_seqlens) - 1); y_pre_gate the fp32 y
+    before the z gate; segment_start_states [segments, h, p, n] (H0 of every segment)."""
+    b, l, h, p = x.shape
+    g, n = B.shape[2], B.shape[3]
+    r = h // g
+    Q = chunk_size
+    cd = compute_dtype
+    dev = x.device
+    T = b * l
+    nseq = b if cu_seqlens is None else cu_seqlens.numel() - 1
+    start, end, offsets = segments(b, l, Q, cu_seqlens, dev)
+    S = start.numel()
+
+    tok = start[:, None] + torch.arange(Q, device=dev)                  # [S, Q]
+    valid = tok < end[:, None]
+    tok = torch.where(valid, tok, torch.zeros_like(tok))
+    vmask = valid.to(cd)
+
+    dtf = transform_dt(dt, dt_bias, dt_softplus, dt_limit, cd).reshape(T, h)
+    xs = x.reshape(T, h, p).to(cd)[tok] * vmask[..., None, None]        # [S, Q, h, p]
+    dts = dtf[tok] * vmask[..., None]                                    # [S, Q, h]
+    Bs = B.reshape(T, g, n).to(cd)[tok]                                  # [S, Q, g, n]
+    Cs = C.reshape(T, g, n).to(cd)[tok]
+    Acum = torch.cumsum(dts * A.to(cd), dim=1)                          # [S, Q, h]
+    Alast = Acum[:, -1]                                                  # [S, h]
+
+    # intra-segment: (C_i·B_j) exp(Acum_i - Acum_j) dt_j x_j over j <= i of the same segment
+    CB = torch.einsum("sqgn,skgn->sgqk", Cs, Bs)                         # [S, g, Q, Q]
+    causal = torch.tril(torch.ones(Q, Q, dtype=torch.bool, device=dev))
+    pair = causal & valid[:, :, None] & valid[:, None, :]                # [S, Q, Q]
+    diff = Acum.permute(0, 2, 1)[:, :, :, None] - Acum.permute(0, 2, 1)[:, :, None, :]
+    decay = torch.exp(torch.clamp(diff, max=0.0)) * pair[:, None].to(cd)  # [S, h, Q, Q]
+    decay = decay.reshape(S, g, r, Q, Q) * CB[:, :, None]
+    xdt = (xs * dts[..., None]).reshape(S, Q, g, r, p)
+    y = torch.einsum("sgrqk,skgrp->sqgrp", decay, xdt).reshape(S, Q, h, p)
+
+    # segment states: sum_j exp(Acum_last - Acum_j) dt_j x_j ⊗ B_j
+    w_end = torch.exp(torch.clamp(Alast[:, None] - Acum, max=0.0)).reshape(S, Q, g, r)
+    seg_state = torch.einsum("sqgr,sqgrp,sqgn->sgrpn", w_end, xdt, Bs).reshape(S, h, p, n)
+
+    # state passing along each sequence's segments
+    state = (torch.zeros(nseq, h, p, n, dtype=cd, device=dev) if initial_states is None
+             else initial_states.to(cd))
+    H0 = torch.zeros(S + 1, h, p, n, dtype=cd, device=dev)                # row S: discard slot
+    first, count = offsets[:-1], offsets[1:] - offsets[:-1]
+    for pos in range(math.ceil(l / Q)):   # no sequence has more segments than that
+        active = pos < count
+        k = torch.where(active, first + pos, torch.full_like(first, S))
+        H0 = H0.index_put((k,), state)
+        ka = k.clamp(max=S - 1)
+        stepped = torch.exp(torch.clamp(Alast[ka], max=0.0))[..., None, None] * state + seg_state[ka]
+        state = torch.where(active[:, None, None, None], stepped, state)
+    H0 = H0[:S]
+
+    # state -> output: exp(Acum_i) C_i·H0
+    Cr = Cs[:, :, :, None].expand(S, Q, g, r, n).reshape(S, Q, h, n)
+    y = y + torch.exp(torch.clamp(Acum, max=0.0))[..., None] * torch.einsum("sqhn,shpn->sqhp", Cr, H0)
+
+    out = torch.zeros(T + 1, h, p, dtype=cd, device=dev)
+    out = out.index_put((torch.where(valid, tok, torch.full_like(tok, T)),), y)[:T]
+    xf = x.reshape(T, h, p).to(cd)
+    if D is not None:
+        out = out + (D.to(cd)[:, None] if D.dim() == 1 else D.to(cd)) * xf
+    y_pre = out.reshape(b, l, h, p)
+    y_out = y_pre * F.silu(z.to(cd)) if z is not None else y_pre
+    return y_out.to(x.dtype), state, y_pre, H0
+
+
+def chunk_scan_backward(x, dt, A, B, C, dy, chunk_size, D=None, z=None, dt_bias=None,
+                        dt_softplus=False, dt_limit=(0.0, math.inf), initial_states=None,
+                        cu_seqlens=None, dfinal_states=None, compute_dtype=torch.float32):
+    """Gradients by autograd through ``chunk_scan_forward`` in ``compute_dtype``. Returns a dict
+    with dx, ddt, dA, dB, dC and, for the optional inputs given, dD, dz, ddt_bias,
+    dinitial_states (all in compute_dtype)."""
+    cd = compute_dtype
+    named = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
+                 initial_states=initial_states)
+    leaves = {k: v.detach().to(cd).requires_grad_() for k, v in named.items() if v is not None}
+    with torch.enable_grad():
+        y, final, _, _ = chunk_scan_forward(
+            leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size,
+            D=leaves.get("D"), z=leaves.get("z"), dt_bias=leaves.get("dt_bias"),
+            dt_softplus=dt_softplus, dt_limit=dt_limit,
+            initial_states=leaves.get("initial_states"), cu_seqlens=cu_seqlens, compute_dtype=cd)
+        outputs, grads = [y], [dy.to(cd)]
+        if dfinal_states is not None:
+            outputs.append(final)
+            grads.append(dfinal_states.to(cd))
+        result = torch.autograd.grad(outputs, list(leaves.values()), grads, allow_unused=True)
+    names = {"x": "dx", "dt": "ddt", "A": "dA", "B": "dB", "C": "dC", "D": "dD", "z": "dz",
+             "dt_bias": "ddt_bias", "initial_states": "dinitial_states"}
+    return {names[k]: (gr if gr is not None else torch.zeros_like(leaves[k]))
+            for k, gr in zip(leaves, result)}
+
+
+# -- the backend surface -----------------------------------------------------------------------
+def _compute_dtype(problem) -> torch.dtype:
+    return torch.float64 if problem.dtype == torch.float64 else torch.float32
+
+
+def unsupported_reason(problem) -> str | None:
+    return None
+
+
+def saved_size(problem) -> int:
+    """The torch backend recomputes everything in its backward (autograd): it saves nothing."""
+    return 0
+
+
+def forward_workspace_size(problem) -> int:
+    return 0
+
+
+def backward_workspace_size(problem) -> int:
+    return 0
+
+
+def _options(problem, t) -> dict:
+    return dict(D=t["D"], z=t["z"], dt_bias=t["dt_bias"], dt_softplus=problem.dt_softplus,
+                dt_limit=problem.dt_limit, initial_states=t["initial_states"],
+                cu_seqlens=t["cu_seqlens"], compute_dtype=_compute_dtype(problem))
+
+
+def forward_launcher(problem):
+    def launch(t, *, stream):
+        y, final, _, _ = chunk_scan_forward(t["x"], t["dt"], t["A"], t["B"], t["C"], problem.chunk,
+                                            **_options(problem, t))
+        t["y"].copy_(y)
+        t["final_states"].copy_(final)
+    return launch
+
+
+def backward_launcher(problem):
+    accumulated = ("dA", "dD", "ddt_bias")
+
+    def launch(t, *, stream):
+        grads = chunk_scan_backward(t["x"], t["dt"], t["A"], t["B"], t["C"], t["dy"], problem.chunk,
+                                    dfinal_states=t["dfinal_states"], **_options(problem, t))
+        for name, value in grads.items():
+            if problem.accumulate and name in accumulated:
+                t[name].add_(value)
+            else:
+                t[name].copy_(value)
+    return launch

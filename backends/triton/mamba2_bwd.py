@@ -1,0 +1,432 @@
+"""Mamba2 chunked scan: Triton backward kernels.
+
+For a segment with entering state H0, end state H1 and dH1 = dL/dH1 (the next segment's dH0, or
+dfinal_states), writing W_ij = (C_i·B_j) exp(Acum_i - Acum_j) for j <= i and dy for the gradient
+of y before the z gate:
+
+    dx_j   = dt_j [sum_{i>=j} W_ij dy_i + exp(Acum_last - Acum_j) dH1 B_j] + D dy_j
+    dB_j   = sum_h [sum_{i>=j} exp(..) dt_j (dy_i·x_j) C_i + exp(Acum_last - Acum_j) dt_j dH1^T x_j]
+    dC_i   = sum_h [sum_{j<=i} exp(..) dt_j (dy_i·x_j) B_j + exp(Acum_i) H0^T dy_i]
+    dH0    = sum_i exp(Acum_i) dy_i ⊗ C_i + exp(Acum_last) dH1
+    da_k   = sum_{i>=k>j} T_ij + sum_{i>=k} U_i + V + sum_{j<k} W'_j       (a_k = dt_k A)
+
+with T_ij = W_ij dt_j (dy_i·x_j), U_i = exp(Acum_i) dy_i·(H0 C_i), V = exp(Acum_last) <dH1, H0>,
+W'_j = exp(Acum_last - Acum_j) dt_j x_j·(dH1 B_j): the pairs crossing k, so no cancellation.
+Every reduction over tokens, heads or tiles goes through fixed-order partials in the workspace.
+"""
+
+import triton
+import triton.language as tl
+
+from .mamba2_fwd import mm, segment_bounds, sequence_segments
+
+
+@triton.jit
+def ssd_gate_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, NUMEL, BLOCK: tl.constexpr):
+    """dy_pre = dy·silu(z); dz = dy·y_pre·silu'(z)."""
+    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    m = o < NUMEL
+    b_dy = tl.load(dy_ptr + o, mask=m, other=0.0).to(tl.float32)
+    b_z = tl.load(z_ptr + o, mask=m, other=0.0).to(tl.float32)
+    b_y = tl.load(ypre_ptr + o, mask=m, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(b_z)
+    tl.store(dypre_ptr + o, (b_dy * b_z * sig).to(dypre_ptr.dtype.element_ty), mask=m)
+    tl.store(dz_ptr + o, (b_dy * b_y * sig * (1.0 + b_z * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def ssd_dstates_kernel(dy_ptr, C_ptr, acum_ptr, cu_ptr, off_ptr, dstates_ptr, L, NSEQ,
+                       H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                       VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr,
+                       IEEE: tl.constexpr):
+    """dstates[σ, h] = sum_i exp(Acum_i) dy_i ⊗ C_i  (what dy sends back into H0)."""
+    i_sh, i_p, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_seg, i_h = i_sh // H, i_sh % H
+    i_g = i_h // (H // G)
+    start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    o_p = i_p * BP + tl.arange(0, BP)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_p, m_n = o_p < P, o_n < N
+    p_seg = i_sh.to(tl.int64) * Q
+    b_acc = tl.zeros([BP, BN], dtype=tl.float32)
+    for k0 in range(0, end - start, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = start + o_k < end
+        tok = (start + o_k).to(tl.int64)
+        b_dyt = tl.load(dy_ptr + tok[None, :] * (H * P) + i_h * P + o_p[:, None],
+                        mask=m_p[:, None] & m_k[None, :], other=0.0)
+        b_c = tl.load(C_ptr + tok[:, None] * (G * N) + i_g * N + o_n[None, :],
+                      mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_w = tl.exp(tl.minimum(tl.load(acum_ptr + p_seg + o_k), 0.0))
+        b_c = (b_c * b_w[:, None]).to(b_dyt.dtype)
+        b_acc = mm(b_dyt, b_c, b_acc, UPCAST, IEEE)                  # [BP, BK] @ [BK, BN]
+    p = i_sh.to(tl.int64) * (P * N) + o_p[:, None] * N + o_n[None, :]
+    tl.store(dstates_ptr + p, b_acc, mask=m_p[:, None] & m_n[None, :])
+
+
+@triton.jit
+def ssd_state_passing_bwd_kernel(dstates_ptr, states_ptr, acum_ptr, dfinal_ptr, dh0_ptr, v_ptr,
+                                 off_ptr, L, H: tl.constexpr, PN: tl.constexpr, Q: tl.constexpr,
+                                 BLOCK: tl.constexpr, NT: tl.constexpr, HAS_DFINAL: tl.constexpr,
+                                 HAS_DH0: tl.constexpr, VARLEN: tl.constexpr):
+    """Backwards along each sequence: dstates[σ] <- dH1 of σ; v[σ, h, tile] = exp(Acum_last)
+    <dH1, H0> over the tile; the last dH0 is dinitial_states."""
+    i_s, i_h, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    first, last = sequence_segments(i_s, off_ptr, L, Q, VARLEN)
+    o = i_t * BLOCK + tl.arange(0, BLOCK)
+    m = o < PN
+    p_seq = (i_s.to(tl.int64) * H + i_h) * PN + o
+    if HAS_DFINAL:
+        b_dh = tl.load(dfinal_ptr + p_seq, mask=m, other=0.0)
+    else:
+        b_dh = tl.zeros([BLOCK], dtype=tl.float32)
+    last = last.to(tl.int64)
+    for k in range(0, last - first):
+        seg = last - 1 - k
+        p = (seg * H + i_h) * PN + o
+        b_own = tl.load(dstates_ptr + p, mask=m, other=0.0)
+        tl.store(dstates_ptr + p, b_dh, mask=m)
+        decay = tl.exp(tl.minimum(tl.load(acum_ptr + (seg * H + i_h) * Q + Q - 1), 0.0))
+        b_h0 = tl.load(states_ptr + p, mask=m, other=0.0)
+        tl.store(v_ptr + (seg * H + i_h) * NT + i_t, decay * tl.sum(b_dh * b_h0, axis=0))
+        b_dh = b_own + decay * b_dh
+    if HAS_DH0:
+        tl.store(dh0_ptr + p_seq, b_dh, mask=m)
+
+
+@triton.jit
+def ssd_chunk_scan_bwd_dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr, dstates_ptr, D_ptr,
+                                 cu_ptr, off_ptr, dx_ptr, ddt_part_ptr, dD_part_ptr, L, NSEQ,
+                                 H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
+                                 N: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr,
+                                 BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
+                                 D_PER_CHANNEL: tl.constexpr, VARLEN: tl.constexpr,
+                                 SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr,
+                                 IEEE: tl.constexpr):
+    """dx of the rows j of one block, the dt-linear part of ddt (per head-dim tile) and the
+    dD partial sums of the block."""
+    i_sh, i_p, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_seg, i_h = i_sh // H, i_sh % H
+    i_g = i_h // (H // G)
+    NQB: tl.constexpr = Q // BQ
+    NPB: tl.constexpr = (P + BP - 1) // BP
+    start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    seg_len = end - start
+    o_j = i_m * BQ + tl.arange(0, BQ)
+    o_p = i_p * BP + tl.arange(0, BP)
+    m_j, m_p = start + o_j < end, o_p < P
+    tok_j = (start + o_j).to(tl.int64)
+    p_seg = i_sh.to(tl.int64) * Q
+    b_acum_j = tl.load(acum_ptr + p_seg + o_j)
+    acum_last = tl.load(acum_ptr + p_seg + Q - 1)
+
+    # the end state's gradient: exp(Acum_last - Acum_j) B_j @ dH1^T
+    b_acc = tl.zeros([BQ, BP], dtype=tl.float32)
+    p_dstate = dstates_ptr + i_sh.to(tl.int64) * (P * N)
+    for n0 in range(0, N, BN):
+        o_n = n0 + tl.arange(0, BN)
+        m_n = o_n < N
+        b_b = tl.load(B_ptr + tok_j[:, None] * (G * N) + i_g * N + o_n[None, :],
+                      mask=m_j[:, None] & m_n[None, :], other=0.0)
+        b_dht = tl.load(p_dstate + o_p[None, :] * N + o_n[:, None], mask=m_n[:, None] & m_p[None, :],
+                        other=0.0)
+        b_acc = mm(b_b, b_dht.to(b_b.dtype), b_acc, UPCAST, IEEE)  # [BQ, BN] @ [BN, BP]
+    b_acc *= tl.exp(tl.minimum(acum_last - b_acum_j, 0.0))[:, None]
+
+    # within the segment: sum over i >= j of W_ij dy_i
+    p_cb = cb_ptr + (i_seg * G + i_g).to(tl.int64) * (Q * Q)
+    for k0 in range(i_m * BQ, seg_len, BQ):
+        o_i = k0 + tl.arange(0, BQ)
+        m_i = start + o_i < end
+        tok_i = (start + o_i).to(tl.int64)
+        b_cbt = tl.load(p_cb + o_i[None, :] * Q + o_j[:, None])          # [j, i] = CB[i, j]
+        b_acum_i = tl.load(acum_ptr + p_seg + o_i)
+        b_w = b_cbt * tl.exp(tl.minimum(b_acum_i[None, :] - b_acum_j[:, None], 0.0))
+        b_w = tl.where((o_i[None, :] >= o_j[:, None]) & m_i[None, :], b_w, 0.0)
+        b_dy = tl.load(dy_ptr + tok_i[:, None] * (H * P) + i_h * P + o_p[None, :],
+                       mask=m_i[:, None] & m_p[None, :], other=0.0)
+        b_acc = mm(b_w.to(b_dy.dtype), b_dy, b_acc, UPCAST, IEEE)   # [BQ, BQ] @ [BQ, BP]
+
+    p_tok = tok_j[:, None] * (H * P) + i_h * P + o_p[None, :]
+    m_tok = m_j[:, None] & m_p[None, :]
+    b_x = tl.load(x_ptr + p_tok, mask=m_tok, other=0.0).to(tl.float32)
+    b_dt = tl.load(dts_ptr + p_seg + o_j)
+    b_dx = b_acc * b_dt[:, None]
+    if HAS_D:
+        b_dyj = tl.load(dy_ptr + p_tok, mask=m_tok, other=0.0).to(tl.float32)
+        if D_PER_CHANNEL:
+            b_dx += tl.load(D_ptr + i_h * P + o_p, mask=m_p, other=0.0)[None, :] * b_dyj
+        else:
+            b_dx += tl.load(D_ptr + i_h) * b_dyj
+    tl.store(dx_ptr + p_tok, b_dx.to(dx_ptr.dtype.element_ty), mask=m_tok)
+    tl.store(ddt_part_ptr + (i_sh.to(tl.int64) * NPB + i_p) * Q + o_j, tl.sum(b_acc * b_x, axis=1))
+    if HAS_D:
+        tl.store(dD_part_ptr + (i_sh.to(tl.int64) * NQB + i_m) * P + o_p,
+                 tl.sum(b_dyj * b_x, axis=0), mask=m_p)
+
+
+@triton.jit
+def ssd_dcb_kernel(x_ptr, dy_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, dcb_ptr, L, NSEQ,
+                   H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
+                   BQ: tl.constexpr, BP: tl.constexpr, VARLEN: tl.constexpr,
+                   SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """dcb[σ, g, i, j] = sum over the group's heads of exp(Acum_i - Acum_j) dt_j (dy_i·x_j)."""
+    i_sg, i_t = tl.program_id(0), tl.program_id(1)
+    i_seg, i_g = i_sg // G, i_sg % G
+    NT: tl.constexpr = Q // BQ
+    i_m, i_n = i_t // NT, i_t % NT
+    if i_n > i_m:
+        return
+    start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    o_i = i_m * BQ + tl.arange(0, BQ)
+    o_j = i_n * BQ + tl.arange(0, BQ)
+    m_i, m_j = start + o_i < end, start + o_j < end
+    tok_i = (start + o_i).to(tl.int64)
+    tok_j = (start + o_j).to(tl.int64)
+    R: tl.constexpr = H // G
+    b_dcb = tl.zeros([BQ, BQ], dtype=tl.float32)
+    for r in range(R):
+        i_h = i_g * R + r
+        b_dyx = tl.zeros([BQ, BQ], dtype=tl.float32)
+        for p0 in range(0, P, BP):
+            o_p = p0 + tl.arange(0, BP)
+            m_p = o_p < P
+            b_dy = tl.load(dy_ptr + tok_i[:, None] * (H * P) + i_h * P + o_p[None, :],
+                           mask=m_i[:, None] & m_p[None, :], other=0.0)
+            b_xt = tl.load(x_ptr + tok_j[None, :] * (H * P) + i_h * P + o_p[:, None],
+                           mask=m_p[:, None] & m_j[None, :], other=0.0)
+            b_dyx = mm(b_dy, b_xt, b_dyx, UPCAST, IEEE)             # [BQ, BP] @ [BP, BQ]
+        p_seg = (i_seg * H + i_h).to(tl.int64) * Q
+        b_acum_i = tl.load(acum_ptr + p_seg + o_i)
+        b_acum_j = tl.load(acum_ptr + p_seg + o_j)
+        b_dt_j = tl.load(dts_ptr + p_seg + o_j)
+        b_dcb += b_dyx * tl.exp(tl.minimum(b_acum_i[:, None] - b_acum_j[None, :], 0.0)) * b_dt_j[None, :]
+    b_dcb = tl.where((o_j[None, :] <= o_i[:, None]) & m_i[:, None] & m_j[None, :], b_dcb, 0.0)
+    p = i_sg.to(tl.int64) * (Q * Q) + o_i[:, None] * Q + o_j[None, :]
+    tl.store(dcb_ptr + p, b_dcb)
+
+
+@triton.jit
+def ssd_dacs_intra_kernel(x_ptr, dy_ptr, cb_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, part_ptr,
+                          L, NSEQ, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
+                          Q: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr,
+                          VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                          UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """part[σ, h, I, k] = sum over rows i of block I with i >= k of sum_{j<k} T_ij."""
+    i_sh, i_m = tl.program_id(0), tl.program_id(1)
+    i_seg, i_h = i_sh // H, i_sh % H
+    i_g = i_h // (H // G)
+    NQB: tl.constexpr = Q // BQ
+    start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    if i_m * BQ >= end - start:
+        return
+    o_i = i_m * BQ + tl.arange(0, BQ)
+    m_i = start + o_i < end
+    tok_i = (start + o_i).to(tl.int64)
+    p_seg = i_sh.to(tl.int64) * Q
+    b_acum_i = tl.load(acum_ptr + p_seg + o_i)
+    p_cb = cb_ptr + (i_seg * G + i_g).to(tl.int64) * (Q * Q)
+    b_carry = tl.zeros([BQ], dtype=tl.float32)
+    for i_n in range(0, i_m + 1):
+        o_j = i_n * BQ + tl.arange(0, BQ)
+        m_j = start + o_j < end
+        tok_j = (start + o_j).to(tl.int64)
+        b_dyx = tl.zeros([BQ, BQ], dtype=tl.float32)
+        for p0 in range(0, P, BP):
+            o_p = p0 + tl.arange(0, BP)
+            m_p = o_p < P
+            b_dy = tl.load(dy_ptr + tok_i[:, None] * (H * P) + i_h * P + o_p[None, :],
+                           mask=m_i[:, None] & m_p[None, :], other=0.0)
+            b_xt = tl.load(x_ptr + tok_j[None, :] * (H * P) + i_h * P + o_p[:, None],
+                           mask=m_p[:, None] & m_j[None, :], other=0.0)
+            b_dyx = mm(b_dy, b_xt, b_dyx, UPCAST, IEEE)             # [BQ, BP] @ [BP, BQ]
+        b_cb = tl.load(p_cb + o_i[:, None] * Q + o_j[None, :])
+        b_acum_j = tl.load(acum_ptr + p_seg + o_j)
+        b_dt_j = tl.load(dts_ptr + p_seg + o_j)
+        b_t = b_dyx * b_cb * tl.exp(tl.minimum(b_acum_i[:, None] - b_acum_j[None, :], 0.0)) * b_dt_j[None, :]
+        b_t = tl.where((o_j[None, :] <= o_i[:, None]) & m_i[:, None] & m_j[None, :], b_t, 0.0)
+        b_prefix = tl.cumsum(b_t, axis=1) - b_t + b_carry[:, None]            # sum_{j<k} T_ik
+        b_part = tl.sum(tl.where(o_i[:, None] >= o_j[None, :], b_prefix, 0.0), axis=0)
+        tl.store(part_ptr + (i_sh.to(tl.int64) * NQB + i_m) * Q + o_j, b_part)
+        b_carry += tl.sum(b_t, axis=1)
+
+
+@triton.jit
+def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dcb_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr,
+                   cu_ptr, off_ptr, dB_ptr, dC_ptr, uw_part_ptr, L, NSEQ,
+                   H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                   Q: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                   NUM_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                   UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """dB and dC of one row block and state tile, summed over the group's heads; per head, the
+    U (rows as i) and W' (rows as j) partial sums over the state tile."""
+    i_sg, i_m, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    i_seg, i_g = i_sg // G, i_sg % G
+    NNB: tl.constexpr = (N + BN - 1) // BN
+    R: tl.constexpr = H // G
+    start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    seg_len = end - start
+    if i_m * BQ >= seg_len:
+        return
+    o_r = i_m * BQ + tl.arange(0, BQ)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_r, m_n = start + o_r < end, o_n < N
+    tok_r = (start + o_r).to(tl.int64)
+    p_cb = dcb_ptr + i_sg.to(tl.int64) * (Q * Q)
+    m_rn = m_r[:, None] & m_n[None, :]
+    b_bn = tl.load(B_ptr + tok_r[:, None] * (G * N) + i_g * N + o_n[None, :], mask=m_rn, other=0.0)
+    b_cn = tl.load(C_ptr + tok_r[:, None] * (G * N) + i_g * N + o_n[None, :], mask=m_rn, other=0.0)
+
+    # within the segment: dB_j = sum_{i>=j} dcb[i, j] C_i ; dC_i = sum_{j<=i} dcb[i, j] B_j
+    b_db = tl.zeros([BQ, BN], dtype=tl.float32)
+    b_dc = tl.zeros([BQ, BN], dtype=tl.float32)
+    for k0 in range(0, seg_len, BQ):
+        o_k = k0 + tl.arange(0, BQ)
+        m_k = start + o_k < end
+        tok_k = (start + o_k).to(tl.int64)
+        if k0 >= i_m * BQ:
+            b_dcbt = tl.load(p_cb + o_k[None, :] * Q + o_r[:, None])          # [r=j, k=i]
+            b_c = tl.load(C_ptr + tok_k[:, None] * (G * N) + i_g * N + o_n[None, :],
+                          mask=m_k[:, None] & m_n[None, :], other=0.0)
+            b_db = mm(b_dcbt.to(b_c.dtype), b_c, b_db, UPCAST, IEEE)      # [BQ, BQ] @ [BQ, BN]
+        if k0 <= i_m * BQ:
+            b_dcb = tl.load(p_cb + o_r[:, None] * Q + o_k[None, :])           # [r=i, k=j]
+            b_b = tl.load(B_ptr + tok_k[:, None] * (G * N) + i_g * N + o_n[None, :],
+                          mask=m_k[:, None] & m_n[None, :], other=0.0)
+            b_dc = mm(b_dcb.to(b_b.dtype), b_b, b_dc, UPCAST, IEEE)
+
+    # through the states, per head: dH1 into dB (W'), H0 into dC (U)
+    for r in range(R):
+        i_h = i_g * R + r
+        i_sh = i_seg.to(tl.int64) * H + i_h
+        p_seg = i_sh * Q
+        b_acum = tl.load(acum_ptr + p_seg + o_r)
+        acum_last = tl.load(acum_ptr + p_seg + Q - 1)
+        w_end = tl.exp(tl.minimum(acum_last - b_acum, 0.0)) * tl.load(dts_ptr + p_seg + o_r)
+        w_start = tl.exp(tl.minimum(b_acum, 0.0))
+        b_dbh = tl.zeros([BQ, BN], dtype=tl.float32)
+        b_dch = tl.zeros([BQ, BN], dtype=tl.float32)
+        for p0 in range(0, P, BP):
+            o_p = p0 + tl.arange(0, BP)
+            m_p = o_p < P
+            p_rp = tok_r[:, None] * (H * P) + i_h * P + o_p[None, :]
+            b_x = tl.load(x_ptr + p_rp, mask=m_r[:, None] & m_p[None, :], other=0.0)
+            b_dy = tl.load(dy_ptr + p_rp, mask=m_r[:, None] & m_p[None, :], other=0.0)
+            p_pn = i_sh * (P * N) + o_p[:, None] * N + o_n[None, :]
+            m_pn = m_p[:, None] & m_n[None, :]
+            b_dh1 = tl.load(dstates_ptr + p_pn, mask=m_pn, other=0.0)
+            b_h0 = tl.load(states_ptr + p_pn, mask=m_pn, other=0.0)
+            b_dbh = mm((b_x * w_end[:, None]).to(b_x.dtype), b_dh1.to(b_x.dtype), b_dbh, UPCAST, IEEE)
+            b_dch = mm((b_dy * w_start[:, None]).to(b_dy.dtype), b_h0.to(b_dy.dtype), b_dch, UPCAST, IEEE)
+        b_db += b_dbh
+        b_dc += b_dch
+        p_uw = (i_sh * NNB + i_n) * Q + o_r
+        tl.store(uw_part_ptr + p_uw, tl.sum(b_dch * b_cn.to(tl.float32), axis=1))
+        tl.store(uw_part_ptr + NUM_SEGMENTS * H * NNB * Q + p_uw,
+                 tl.sum(b_dbh * b_bn.to(tl.float32), axis=1))
+    p_out = tok_r[:, None] * (G * N) + i_g * N + o_n[None, :]
+    tl.store(dB_ptr + p_out, b_db.to(dB_ptr.dtype.element_ty), mask=m_rn)
+    tl.store(dC_ptr + p_out, b_dc.to(dC_ptr.dtype.element_ty), mask=m_rn)
+
+
+@triton.jit
+def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt_part_ptr, uw_part_ptr,
+                      v_ptr, cu_ptr, off_ptr, ddt_ptr, dA_part_ptr, dbias_part_ptr, L, NSEQ,
+                      dt_min, dt_max,
+                      H: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr, NPB: tl.constexpr,
+                      NNB: tl.constexpr, NT: tl.constexpr, NT_POW2: tl.constexpr,
+                      NUM_SEGMENTS: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, VARLEN: tl.constexpr,
+                      SEARCH_STEPS: tl.constexpr):
+    """Gathers da_k (the gradient of a_k = dt_k A), then ddt (through the clamp and softplus),
+    and the segment's partial sums of dA and ddt_bias, for one (segment, head)."""
+    i_sh = tl.program_id(0)
+    i_seg, i_h = i_sh // H, i_sh % H
+    NQB: tl.constexpr = Q // BQ
+    start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    o_k = tl.arange(0, Q)
+    m_k = start + o_k < end
+    p_sh = i_sh.to(tl.int64)
+    b_intra = tl.zeros([Q], dtype=tl.float32)
+    for i_m in range(0, tl.cdiv(end - start, BQ)):
+        b_intra += tl.where(o_k < (i_m + 1) * BQ, tl.load(intra_ptr + (p_sh * NQB + i_m) * Q + o_k), 0.0)
+    b_direct = tl.zeros([Q], dtype=tl.float32)
+    for i_p in range(NPB):
+        b_direct += tl.load(ddt_part_ptr + (p_sh * NPB + i_p) * Q + o_k)
+    b_u = tl.zeros([Q], dtype=tl.float32)
+    b_w = tl.zeros([Q], dtype=tl.float32)
+    for i_n in range(NNB):
+        b_u += tl.load(uw_part_ptr + (p_sh * NNB + i_n) * Q + o_k)
+        b_w += tl.load(uw_part_ptr + NUM_SEGMENTS * H * NNB * Q + (p_sh * NNB + i_n) * Q + o_k)
+    b_u = tl.where(m_k, b_u, 0.0)
+    b_w = tl.where(m_k, b_w, 0.0)
+    o_t = tl.arange(0, NT_POW2)
+    v = tl.sum(tl.load(v_ptr + p_sh * NT + o_t, mask=o_t < NT, other=0.0), axis=0)
+    suffix_u = tl.sum(b_u, axis=0) - tl.cumsum(b_u, axis=0) + b_u               # sum_{i>=k} U_i
+    prefix_w = tl.cumsum(b_w, axis=0) - b_w                                      # sum_{j<k} W'_j
+    b_da = tl.where(m_k, b_intra + suffix_u + v + prefix_w, 0.0)
+    b_dts = tl.load(dts_ptr + p_sh * Q + o_k)
+    A = tl.load(A_ptr + i_h)
+    b_ddt = tl.where(m_k, b_direct + A * b_da, 0.0)
+    tl.store(dA_part_ptr + p_sh, tl.sum(b_dts * b_da, axis=0))
+
+    # through the dt transform: clamp (passes at the bounds) and softplus (threshold 20)
+    tok = (start + o_k).to(tl.int64)
+    b_u_in = tl.load(dt_ptr + tok * H + i_h, mask=m_k, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        b_u_in += tl.load(bias_ptr + i_h)
+    if SOFTPLUS:
+        b_val = tl.where(b_u_in > 20.0, b_u_in,
+                         tl.maximum(b_u_in, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_u_in))))
+        b_ddt *= tl.where(b_u_in > 20.0, 1.0, tl.sigmoid(b_u_in))
+    else:
+        b_val = b_u_in
+    b_ddt = tl.where((b_val >= dt_min) & (b_val <= dt_max) & m_k, b_ddt, 0.0)
+    tl.store(ddt_ptr + tok * H + i_h, b_ddt.to(ddt_ptr.dtype.element_ty), mask=m_k)
+    if HAS_BIAS:
+        tl.store(dbias_part_ptr + p_sh, tl.sum(b_ddt, axis=0))
+
+
+@triton.jit
+def ssd_param_reduce_kernel(dA_part_ptr, dbias_part_ptr, dD_part_ptr, dA_ptr, dbias_ptr, dD_ptr,
+                            NUM_SEGMENTS, H: tl.constexpr, P: tl.constexpr, NQB: tl.constexpr,
+                            BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
+                            ACCUMULATE: tl.constexpr):
+    """dA, ddt_bias, dD: fixed-order sums of the per-segment partials (+= when accumulating)."""
+    i_h = tl.program_id(0)
+    o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    m_h = o_h < H
+    b_da = tl.zeros([BLOCK_H], dtype=tl.float32)
+    b_db = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for seg in range(0, NUM_SEGMENTS):
+        b_da += tl.load(dA_part_ptr + seg * H + o_h, mask=m_h, other=0.0)
+        if HAS_BIAS:
+            b_db += tl.load(dbias_part_ptr + seg * H + o_h, mask=m_h, other=0.0)
+    if ACCUMULATE:
+        b_da += tl.load(dA_ptr + o_h, mask=m_h, other=0.0)
+    tl.store(dA_ptr + o_h, b_da, mask=m_h)
+    if HAS_BIAS:
+        if ACCUMULATE:
+            b_db += tl.load(dbias_ptr + o_h, mask=m_h, other=0.0)
+        tl.store(dbias_ptr + o_h, b_db, mask=m_h)
+    if HAS_D:
+        o_p = tl.arange(0, BLOCK_P)
+        m_hp = m_h[:, None] & (o_p < P)[None, :]
+        b_dd = tl.zeros([BLOCK_H, BLOCK_P], dtype=tl.float32)
+        for k in range(0, NUM_SEGMENTS * NQB):
+            seg = k // NQB
+            i_m = k - seg * NQB
+            b_dd += tl.load(dD_part_ptr + ((seg * H + o_h[:, None]) * NQB + i_m) * P + o_p[None, :],
+                            mask=m_hp, other=0.0)
+        if D_PER_CHANNEL:
+            p_dd = dD_ptr + o_h[:, None] * P + o_p[None, :]
+            if ACCUMULATE:
+                b_dd += tl.load(p_dd, mask=m_hp, other=0.0)
+            tl.store(p_dd, b_dd, mask=m_hp)
+        else:
+            b_ddh = tl.sum(b_dd, axis=1)
+            if ACCUMULATE:
+                b_ddh += tl.load(dD_ptr + o_h, mask=m_h, other=0.0)
+            tl.store(dD_ptr + o_h, b_ddh, mask=m_h)

@@ -1,0 +1,57 @@
+"""Carving one caller buffer (workspace, saved state) into typed pieces.
+
+Pieces start at 128-byte aligned offsets. ``Layout.carve`` returns ``Region``s: a launcher passes
+a region to a GPU kernel as a raw address (no tensor is made: execute dispatches no torch
+operator), and to the CPU interpreter as a tensor view.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+PIECE_ALIGNMENT = 128
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype, device="meta").element_size()
+
+
+class Region(NamedTuple):
+    """``numel`` elements of ``dtype`` at byte ``offset`` of ``buffer``."""
+
+    buffer: torch.Tensor
+    offset: int
+    dtype: torch.dtype
+    numel: int
+
+    def address(self) -> int:
+        return self.buffer.data_ptr() + self.offset
+
+    def tensor(self) -> torch.Tensor:
+        """A view (allocates nothing; dispatches torch operators: for CPU paths and tests)."""
+        size = _element_size(self.dtype)
+        return self.buffer[self.offset:self.offset + self.numel * size].view(self.dtype)
+
+
+class Layout:
+    """Named pieces (dtype, element count) of one byte buffer, in order."""
+
+    def __init__(self, pieces) -> None:
+        self.offsets: dict[str, tuple[int, torch.dtype, int]] = {}
+        cursor = 0
+        for name, dtype, numel in pieces:
+            if numel <= 0:
+                continue
+            cursor = -(-cursor // PIECE_ALIGNMENT) * PIECE_ALIGNMENT
+            self.offsets[name] = (cursor, dtype, numel)
+            cursor += numel * _element_size(dtype)
+        self.size = cursor
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.offsets
+
+    def carve(self, buffer: torch.Tensor, name: str) -> Region:
+        offset, dtype, numel = self.offsets[name]
+        return Region(buffer, offset, dtype, numel)

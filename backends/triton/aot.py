@@ -16,7 +16,7 @@ from fusedops._backend import triton_interpreter_active
 from .compiler import resource_usage
 
 # Every Triton operator module lists its production specialisations in ``aot_specs()``.
-OPERATOR_MODULES = ("fusedops.backends.triton.engram",)
+OPERATOR_MODULES = ("fusedops.backends.triton.engram", "fusedops.backends.triton.mamba2")
 
 
 def all_specs():

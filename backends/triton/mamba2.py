@@ -199,7 +199,8 @@ def backward_workspace(problem) -> Layout:
         ("dcb", torch.float32, S * G * Q * Q),
         ("intra", torch.float32, S * H * c["NQB"] * Q),
         ("ddt_part", torch.float32, S * H * c["NPB"] * Q),
-        ("uw", torch.float32, 2 * S * H * c["NNB"] * Q),
+        ("u", torch.float32, S * H * c["NNB"] * Q),
+        ("w", torch.float32, S * H * c["NNB"] * Q),
         ("v", torch.float32, S * H * c["NT"]),
         ("dD_part", torch.float32, S * H * c["NQB"] * P if problem.has_D else 0),
         ("dA_part", torch.float32, S * H),
@@ -223,7 +224,7 @@ def backward_specs(problem) -> dict[str, KernelSpec]:
     specs["dstates"] = _spec(
         bwd_kernels.ssd_dstates_kernel,
         (("dy_ptr", xt), ("C_ptr", xt), ("acum_ptr", "*fp32"), *seg, ("dstates_ptr", "*fp32"), *tail),
-        dict(H=H, G=G, P=P, N=N, Q=Q, BP=t.BP, BN=t.BN, BK=t.BQ, **common, **_numerics(problem)))
+        dict(H=H, G=G, P=P, N=N, Q=Q, BP=t.BP, BN=t.BN, BK=t.BQ, **common, **_numerics(problem)), warps=8)
     specs["state_passing_bwd"] = _spec(
         bwd_kernels.ssd_state_passing_bwd_kernel,
         (("dstates_ptr", "*fp32"), ("states_ptr", "*fp32"), ("acum_ptr", "*fp32"),
@@ -237,35 +238,34 @@ def backward_specs(problem) -> dict[str, KernelSpec]:
          ("acum_ptr", "*fp32"), ("dstates_ptr", "*fp32"), ("D_ptr", "*fp32"), *seg, ("dx_ptr", xt),
          ("ddt_part_ptr", "*fp32"), ("dD_part_ptr", "*fp32"), *tail),
         dict(H=H, G=G, P=P, N=N, Q=Q, BQ=t.BQ, BP=t.BP, BN=t.BN, HAS_D=problem.has_D,
-             D_PER_CHANNEL=problem.D_per_channel, **common, **_numerics(problem)))
+             D_PER_CHANNEL=problem.D_per_channel, **common, **_numerics(problem)), warps=8)
     specs["dcb"] = _spec(
         bwd_kernels.ssd_dcb_kernel,
         (("x_ptr", xt), ("dy_ptr", xt), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"), *seg,
          ("dcb_ptr", "*fp32"), *tail),
-        dict(H=H, G=G, P=P, Q=Q, BQ=t.BQ, BP=t.BP, **common, **_numerics(problem)))
+        dict(H=H, G=G, P=P, Q=Q, BQ=t.BQ, BP=t.BP, **common, **_numerics(problem)), warps=8)
     specs["dacs_intra"] = _spec(
         bwd_kernels.ssd_dacs_intra_kernel,
         (("x_ptr", xt), ("dy_ptr", xt), ("cb_ptr", "*fp32"), ("dts_ptr", "*fp32"),
          ("acum_ptr", "*fp32"), *seg, ("part_ptr", "*fp32"), *tail),
-        dict(H=H, G=G, P=P, Q=Q, BQ=t.BQ, BP=t.BP, **common, **_numerics(problem)))
-    specs["dbc"] = _spec(
-        bwd_kernels.ssd_dbc_kernel,
-        (("x_ptr", xt), ("dy_ptr", xt), ("B_ptr", xt), ("C_ptr", xt), ("dcb_ptr", "*fp32"),
-         ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"), ("states_ptr", "*fp32"),
-         ("dstates_ptr", "*fp32"), *seg, ("dB_ptr", xt), ("dC_ptr", xt), ("uw_part_ptr", "*fp32"),
-         *tail),
-        dict(H=H, G=G, P=P, N=N, Q=Q, BQ=t.BQ, BP=t.BP, BN=t.BN, NUM_SEGMENTS=problem.max_segments,
-             **common, **_numerics(problem)))
+        dict(H=H, G=G, P=P, Q=Q, BQ=t.BQ, BP=t.BP, **common, **_numerics(problem)), warps=8)
+    for name, grad_b in (("dB", True), ("dC", False)):
+        specs[name] = _spec(
+            bwd_kernels.ssd_dbc_kernel,
+            (("x_ptr", xt), ("dy_ptr", xt), ("B_ptr", xt), ("C_ptr", xt), ("dcb_ptr", "*fp32"),
+             ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"), ("states_ptr", "*fp32"),
+             ("dstates_ptr", "*fp32"), *seg, ("out_ptr", xt), ("uw_part_ptr", "*fp32"), *tail),
+            dict(H=H, G=G, P=P, N=N, Q=Q, BQ=t.BQ, BP=t.BP, BN=t.BN, GRAD_B=grad_b, **common,
+                 **_numerics(problem)), warps=8)
     specs["dt_bwd"] = _spec(
         bwd_kernels.ssd_dt_bwd_kernel,
         (("dt_ptr", dtt), ("A_ptr", "*fp32"), ("bias_ptr", "*fp32"), ("dts_ptr", "*fp32"),
          ("acum_ptr", "*fp32"), ("intra_ptr", "*fp32"), ("ddt_part_ptr", "*fp32"),
-         ("uw_part_ptr", "*fp32"), ("v_ptr", "*fp32"), *seg, ("ddt_ptr", dtt),
+         ("u_part_ptr", "*fp32"), ("w_part_ptr", "*fp32"), ("v_ptr", "*fp32"), *seg, ("ddt_ptr", dtt),
          ("dA_part_ptr", "*fp32"), ("dbias_part_ptr", "*fp32"), *tail, ("dt_min", "fp32"),
          ("dt_max", "fp32")),
         dict(H=H, Q=Q, BQ=t.BQ, NPB=c["NPB"], NNB=c["NNB"], NT=c["NT"],
-             NT_POW2=triton.next_power_of_2(c["NT"]), NUM_SEGMENTS=problem.max_segments,
-             HAS_BIAS=problem.has_dt_bias, SOFTPLUS=problem.dt_softplus, **common))
+             NT_POW2=triton.next_power_of_2(c["NT"]), HAS_BIAS=problem.has_dt_bias, SOFTPLUS=problem.dt_softplus, **common))
     specs["param_reduce"] = _spec(
         bwd_kernels.ssd_param_reduce_kernel,
         (("dA_part_ptr", "*fp32"), ("dbias_part_ptr", "*fp32"), ("dD_part_ptr", "*fp32"),
@@ -288,7 +288,7 @@ def backward_grids(problem) -> dict[str, tuple[int, int, int]]:
                  dx=(S * H, c["NPB"], c["NQB"]),
                  dcb=(S * G, c["NQB"] ** 2, 1),
                  dacs_intra=(S * H, c["NQB"], 1),
-                 dbc=(S * G, c["NQB"], c["NNB"]),
+                 dB=(S * G, c["NQB"], c["NNB"]), dC=(S * G, c["NQB"], c["NNB"]),
                  dt_bwd=(S * H, 1, 1),
                  param_reduce=(triton.cdiv(H, min(16, triton.next_power_of_2(H))), 1, 1))
     return grids
@@ -343,13 +343,34 @@ def backward_launcher(problem):
         launch["dcb"](x, dy, r["dts"], r["acum"], cu, offsets, r["dcb"], L, nseq, stream=stream)
         launch["dacs_intra"](x, dy, r["cb"], r["dts"], r["acum"], cu, offsets, r["intra"], L, nseq,
                              stream=stream)
-        launch["dbc"](x, dy, t["B"], t["C"], r["dcb"], r["dts"], r["acum"], states, r["dstates"],
-                      cu, offsets, t["dB"], t["dC"], r["uw"], L, nseq, stream=stream)
+        launch["dB"](x, dy, t["B"], t["C"], r["dcb"], r["dts"], r["acum"], states, r["dstates"],
+                     cu, offsets, t["dB"], r["w"], L, nseq, stream=stream)
+        launch["dC"](x, dy, t["B"], t["C"], r["dcb"], r["dts"], r["acum"], states, r["dstates"],
+                     cu, offsets, t["dC"], r["u"], L, nseq, stream=stream)
         dbias_part = r["dbias_part"] if problem.has_dt_bias else r["dA_part"]
-        launch["dt_bwd"](t["dt"], A, bias, r["dts"], r["acum"], r["intra"], r["ddt_part"], r["uw"],
-                         r["v"], cu, offsets, t["ddt"], r["dA_part"], dbias_part, L, nseq, lo, hi,
+        launch["dt_bwd"](t["dt"], A, bias, r["dts"], r["acum"], r["intra"], r["ddt_part"], r["u"],
+                         r["w"], r["v"], cu, offsets, t["ddt"], r["dA_part"], dbias_part, L, nseq, lo, hi,
                          stream=stream)
         launch["param_reduce"](r["dA_part"], dbias_part, dD_part, t["dA"],
                                t["ddt_bias"] if problem.has_dt_bias else t["dA"],
                                t["dD"] if problem.has_D else t["dA"], S, stream=stream)
     return run
+
+
+def aot_specs():
+    """(label, KernelSpec) of every forward and backward kernel at Nemotron-H shapes (h=128,
+    p=64, n=128, g=8, bf16, chunk 128 and 256, all options), packed sequences, and p = 80."""
+    from fusedops.mamba2 import ScanProblem
+    cpu = torch.device("cpu")
+    base = ScanProblem(torch.bfloat16, torch.bfloat16, 2, 8192, 128, 64, 8, 128, 256, None, True,
+                       False, True, True, True, (0.0, math.inf), True, False, False, True, cpu)
+    variants = (("h128 p64 n128 Q256", base),
+                ("h128 p64 n128 Q128", ScanProblem(**{**base.__dict__, "chunk": 128})),
+                ("varlen Q256", ScanProblem(**{**base.__dict__, "batch": 1, "num_sequences": 64})),
+                ("p80 Q128", ScanProblem(**{**base.__dict__, "head_dim": 80, "chunk": 128,
+                                            "D_per_channel": True})))
+    for label, problem in variants:
+        specs = backward_specs(problem)
+        specs["chunk_scan"] = forward_specs(problem)["chunk_scan"]
+        for name, spec in specs.items():
+            yield f"scan {name} {label}", spec

@@ -254,13 +254,17 @@ def ssd_dacs_intra_kernel(x_ptr, dy_ptr, cb_ptr, dts_ptr, acum_ptr, cu_ptr, off_
 
 @triton.jit
 def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dcb_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr,
-                   cu_ptr, off_ptr, dB_ptr, dC_ptr, uw_part_ptr, L, NSEQ,
+                   cu_ptr, off_ptr, out_ptr, uw_part_ptr, L, NSEQ,
                    H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                    Q: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                   NUM_SEGMENTS: tl.constexpr, VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                   GRAD_B: tl.constexpr, VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
                    UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """dB and dC of one row block and state tile, summed over the group's heads; per head, the
-    U (rows as i) and W' (rows as j) partial sums over the state tile."""
+    """dB (GRAD_B) or dC of one row block and state tile, summed over the group's heads, and per
+    head the W' (dB: rows as j) or U (dC: rows as i) partial sums over the state tile.
+
+    dB_j = sum_{i>=j} dcb[i, j] C_i + sum_h exp(Acum_last - Acum_j) dt_j x_j @ dH1
+    dC_i = sum_{j<=i} dcb[i, j] B_j + sum_h exp(Acum_i) dy_i @ H0
+    """
     i_sg, i_m, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_seg, i_g = i_sg // G, i_sg % G
     NNB: tl.constexpr = (N + BN - 1) // BN
@@ -273,70 +277,67 @@ def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dcb_ptr, dts_ptr, acum_ptr, stat
     o_n = i_n * BN + tl.arange(0, BN)
     m_r, m_n = start + o_r < end, o_n < N
     tok_r = (start + o_r).to(tl.int64)
-    p_cb = dcb_ptr + i_sg.to(tl.int64) * (Q * Q)
     m_rn = m_r[:, None] & m_n[None, :]
-    b_bn = tl.load(B_ptr + tok_r[:, None] * (G * N) + i_g * N + o_n[None, :], mask=m_rn, other=0.0)
-    b_cn = tl.load(C_ptr + tok_r[:, None] * (G * N) + i_g * N + o_n[None, :], mask=m_rn, other=0.0)
+    p_cb = dcb_ptr + i_sg.to(tl.int64) * (Q * Q)
+    if GRAD_B:
+        other_ptr, own_ptr = C_ptr, B_ptr           # sums over the later rows i, pairs with B_j
+        k_lo, k_hi = i_m * BQ, seg_len
+    else:
+        other_ptr, own_ptr = B_ptr, C_ptr           # sums over the earlier rows j, pairs with C_i
+        k_lo, k_hi = 0, tl.minimum((i_m + 1) * BQ, seg_len)
+    b_own = tl.load(own_ptr + tok_r[:, None] * (G * N) + i_g * N + o_n[None, :], mask=m_rn,
+                    other=0.0).to(tl.float32)
 
-    # within the segment: dB_j = sum_{i>=j} dcb[i, j] C_i ; dC_i = sum_{j<=i} dcb[i, j] B_j
-    b_db = tl.zeros([BQ, BN], dtype=tl.float32)
-    b_dc = tl.zeros([BQ, BN], dtype=tl.float32)
-    for k0 in range(0, seg_len, BQ):
+    b_acc = tl.zeros([BQ, BN], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BQ):
         o_k = k0 + tl.arange(0, BQ)
         m_k = start + o_k < end
         tok_k = (start + o_k).to(tl.int64)
-        if k0 >= i_m * BQ:
-            b_dcbt = tl.load(p_cb + o_k[None, :] * Q + o_r[:, None])          # [r=j, k=i]
-            b_c = tl.load(C_ptr + tok_k[:, None] * (G * N) + i_g * N + o_n[None, :],
+        if GRAD_B:
+            b_w = tl.load(p_cb + o_k[None, :] * Q + o_r[:, None])            # [r=j, k=i]
+        else:
+            b_w = tl.load(p_cb + o_r[:, None] * Q + o_k[None, :])            # [r=i, k=j]
+        b_other = tl.load(other_ptr + tok_k[:, None] * (G * N) + i_g * N + o_n[None, :],
                           mask=m_k[:, None] & m_n[None, :], other=0.0)
-            b_db = mm(b_dcbt.to(b_c.dtype), b_c, b_db, UPCAST, IEEE)      # [BQ, BQ] @ [BQ, BN]
-        if k0 <= i_m * BQ:
-            b_dcb = tl.load(p_cb + o_r[:, None] * Q + o_k[None, :])           # [r=i, k=j]
-            b_b = tl.load(B_ptr + tok_k[:, None] * (G * N) + i_g * N + o_n[None, :],
-                          mask=m_k[:, None] & m_n[None, :], other=0.0)
-            b_dc = mm(b_dcb.to(b_b.dtype), b_b, b_dc, UPCAST, IEEE)
+        b_acc = mm(b_w.to(b_other.dtype), b_other, b_acc, UPCAST, IEEE)    # [BQ, BQ] @ [BQ, BN]
 
-    # through the states, per head: dH1 into dB (W'), H0 into dC (U)
     for r in range(R):
         i_h = i_g * R + r
         i_sh = i_seg.to(tl.int64) * H + i_h
         p_seg = i_sh * Q
         b_acum = tl.load(acum_ptr + p_seg + o_r)
-        acum_last = tl.load(acum_ptr + p_seg + Q - 1)
-        w_end = tl.exp(tl.minimum(acum_last - b_acum, 0.0)) * tl.load(dts_ptr + p_seg + o_r)
-        w_start = tl.exp(tl.minimum(b_acum, 0.0))
-        b_dbh = tl.zeros([BQ, BN], dtype=tl.float32)
-        b_dch = tl.zeros([BQ, BN], dtype=tl.float32)
+        if GRAD_B:
+            acum_last = tl.load(acum_ptr + p_seg + Q - 1)
+            b_scale = tl.exp(tl.minimum(acum_last - b_acum, 0.0)) * tl.load(dts_ptr + p_seg + o_r)
+        else:
+            b_scale = tl.exp(tl.minimum(b_acum, 0.0))
+        b_head = tl.zeros([BQ, BN], dtype=tl.float32)
         for p0 in range(0, P, BP):
             o_p = p0 + tl.arange(0, BP)
             m_p = o_p < P
             p_rp = tok_r[:, None] * (H * P) + i_h * P + o_p[None, :]
-            b_x = tl.load(x_ptr + p_rp, mask=m_r[:, None] & m_p[None, :], other=0.0)
-            b_dy = tl.load(dy_ptr + p_rp, mask=m_r[:, None] & m_p[None, :], other=0.0)
             p_pn = i_sh * (P * N) + o_p[:, None] * N + o_n[None, :]
             m_pn = m_p[:, None] & m_n[None, :]
-            b_dh1 = tl.load(dstates_ptr + p_pn, mask=m_pn, other=0.0)
-            b_h0 = tl.load(states_ptr + p_pn, mask=m_pn, other=0.0)
-            b_dbh = mm((b_x * w_end[:, None]).to(b_x.dtype), b_dh1.to(b_x.dtype), b_dbh, UPCAST, IEEE)
-            b_dch = mm((b_dy * w_start[:, None]).to(b_dy.dtype), b_h0.to(b_dy.dtype), b_dch, UPCAST, IEEE)
-        b_db += b_dbh
-        b_dc += b_dch
-        p_uw = (i_sh * NNB + i_n) * Q + o_r
-        tl.store(uw_part_ptr + p_uw, tl.sum(b_dch * b_cn.to(tl.float32), axis=1))
-        tl.store(uw_part_ptr + NUM_SEGMENTS * H * NNB * Q + p_uw,
-                 tl.sum(b_dbh * b_bn.to(tl.float32), axis=1))
-    p_out = tok_r[:, None] * (G * N) + i_g * N + o_n[None, :]
-    tl.store(dB_ptr + p_out, b_db.to(dB_ptr.dtype.element_ty), mask=m_rn)
-    tl.store(dC_ptr + p_out, b_dc.to(dC_ptr.dtype.element_ty), mask=m_rn)
+            if GRAD_B:
+                b_rows = tl.load(x_ptr + p_rp, mask=m_r[:, None] & m_p[None, :], other=0.0)
+                b_state = tl.load(dstates_ptr + p_pn, mask=m_pn, other=0.0)
+            else:
+                b_rows = tl.load(dy_ptr + p_rp, mask=m_r[:, None] & m_p[None, :], other=0.0)
+                b_state = tl.load(states_ptr + p_pn, mask=m_pn, other=0.0)
+            b_head = mm((b_rows * b_scale[:, None]).to(b_rows.dtype), b_state.to(b_rows.dtype),
+                        b_head, UPCAST, IEEE)                               # [BQ, BP] @ [BP, BN]
+        b_acc += b_head
+        tl.store(uw_part_ptr + (i_sh * NNB + i_n) * Q + o_r, tl.sum(b_head * b_own, axis=1))
+    tl.store(out_ptr + tok_r[:, None] * (G * N) + i_g * N + o_n[None, :],
+             b_acc.to(out_ptr.dtype.element_ty), mask=m_rn)
 
 
 @triton.jit
-def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt_part_ptr, uw_part_ptr,
-                      v_ptr, cu_ptr, off_ptr, ddt_ptr, dA_part_ptr, dbias_part_ptr, L, NSEQ,
+def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt_part_ptr, u_part_ptr,
+                      w_part_ptr, v_ptr, cu_ptr, off_ptr, ddt_ptr, dA_part_ptr, dbias_part_ptr, L, NSEQ,
                       dt_min, dt_max,
                       H: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr, NPB: tl.constexpr,
                       NNB: tl.constexpr, NT: tl.constexpr, NT_POW2: tl.constexpr,
-                      NUM_SEGMENTS: tl.constexpr,
                       HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, VARLEN: tl.constexpr,
                       SEARCH_STEPS: tl.constexpr):
     """Gathers da_k (the gradient of a_k = dt_k A), then ddt (through the clamp and softplus),
@@ -357,8 +358,8 @@ def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt
     b_u = tl.zeros([Q], dtype=tl.float32)
     b_w = tl.zeros([Q], dtype=tl.float32)
     for i_n in range(NNB):
-        b_u += tl.load(uw_part_ptr + (p_sh * NNB + i_n) * Q + o_k)
-        b_w += tl.load(uw_part_ptr + NUM_SEGMENTS * H * NNB * Q + (p_sh * NNB + i_n) * Q + o_k)
+        b_u += tl.load(u_part_ptr + (p_sh * NNB + i_n) * Q + o_k)
+        b_w += tl.load(w_part_ptr + (p_sh * NNB + i_n) * Q + o_k)
     b_u = tl.where(m_k, b_u, 0.0)
     b_w = tl.where(m_k, b_w, 0.0)
     o_t = tl.arange(0, NT_POW2)

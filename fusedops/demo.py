@@ -12,28 +12,33 @@ from . import __version__
 from ._backend import BACKENDS, toolchain_unavailable_reason, triton_interpreter_active
 from .engram import EngramGateSavedBackward, EngramGateSavedForward
 from .errors import UnsupportedError
+from .mamba2 import Mamba2ChunkScanBackward, Mamba2ChunkScanForward
 
-# max|error| / max|reference| allowed for a bf16 result (one rounding, u = 2^-9, with slack)
-BF16_LIMIT = 1.6e-2
-FP32_LIMIT = 1e-4
+# relative L2 error allowed against the float64 reference, by what the backend's numerics are
+ONE_BF16_ROUNDING = 8e-3      # fp32 math, each bf16 output rounded once
+BF16_OPERANDS = 2.5e-2        # tensor-core products with bf16 operands (the scan kernels)
+FP32 = 1e-4
 
 
 @dataclass
 class Row:
     op: str
     backend: str
-    device: str
     shape: str
     fwd_err: float
     bwd_err: float
     fwd_ms: float
     bwd_ms: float
-    ok: bool
+    limit: float
+
+    @property
+    def ok(self) -> bool:
+        return self.fwd_err <= self.limit and self.bwd_err <= self.limit
 
 
-def _max_rel(actual, expected) -> float:
+def _rel_l2(actual, expected) -> float:
     a, e = actual.double().cpu(), expected.double().cpu()
-    return ((a - e).abs().max() / e.abs().max().clamp_min(1e-300)).item()
+    return ((a - e).norm() / e.norm().clamp_min(1e-300)).item()
 
 
 def _timed(fn, device) -> float:
@@ -46,10 +51,21 @@ def _timed(fn, device) -> float:
     return (time.perf_counter() - start) * 1e3
 
 
-def _gate_plans(t, backend):
+def _label(backend: str, device: torch.device) -> str:
+    return backend + (" (interpreter)" if device.type == "cpu" and backend == "triton" else "")
+
+
+def _as_reference(tensors: dict) -> dict:
+    return {k: (v.detach().cpu().double() if v is not None and v.is_floating_point() else
+                (v.cpu() if v is not None else None)) for k, v in tensors.items()}
+
+
+# -- Engram gate -------------------------------------------------------------------------------
+def _gate(t, backend):
     fwd = EngramGateSavedForward(t["x"], t["kv"], t["weight"], t["mask"], backend=backend).compile()
-    out, saved = torch.empty_like(t["x"]), torch.empty(fwd.saved_desc.shape, dtype=fwd.saved_desc.dtype,
-                                                        device=t["x"].device)
+    dev = t["x"].device
+    out = torch.empty_like(t["x"])
+    saved = torch.empty(fwd.saved_desc.shape, dtype=fwd.saved_desc.dtype, device=dev)
     bwd = EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved, t["grad_out"], backend=backend).compile()
     grads = [torch.empty_like(t["x"]), torch.empty_like(t["kv"]), torch.empty_like(t["weight"])]
     ws = bwd.allocate_workspace()
@@ -57,37 +73,80 @@ def _gate_plans(t, backend):
     run_b = lambda: bwd.execute(t["x"], t["kv"], t["weight"], saved, t["grad_out"], *grads, ws)  # noqa: E731
     run_f()
     run_b()
-    return run_f, run_b, out, saved, grads
+    return run_f, run_b, [out, saved], grads
 
 
-def gate_rows(device: torch.device, backends) -> list[Row]:
-    if device.type == "cuda":
-        shapes = {"any": (8192, 4, 5120)}
-    else:
-        shapes = {"torch": (256, 4, 1024), "triton": (8, 4, 256)}
+def gate_rows(device, backends) -> list[Row]:
+    shapes = {"torch": (256, 4, 1024), "triton": (8, 4, 256)} if device.type == "cpu" else {}
     rows = []
     for backend in backends:
-        n, s, d = shapes.get(backend, shapes.get("any"))
+        n, s, d = shapes.get(backend, (8192, 4, 5120))
         gen = torch.Generator().manual_seed(0)
         t = dict(x=torch.randn(n, s, d, generator=gen), kv=torch.randn(n, (s + 1) * d, generator=gen),
                  weight=1 + 0.2 * torch.randn(s, d, generator=gen), mask=torch.rand(n, generator=gen) > 0.2,
                  grad_out=torch.randn(n, s, d, generator=gen))
         low = {k: v.to(device, torch.bfloat16 if k in ("x", "kv", "grad_out") else v.dtype) for k, v in t.items()}
-        ref = {k: (v.to(torch.float64) if v.is_floating_point() else v) for k, v in low.items()}
-        ref = {k: v.cpu() for k, v in ref.items()}
         try:
-            run_f, run_b, out, saved, grads = _gate_plans(low, backend)
+            run_f, run_b, outs, grads = _gate(low, backend)
         except UnsupportedError as error:
             print(f"  engram gate on {backend}: not run ({error})")
             continue
-        _, _, ref_out, ref_saved, ref_grads = _gate_plans(ref, "torch")
-        fwd_ms, bwd_ms = _timed(run_f, device), _timed(run_b, device)
-        fwd_err = _max_rel(out, ref_out)
-        bwd_err = max(_max_rel(a, b) for a, b in zip(grads[:2], ref_grads[:2]))
-        fp32_err = max(_max_rel(saved, ref_saved), _max_rel(grads[2], ref_grads[2]))
-        ok = fwd_err <= BF16_LIMIT and bwd_err <= BF16_LIMIT and fp32_err <= FP32_LIMIT
-        rows.append(Row("engram gate", backend + (" (interpreter)" if device.type == "cpu" and backend == "triton" else ""),
-                        str(device), f"N={n} S={s} D={d} bf16", fwd_err, max(bwd_err, fp32_err), fwd_ms, bwd_ms, ok))
+        _, _, ref_outs, ref_grads = _gate(_as_reference(low), "torch")
+        rows.append(Row("engram gate", _label(backend, device), f"N={n} S={s} D={d} bf16",
+                        max(_rel_l2(a, b) for a, b in zip(outs, ref_outs)),
+                        max(_rel_l2(a, b) for a, b in zip(grads, ref_grads)),
+                        _timed(run_f, device), _timed(run_b, device), ONE_BF16_ROUNDING))
+    return rows
+
+
+# -- Mamba2 chunked scan -----------------------------------------------------------------------
+def _scan(t, opts, dy, chunk, backend):
+    core = [t[k] for k in ("x", "dt", "A", "B", "C")]
+    options = dict(chunk_size=chunk, dt_softplus=True, backend=backend)
+    fwd = Mamba2ChunkScanForward(*core, **opts, **options).compile()
+    dev = t["x"].device
+    y = torch.empty_like(t["x"])
+    fin = torch.empty(fwd.desc("final_states").shape, dtype=fwd.desc("final_states").dtype, device=dev)
+    saved, wf = fwd.allocate_saved(), fwd.allocate_workspace()
+    bwd = Mamba2ChunkScanBackward(*core, dy, **opts, **options).compile()
+    grads = {k: torch.empty(bwd.desc(k).shape, dtype=bwd.desc(k).dtype, device=dev) for k in bwd.gradient_names}
+    wb = bwd.allocate_workspace()
+    run_f = lambda: fwd.execute(*core, y, fin, saved, **opts, workspace=wf)  # noqa: E731
+    run_b = lambda: bwd.execute(*core, dy, saved, **grads, **opts, workspace=wb)  # noqa: E731
+    run_f()
+    run_b()
+    return run_f, run_b, [y, fin], list(grads.values())
+
+
+def scan_rows(device, backends) -> list[Row]:
+    shapes = ({"torch": (1, 512, 8, 32, 2, 32, 64), "triton": (1, 40, 2, 16, 1, 16, 16)}
+              if device.type == "cpu" else {})
+    rows = []
+    for backend in backends:
+        b, l, h, p, g, n, chunk = shapes.get(backend, (2, 4096, 128, 64, 8, 128, 256))
+        gen = torch.Generator().manual_seed(1)
+        rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+        dtype = torch.bfloat16
+        t = {k: v.to(device) for k, v in dict(
+            x=rnd(b, l, h, p).to(dtype), dt=rnd(b, l, h).to(dtype), A=-0.5 - torch.rand(h, generator=gen),
+            B=rnd(b, l, g, n).to(dtype), C=rnd(b, l, g, n).to(dtype)).items()}
+        opts = {k: v.to(device) for k, v in dict(D=rnd(h), z=rnd(b, l, h, p).to(dtype), dt_bias=rnd(h),
+                                                 initial_states=rnd(b, h, p, n)).items()}
+        dy = rnd(b, l, h, p).to(dtype).to(device)
+        try:
+            run_f, run_b, outs, grads = _scan(t, opts, dy, chunk, backend)
+        except UnsupportedError as error:
+            print(f"  mamba2 scan on {backend}: not run ({error})")
+            continue
+        ref = _as_reference({**t, **opts, "dy": dy})
+        _, _, ref_outs, ref_grads = _scan({k: ref[k] for k in t}, {k: ref[k] for k in opts}, ref["dy"],
+                                          chunk, "torch")
+        rows.append(Row("mamba2 scan", _label(backend, device),
+                        f"b={b} l={l} h={h} p={p} n={n} Q={chunk} bf16",
+                        max(_rel_l2(a, r) for a, r in zip(outs, ref_outs)),
+                        max(_rel_l2(a, r) for a, r in zip(grads, ref_grads)),
+                        _timed(run_f, device), _timed(run_b, device),
+                        ONE_BF16_ROUNDING if backend == "torch" else BF16_OPERANDS))
     return rows
 
 
@@ -98,18 +157,18 @@ def runnable(device: torch.device) -> list[str]:
 def run_demo() -> int:
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     print(f"fusedops {__version__} demo on {device} ({_device_label(device)})")
-    print("each operator forward + backward against the float64 torch reference; errors are "
-          "max|error| / max|reference|\n")
-    rows = gate_rows(device, runnable(device))
-    header = f"{'operator':<12} {'backend':<22} {'shape':<24} {'fwd err':>9} {'bwd err':>9} {'fwd ms':>9} {'bwd ms':>9}  result"
+    print("each operator forward + backward against the float64 torch reference; errors are the "
+          "largest relative L2 error over the outputs (fwd) and the gradients (bwd)\n")
+    rows = gate_rows(device, runnable(device)) + scan_rows(device, runnable(device))
+    header = (f"{'operator':<12} {'backend':<21} {'shape':<36} {'fwd err':>9} {'bwd err':>9} "
+              f"{'limit':>8} {'fwd ms':>8} {'bwd ms':>8}  result")
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r.op:<12} {r.backend:<22} {r.shape:<24} {r.fwd_err:>9.2e} {r.bwd_err:>9.2e} "
-              f"{r.fwd_ms:>9.2f} {r.bwd_ms:>9.2f}  {'PASS' if r.ok else 'FAIL'}")
-    print(f"\nlimits: {BF16_LIMIT:g} for bf16 outputs (one rounding after fp32 math), {FP32_LIMIT:g} "
-          "for fp32 outputs (saved, grad_weight). Timings are one warm call, not a benchmark "
-          "(see bench/).")
+        print(f"{r.op:<12} {r.backend:<21} {r.shape:<36} {r.fwd_err:>9.2e} {r.bwd_err:>9.2e} "
+              f"{r.limit:>8.1e} {r.fwd_ms:>8.2f} {r.bwd_ms:>8.2f}  {'PASS' if r.ok else 'FAIL'}")
+    print("\nlimits: one bf16 rounding after fp32 math (8e-3), bf16 operands of tensor-core "
+          "products (2.5e-2). Timings are one warm call, not a benchmark (see bench/).")
     return 0 if rows and all(r.ok for r in rows) else 1
 
 
@@ -133,7 +192,8 @@ def run_check() -> int:
             devices.append(torch.device("cuda", i))
     else:
         print("  CUDA: not available" + (" (Triton interpreter active)" if triton_interpreter_active() else ""))
-    ops = {"engram gate": EngramGateSavedForward.implementations}
+    ops = {"engram gate": EngramGateSavedForward.implementations,
+           "mamba2 scan": Mamba2ChunkScanForward.implementations}
     for device in devices:
         print(f"\nbackends on {device}:")
         for backend in BACKENDS:
@@ -142,6 +202,5 @@ def run_check() -> int:
             if reason is None and served:
                 print(f"  {backend:<7} serves: {', '.join(served)}")
             else:
-                why = reason or "no operator implemented on this backend yet"
-                print(f"  {backend:<7} unavailable: {why}")
+                print(f"  {backend:<7} unavailable: {reason or 'no operator implemented on this backend yet'}")
     return 0

@@ -59,3 +59,9 @@ def test_engram_benchmark_smoke(tmp_path):
     proc = _run("bench/engram_gate.py", "--quick", "--no-compile", "--json", str(tmp_path / "r.json"))
     assert proc.returncode == 0, proc.stderr
     assert "GB/s" in proc.stdout and (tmp_path / "r.json").exists()
+
+
+def test_mamba2_benchmark_smoke(tmp_path):
+    proc = _run("bench/mamba2_scan.py", "--quick", "--json", str(tmp_path / "r.json"))
+    assert proc.returncode == 0, proc.stderr
+    assert "fusedops torch" in proc.stdout and (tmp_path / "r.json").exists()

@@ -98,7 +98,8 @@ def forward_specs(problem) -> dict[str, KernelSpec]:
         fwd_kernels.ssd_segment_state_kernel,
         (("x_ptr", xt), ("B_ptr", xt), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"), *seg[:2],
          ("states_ptr", "*fp32"), *seg[2:]),
-        dict(H=H, G=G, P=P, N=N, Q=Q, BP=t.BP, BN=t.BN, BK=t.BQ, **common, **_numerics(problem)))
+        dict(H=H, G=G, P=P, N=N, Q=Q, BP=t.BP, BN=t.BN, BK=t.BQ, FROM_START=False, **common,
+             **_numerics(problem)))
     specs["state_passing"] = _spec(
         fwd_kernels.ssd_state_passing_kernel,
         (("states_ptr", "*fp32"), ("acum_ptr", "*fp32"), ("h0_ptr", "*fp32"), ("final_ptr", "*fp32"),
@@ -222,9 +223,11 @@ def backward_specs(problem) -> dict[str, KernelSpec]:
                           (("dy_ptr", xt), ("z_ptr", xt), ("ypre_ptr", xt), ("dypre_ptr", xt),
                            ("dz_ptr", xt), ("NUMEL", "i64")), dict(BLOCK=1024))
     specs["dstates"] = _spec(
-        bwd_kernels.ssd_dstates_kernel,
-        (("dy_ptr", xt), ("C_ptr", xt), ("acum_ptr", "*fp32"), *seg, ("dstates_ptr", "*fp32"), *tail),
-        dict(H=H, G=G, P=P, N=N, Q=Q, BP=t.BP, BN=t.BN, BK=t.BQ, **common, **_numerics(problem)), warps=8)
+        fwd_kernels.ssd_segment_state_kernel,
+        (("x_ptr", xt), ("B_ptr", xt), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"), *seg,
+         ("states_ptr", "*fp32"), *tail),
+        dict(H=H, G=G, P=P, N=N, Q=Q, BP=t.BP, BN=t.BN, BK=t.BQ, FROM_START=True, **common,
+             **_numerics(problem)), warps=8)
     specs["state_passing_bwd"] = _spec(
         bwd_kernels.ssd_state_passing_bwd_kernel,
         (("dstates_ptr", "*fp32"), ("states_ptr", "*fp32"), ("acum_ptr", "*fp32"),
@@ -331,7 +334,8 @@ def backward_launcher(problem):
             launch["gate"](dy, t["z"], saved_layout_.carve(saved, "ypre"), r["dypre"], t["dz"], numel,
                            stream=stream)
             dy = r["dypre"]
-        launch["dstates"](dy, t["C"], r["acum"], cu, offsets, r["dstates"], L, nseq, stream=stream)
+        launch["dstates"](dy, t["C"], r["dts"], r["acum"], cu, offsets, r["dstates"], L, nseq,
+                          stream=stream)
         launch["state_passing_bwd"](r["dstates"], states, r["acum"],
                                     t["dfinal_states"] if problem.has_dfinal_states else A,
                                     t["dinitial_states"] if problem.has_initial_states else A,

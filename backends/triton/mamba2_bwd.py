@@ -35,37 +35,6 @@ def ssd_gate_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, NUMEL, BLOCK
 
 
 @triton.jit
-def ssd_dstates_kernel(dy_ptr, C_ptr, acum_ptr, cu_ptr, off_ptr, dstates_ptr, L, NSEQ,
-                       H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                       Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                       VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr,
-                       IEEE: tl.constexpr):
-    """dstates[σ, h] = sum_i exp(Acum_i) dy_i ⊗ C_i  (what dy sends back into H0)."""
-    i_sh, i_p, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_seg, i_h = i_sh // H, i_sh % H
-    i_g = i_h // (H // G)
-    start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
-    o_p = i_p * BP + tl.arange(0, BP)
-    o_n = i_n * BN + tl.arange(0, BN)
-    m_p, m_n = o_p < P, o_n < N
-    p_seg = i_sh.to(tl.int64) * Q
-    b_acc = tl.zeros([BP, BN], dtype=tl.float32)
-    for k0 in range(0, end - start, BK):
-        o_k = k0 + tl.arange(0, BK)
-        m_k = start + o_k < end
-        tok = (start + o_k).to(tl.int64)
-        b_dyt = tl.load(dy_ptr + tok[None, :] * (H * P) + i_h * P + o_p[:, None],
-                        mask=m_p[:, None] & m_k[None, :], other=0.0)
-        b_c = tl.load(C_ptr + tok[:, None] * (G * N) + i_g * N + o_n[None, :],
-                      mask=m_k[:, None] & m_n[None, :], other=0.0)
-        b_w = tl.exp(tl.minimum(tl.load(acum_ptr + p_seg + o_k), 0.0))
-        b_c = (b_c * b_w[:, None]).to(b_dyt.dtype)
-        b_acc = mm(b_dyt, b_c, b_acc, UPCAST, IEEE)                  # [BP, BK] @ [BK, BN]
-    p = i_sh.to(tl.int64) * (P * N) + o_p[:, None] * N + o_n[None, :]
-    tl.store(dstates_ptr + p, b_acc, mask=m_p[:, None] & m_n[None, :])
-
-
-@triton.jit
 def ssd_state_passing_bwd_kernel(dstates_ptr, states_ptr, acum_ptr, dfinal_ptr, dh0_ptr, v_ptr,
                                  off_ptr, L, H: tl.constexpr, PN: tl.constexpr, Q: tl.constexpr,
                                  BLOCK: tl.constexpr, NT: tl.constexpr, HAS_DFINAL: tl.constexpr,
@@ -167,6 +136,22 @@ def ssd_chunk_scan_bwd_dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr
 
 
 @triton.jit
+def dy_xt_tile(dy_ptr, x_ptr, tok_i, tok_j, m_i, m_j, i_h, H: tl.constexpr, P: tl.constexpr,
+               BQ: tl.constexpr, BP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """[BQ, BQ] tile of dy_i·x_j over the head dim, for rows tok_i and columns tok_j."""
+    b_dyx = tl.zeros([BQ, BQ], dtype=tl.float32)
+    for p0 in range(0, P, BP):
+        o_p = p0 + tl.arange(0, BP)
+        m_p = o_p < P
+        b_dy = tl.load(dy_ptr + tok_i[:, None] * (H * P) + i_h * P + o_p[None, :],
+                       mask=m_i[:, None] & m_p[None, :], other=0.0)
+        b_xt = tl.load(x_ptr + tok_j[None, :] * (H * P) + i_h * P + o_p[:, None],
+                       mask=m_p[:, None] & m_j[None, :], other=0.0)
+        b_dyx = mm(b_dy, b_xt, b_dyx, UPCAST, IEEE)                 # [BQ, BP] @ [BP, BQ]
+    return b_dyx
+
+
+@triton.jit
 def ssd_dcb_kernel(x_ptr, dy_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, dcb_ptr, L, NSEQ,
                    H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
                    BQ: tl.constexpr, BP: tl.constexpr, VARLEN: tl.constexpr,
@@ -188,15 +173,7 @@ def ssd_dcb_kernel(x_ptr, dy_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, dcb_ptr, L
     b_dcb = tl.zeros([BQ, BQ], dtype=tl.float32)
     for r in range(R):
         i_h = i_g * R + r
-        b_dyx = tl.zeros([BQ, BQ], dtype=tl.float32)
-        for p0 in range(0, P, BP):
-            o_p = p0 + tl.arange(0, BP)
-            m_p = o_p < P
-            b_dy = tl.load(dy_ptr + tok_i[:, None] * (H * P) + i_h * P + o_p[None, :],
-                           mask=m_i[:, None] & m_p[None, :], other=0.0)
-            b_xt = tl.load(x_ptr + tok_j[None, :] * (H * P) + i_h * P + o_p[:, None],
-                           mask=m_p[:, None] & m_j[None, :], other=0.0)
-            b_dyx = mm(b_dy, b_xt, b_dyx, UPCAST, IEEE)             # [BQ, BP] @ [BP, BQ]
+        b_dyx = dy_xt_tile(dy_ptr, x_ptr, tok_i, tok_j, m_i, m_j, i_h, H, P, BQ, BP, UPCAST, IEEE)
         p_seg = (i_seg * H + i_h).to(tl.int64) * Q
         b_acum_i = tl.load(acum_ptr + p_seg + o_i)
         b_acum_j = tl.load(acum_ptr + p_seg + o_j)
@@ -232,15 +209,7 @@ def ssd_dacs_intra_kernel(x_ptr, dy_ptr, cb_ptr, dts_ptr, acum_ptr, cu_ptr, off_
         o_j = i_n * BQ + tl.arange(0, BQ)
         m_j = start + o_j < end
         tok_j = (start + o_j).to(tl.int64)
-        b_dyx = tl.zeros([BQ, BQ], dtype=tl.float32)
-        for p0 in range(0, P, BP):
-            o_p = p0 + tl.arange(0, BP)
-            m_p = o_p < P
-            b_dy = tl.load(dy_ptr + tok_i[:, None] * (H * P) + i_h * P + o_p[None, :],
-                           mask=m_i[:, None] & m_p[None, :], other=0.0)
-            b_xt = tl.load(x_ptr + tok_j[None, :] * (H * P) + i_h * P + o_p[:, None],
-                           mask=m_p[:, None] & m_j[None, :], other=0.0)
-            b_dyx = mm(b_dy, b_xt, b_dyx, UPCAST, IEEE)             # [BQ, BP] @ [BP, BQ]
+        b_dyx = dy_xt_tile(dy_ptr, x_ptr, tok_i, tok_j, m_i, m_j, i_h, H, P, BQ, BP, UPCAST, IEEE)
         b_cb = tl.load(p_cb + o_i[:, None] * Q + o_j[None, :])
         b_acum_j = tl.load(acum_ptr + p_seg + o_j)
         b_dt_j = tl.load(dts_ptr + p_seg + o_j)

@@ -141,9 +141,11 @@ def ssd_cb_kernel(C_ptr, B_ptr, cu_ptr, off_ptr, cb_ptr, L, NSEQ,
 def ssd_segment_state_kernel(x_ptr, B_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, states_ptr, L, NSEQ,
                              H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                              Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                             BK: tl.constexpr, VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                             UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """states[σ, h] = sum_j exp(Acum_last - Acum_j) dt_j x_j ⊗ B_j."""
+                             BK: tl.constexpr, FROM_START: tl.constexpr, VARLEN: tl.constexpr,
+                             SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """states[σ, h] = sum_j w_j x_j ⊗ B_j over the segment's tokens, with
+    w_j = exp(Acum_last - Acum_j) dt_j: the segment's own contribution to its end state; or,
+    FROM_START (backward, x = dy and B = C), w_j = exp(Acum_j): what dy sends back into H0."""
     i_sh, i_p, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_seg, i_h = i_sh // H, i_sh % H
     i_g = i_h // (H // G)
@@ -162,8 +164,11 @@ def ssd_segment_state_kernel(x_ptr, B_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, s
                        mask=m_p[:, None] & m_k[None, :], other=0.0)
         b_b = tl.load(B_ptr + tok[:, None] * (G * N) + i_g * N + o_n[None, :],
                       mask=m_k[:, None] & m_n[None, :], other=0.0)
-        b_w = tl.exp(tl.minimum(acum_last - tl.load(acum_ptr + p_seg + o_k, mask=o_k < Q, other=0.0), 0.0))
-        b_w *= tl.load(dts_ptr + p_seg + o_k, mask=o_k < Q, other=0.0)
+        b_acum = tl.load(acum_ptr + p_seg + o_k)
+        if FROM_START:
+            b_w = tl.exp(tl.minimum(b_acum, 0.0))
+        else:
+            b_w = tl.exp(tl.minimum(acum_last - b_acum, 0.0)) * tl.load(dts_ptr + p_seg + o_k)
         b_b = (b_b * b_w[:, None]).to(b_xt.dtype)
         b_acc = mm(b_xt, b_b, b_acc, UPCAST, IEEE)                  # [BP, BK] @ [BK, BN]
     p = i_sh.to(tl.int64) * (P * N) + o_p[:, None] * N + o_n[None, :]

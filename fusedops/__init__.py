@@ -20,3 +20,8 @@ from .mamba2 import (Mamba2ChunkScanBackward, Mamba2ChunkScanForward, mamba2_chu
 
 __all__ += ["Mamba2ChunkScanBackward", "Mamba2ChunkScanForward", "mamba2_chunk_scan_backward",
             "mamba2_chunk_scan_forward"]
+from .mamba2_inference import (Mamba2StateRollback, Mamba2StateUpdate, mamba2_replay,
+                               mamba2_rollback, mamba2_state_update)
+
+__all__ += ["Mamba2StateRollback", "Mamba2StateUpdate", "mamba2_replay", "mamba2_rollback",
+            "mamba2_state_update"]

@@ -192,8 +192,10 @@ def run_check() -> int:
             devices.append(torch.device("cuda", i))
     else:
         print("  CUDA: not available" + (" (Triton interpreter active)" if triton_interpreter_active() else ""))
+    from .mamba2_inference import Mamba2StateUpdate
     ops = {"engram gate": EngramGateSavedForward.implementations,
-           "mamba2 scan": Mamba2ChunkScanForward.implementations}
+           "mamba2 scan": Mamba2ChunkScanForward.implementations,
+           "mamba2 state update": Mamba2StateUpdate.implementations}
     for device in devices:
         print(f"\nbackends on {device}:")
         for backend in BACKENDS:

@@ -16,7 +16,8 @@ from fusedops._backend import triton_interpreter_active
 from .compiler import resource_usage
 
 # Every Triton operator module lists its production specialisations in ``aot_specs()``.
-OPERATOR_MODULES = ("fusedops.backends.triton.engram", "fusedops.backends.triton.mamba2")
+OPERATOR_MODULES = ("fusedops.backends.triton.engram", "fusedops.backends.triton.mamba2",
+                    "fusedops.backends.triton.mamba2_inference")
 
 
 def all_specs():

@@ -11,11 +11,13 @@ $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
 $PY -m fusedops check
 status=0
-timeout 200 $PY -m pytest -q -x -rs tests 2>&1 | tee "$OUT/pytest.log" || status=1
-timeout 90 $PY bench/engram_gate.py --json "$OUT/engram_gate.json" --png "$OUT/engram_gate.png" \
+timeout 170 $PY -m pytest -q -x -rs tests 2>&1 | tee "$OUT/pytest.log" || status=1
+timeout 60 $PY bench/engram_gate.py --json "$OUT/engram_gate.json" --png "$OUT/engram_gate.png" \
     2>&1 | tee "$OUT/bench_engram_gate.log" || status=1
-timeout 120 $PY bench/mamba2_scan.py --json "$OUT/mamba2_scan.json" --png "$OUT/mamba2_scan.png" \
+timeout 90 $PY bench/mamba2_scan.py --json "$OUT/mamba2_scan.json" --png "$OUT/mamba2_scan.png" \
     2>&1 | tee "$OUT/bench_mamba2_scan.log" || status=1
 timeout 60 $PY bench/mamba2_decode.py --json "$OUT/mamba2_decode.json" --png "$OUT/mamba2_decode.png" \
     2>&1 | tee "$OUT/bench_mamba2_decode.log" || status=1
+timeout 120 $PY bench/attention.py --json "$OUT/attention.json" --png "$OUT/attention.png" \
+    2>&1 | tee "$OUT/bench_attention.log" || status=1
 exit $status

@@ -105,7 +105,7 @@ class Report:
         print("versions: " + ", ".join(f"{k} {v}" for k, v in self.versions.items()))
         if not self.rows:
             return
-        columns = list(self.rows[0])
+        columns = list(dict.fromkeys(c for row in self.rows for c in row))
         cells = [[_fmt(row.get(c)) for c in columns] for row in self.rows]
         widths = [max(len(c), *(len(r[i]) for r in cells)) for i, c in enumerate(columns)]
         print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))

@@ -25,3 +25,8 @@ from .mamba2_inference import (Mamba2StateRollback, Mamba2StateUpdate, mamba2_re
 
 __all__ += ["Mamba2StateRollback", "Mamba2StateUpdate", "mamba2_replay", "mamba2_rollback",
             "mamba2_state_update"]
+from .attention import (GQAAttentionBackward, GQAAttentionDecode, GQAAttentionForward,
+                        gqa_attention_backward, gqa_attention_decode, gqa_attention_forward)
+
+__all__ += ["GQAAttentionBackward", "GQAAttentionDecode", "GQAAttentionForward",
+            "gqa_attention_backward", "gqa_attention_decode", "gqa_attention_forward"]

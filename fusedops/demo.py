@@ -10,6 +10,7 @@ import torch
 
 from . import __version__
 from ._backend import BACKENDS, toolchain_unavailable_reason, triton_interpreter_active
+from .attention import GQAAttentionBackward, GQAAttentionForward
 from .engram import EngramGateSavedBackward, EngramGateSavedForward
 from .errors import UnsupportedError
 from .mamba2 import Mamba2ChunkScanBackward, Mamba2ChunkScanForward
@@ -150,6 +151,42 @@ def scan_rows(device, backends) -> list[Row]:
     return rows
 
 
+# -- GQA attention -----------------------------------------------------------------------------
+def _attention(t, backend):
+    fwd = GQAAttentionForward(t["q"], t["k"], t["v"], causal=True, backend=backend).compile()
+    o = torch.empty_like(t["q"])
+    lse = torch.empty(fwd.desc("lse").shape, dtype=fwd.desc("lse").dtype, device=t["q"].device)
+    bwd = GQAAttentionBackward(t["q"], t["k"], t["v"], o, lse, t["do"], causal=True, backend=backend).compile()
+    grads = [torch.empty_like(t[n]) for n in ("q", "k", "v")]
+    ws = bwd.allocate_workspace()
+    run_f = lambda: fwd.execute(t["q"], t["k"], t["v"], o, lse)  # noqa: E731
+    run_b = lambda: bwd.execute(t["q"], t["k"], t["v"], o, lse, t["do"], *grads, workspace=ws)  # noqa: E731
+    run_f()
+    run_b()
+    return run_f, run_b, [o], grads
+
+
+def attention_rows(device, backends) -> list[Row]:
+    shapes = {"torch": (2, 512, 8, 2, 64), "triton": (1, 64, 4, 2, 64)} if device.type == "cpu" else {}
+    rows = []
+    for backend in backends:
+        b, s, hq, hkv, d = shapes.get(backend, (4, 4096, 32, 8, 128))
+        gen = torch.Generator().manual_seed(2)
+        t = {k: torch.randn(*shape, generator=gen).to(device, torch.bfloat16) for k, shape in
+             dict(q=(b, s, hq, d), k=(b, s, hkv, d), v=(b, s, hkv, d), do=(b, s, hq, d)).items()}
+        try:
+            run_f, run_b, outs, grads = _attention(t, backend)
+        except UnsupportedError as error:
+            print(f"  gqa attention on {backend}: not run ({error})")
+            continue
+        _, _, ref_outs, ref_grads = _attention(_as_reference(t), "torch")
+        rows.append(Row("gqa attention", _label(backend, device), f"b={b} s={s} hq={hq} hkv={hkv} d={d} causal",
+                        _rel_l2(outs[0], ref_outs[0]), max(_rel_l2(a, r) for a, r in zip(grads, ref_grads)),
+                        _timed(run_f, device), _timed(run_b, device),
+                        ONE_BF16_ROUNDING if backend == "torch" else BF16_OPERANDS))
+    return rows
+
+
 def runnable(device: torch.device) -> list[str]:
     return [b for b in ("torch", "triton") if toolchain_unavailable_reason(b, device) is None]
 
@@ -159,13 +196,14 @@ def run_demo() -> int:
     print(f"fusedops {__version__} demo on {device} ({_device_label(device)})")
     print("each operator forward + backward against the float64 torch reference; errors are the "
           "largest relative L2 error over the outputs (fwd) and the gradients (bwd)\n")
-    rows = gate_rows(device, runnable(device)) + scan_rows(device, runnable(device))
-    header = (f"{'operator':<12} {'backend':<21} {'shape':<36} {'fwd err':>9} {'bwd err':>9} "
+    backends = runnable(device)
+    rows = gate_rows(device, backends) + scan_rows(device, backends) + attention_rows(device, backends)
+    header = (f"{'operator':<13} {'backend':<21} {'shape':<36} {'fwd err':>9} {'bwd err':>9} "
               f"{'limit':>8} {'fwd ms':>8} {'bwd ms':>8}  result")
     print(header)
     print("-" * len(header))
     for r in rows:
-        print(f"{r.op:<12} {r.backend:<21} {r.shape:<36} {r.fwd_err:>9.2e} {r.bwd_err:>9.2e} "
+        print(f"{r.op:<13} {r.backend:<21} {r.shape:<36} {r.fwd_err:>9.2e} {r.bwd_err:>9.2e} "
               f"{r.limit:>8.1e} {r.fwd_ms:>8.2f} {r.bwd_ms:>8.2f}  {'PASS' if r.ok else 'FAIL'}")
     print("\nlimits: one bf16 rounding after fp32 math (8e-3), bf16 operands of tensor-core "
           "products (2.5e-2). Timings are one warm call, not a benchmark (see bench/).")
@@ -195,7 +233,8 @@ def run_check() -> int:
     from .mamba2_inference import Mamba2StateUpdate
     ops = {"engram gate": EngramGateSavedForward.implementations,
            "mamba2 scan": Mamba2ChunkScanForward.implementations,
-           "mamba2 state update": Mamba2StateUpdate.implementations}
+           "mamba2 state update": Mamba2StateUpdate.implementations,
+           "gqa attention": GQAAttentionForward.implementations}
     for device in devices:
         print(f"\nbackends on {device}:")
         for backend in BACKENDS:

@@ -67,7 +67,8 @@ def test_mamba2_benchmark_smoke(tmp_path):
     assert "fusedops torch" in proc.stdout and (tmp_path / "r.json").exists()
 
 
-@pytest.mark.parametrize("script", ["bench/mamba2_decode.py", "bench/mamba2_state_storage.py"])
+@pytest.mark.parametrize("script", ["bench/mamba2_decode.py", "bench/mamba2_state_storage.py",
+                                    "bench/attention.py"])
 def test_inference_benchmarks_smoke(script, tmp_path):
     proc = _run(script, "--quick", "--json", str(tmp_path / "r.json"))
     assert proc.returncode == 0, proc.stderr

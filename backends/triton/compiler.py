@@ -25,7 +25,7 @@ from fusedops._workspace import Region
 
 TRITON_POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
                         torch.bool: "*i1", torch.uint8: "*u8", torch.int32: "*i32",
-                        torch.int64: "*i64"}
+                        torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv"}
 
 
 _POINTER_DTYPES = {t: d for d, t in TRITON_POINTER_TYPES.items()}
@@ -50,6 +50,17 @@ class KernelSpec:
     aligned: tuple[str, ...] = ()
     num_warps: int = 4
     num_stages: int = 1
+    maxnreg: int | None = None      # a register budget for ptxas where its own choice spills
+
+    def __post_init__(self) -> None:
+        # arguments are passed by position: put the signature in the kernel's parameter order
+        params = list(self.kernel.arg_names)
+        given = dict(self.signature)
+        if sorted(given) != sorted(params):
+            missing, extra = set(params) - set(given), set(given) - set(params)
+            raise ValueError(f"KernelSpec of {self.name}: signature does not match the kernel's "
+                             f"parameters (missing {sorted(missing)}, unknown {sorted(extra)})")
+        object.__setattr__(self, "signature", tuple((n, given[n]) for n in params))
 
     @property
     def name(self) -> str:
@@ -77,9 +88,10 @@ def compile_spec(spec: KernelSpec, target) -> Any:
     signature = dict(spec.signature)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in spec.aligned}
     source = ASTSource(spec.kernel, signature, dict(spec.constexprs), attrs)
-    return triton.compile(source, target=target,
-                          options={"num_warps": spec.num_warps, "num_stages": spec.num_stages,
-                                   "enable_fp_fusion": True})
+    options = {"num_warps": spec.num_warps, "num_stages": spec.num_stages, "enable_fp_fusion": True}
+    if spec.maxnreg is not None:
+        options["maxnreg"] = spec.maxnreg
+    return triton.compile(source, target=target, options=options)
 
 
 def make_launcher(spec: KernelSpec, grid: tuple[int, int, int],

@@ -19,39 +19,7 @@ import triton.language as tl
 from fusedops._backend import triton_interpreter_active
 
 from .compiler import KernelSpec, make_launcher, pointer_type
-
-
-@triton.jit
-def stochastic_round(v, u, DTYPE: tl.constexpr):
-    """v (fp32) to DTYPE: the neighbour away from the truncated value with probability equal to
-    v's position between the two (unbiased; within one ulp). Neighbours by integer steps of the
-    bit pattern, which also crosses binades and reaches +-inf / the largest finite value."""
-    near = v.to(DTYPE)
-    near_f = near.to(tl.float32)
-    bits = near.to(tl.int16, bitcast=True)
-    toward_zero = tl.abs(near_f) > tl.abs(v)
-    other = tl.where(toward_zero, bits - 1, bits + 1).to(DTYPE, bitcast=True)
-    lo = tl.where(toward_zero, other, near)
-    hi = tl.where(toward_zero, near, other)
-    lo_f = lo.to(tl.float32)
-    p = (v - lo_f) / (hi.to(tl.float32) - lo_f)
-    return tl.where(u < p, hi, lo)
-
-
-@triton.jit
-def nearest_even(v, DTYPE: tl.constexpr):
-    """v (fp32) to DTYPE, nearest with ties to even, whatever rounding the plain conversion
-    uses (the CPU interpreter truncates to bf16; GPUs round to nearest even)."""
-    near = v.to(DTYPE)
-    bits = near.to(tl.int16, bitcast=True)
-    toward_zero = tl.abs(near.to(tl.float32)) > tl.abs(v)
-    other = tl.where(toward_zero, bits - 1, bits + 1)
-    lo_bits = tl.where(toward_zero, other, bits)
-    lo = lo_bits.to(DTYPE, bitcast=True)
-    hi = tl.where(toward_zero, bits, other).to(DTYPE, bitcast=True)
-    d_lo = tl.abs(v - lo.to(tl.float32))
-    d_hi = tl.abs(hi.to(tl.float32) - v)
-    return tl.where((d_hi < d_lo) | ((d_hi == d_lo) & ((lo_bits & 1) == 1)), hi, lo)
+from .rounding import nearest_even, stochastic
 
 
 @triton.jit
@@ -62,9 +30,9 @@ def stored(S, elements, seed, counter, DTYPE: tl.constexpr, STOCHASTIC: tl.const
         c1 = (counter & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
         c2 = (counter >> 32).to(tl.int32)
         r0, _, _, _ = tl.philox(seed, elements, c1, c2, 0)
-        return stochastic_round(S, tl.uint_to_uniform_float(r0), DTYPE)
+        return stochastic(S, tl.uint_to_uniform_float(r0), DTYPE, tl.int16)
     elif EXACT_NEAREST:
-        return nearest_even(S, DTYPE)
+        return nearest_even(S, DTYPE, tl.int16)
     else:
         return S.to(DTYPE)
 
@@ -181,8 +149,10 @@ def update_spec(problem) -> KernelSpec:
                       EXACT_NEAREST=triton_interpreter_active() and problem.state_dtype == torch.bfloat16)
     aligned = tuple(n for n, t in args if t.startswith("*") and t not in ("*i32", "*i64"))
     warps = max(1, min(8, _p_tile(problem) * triton.next_power_of_2(problem.state) // 256))
+    # with Philox, ptxas otherwise settles at ~72 registers and keeps a small stack frame
     return KernelSpec(ssd_state_update_kernel, args + tuple((k, "constexpr") for k in constexprs),
-                      tuple(constexprs.items()), aligned=aligned, num_warps=warps, num_stages=1)
+                      tuple(constexprs.items()), aligned=aligned, num_warps=warps, num_stages=1,
+                      maxnreg=128 if problem.stochastic else None)
 
 
 def rollback_spec(problem) -> KernelSpec:

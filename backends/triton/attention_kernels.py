@@ -1,0 +1,253 @@
+"""GQA attention: Triton kernels for the training forward and the deterministic backward.
+
+Scores are kept in the log2 domain (scale·log2(e) folded into one factor) with an online softmax
+in fp32; the probabilities enter the P·V and dS·K products in the input dtype, as in
+FlashAttention. Every program computes one query head against its KV head (h // (h_q / h_kv)).
+Sequences: dense [b, s, h, d] (PACKED = False) or packed [total, h, d] with cu_seqlens.
+"""
+
+import triton
+import triton.language as tl
+
+from .mamba2_fwd import mm
+
+LN2 = tl.constexpr(0.6931471805599453)
+LOG2E = tl.constexpr(1.4426950408889634)
+
+
+@triton.jit
+def sequence_span(i_b, cu_ptr, SEQ, PACKED: tl.constexpr):
+    """(first token, length) of sequence i_b."""
+    if PACKED:
+        start = tl.load(cu_ptr + i_b)
+        length = tl.load(cu_ptr + i_b + 1) - start
+    else:
+        start = i_b * SEQ
+        length = SEQ + i_b * 0
+    return start.to(tl.int64), length
+
+
+@triton.jit
+def visible(o_m, o_n, len_q, len_k, CAUSAL: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr):
+    """[BM, BN] mask of the keys o_n each query o_m may see (bottom-right aligned)."""
+    offset = len_k - len_q
+    ok = (o_m[:, None] < len_q) & (o_n[None, :] < len_k)
+    if CAUSAL:
+        ok &= o_n[None, :] <= o_m[:, None] + offset
+    if LEFT >= 0:
+        ok &= o_n[None, :] >= o_m[:, None] + offset - LEFT
+    if RIGHT >= 0:
+        ok &= o_n[None, :] <= o_m[:, None] + offset + RIGHT
+    return ok
+
+
+@triton.jit
+def key_range(m0, m1, len_q, len_k, BN: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr,
+              RIGHT: tl.constexpr):
+    """[lo, hi) keys any query of rows [m0, m1) may see, lo aligned to BN."""
+    offset = len_k - len_q
+    lo = m0 * 0
+    hi = len_k
+    last = tl.minimum(m1, len_q) - 1
+    if CAUSAL:
+        hi = tl.minimum(hi, last + offset + 1)
+    if RIGHT >= 0:
+        hi = tl.minimum(hi, last + offset + RIGHT + 1)
+    if LEFT >= 0:
+        lo = tl.maximum(lo, m0 + offset - LEFT)
+    return (lo // BN) * BN, hi
+
+
+@triton.jit
+def query_range(n0, n1, len_q, len_k, BM: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr,
+                RIGHT: tl.constexpr):
+    """[lo, hi) queries that may see any key of [n0, n1), lo aligned to BM."""
+    offset = len_k - len_q
+    lo = n0 * 0
+    hi = len_q
+    last = tl.minimum(n1, len_k) - 1
+    if CAUSAL:
+        lo = tl.maximum(lo, n0 - offset)
+    if RIGHT >= 0:
+        lo = tl.maximum(lo, n0 - offset - RIGHT)
+    if LEFT >= 0:
+        hi = tl.minimum(hi, last - offset + LEFT + 1)
+    return (lo // BM) * BM, hi
+
+
+@triton.jit
+def lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ: tl.constexpr, PACKED: tl.constexpr):
+    if PACKED:
+        return i_h.to(tl.int64) * TOTAL_Q + q_start + o_m
+    else:
+        return (i_b.to(tl.int64) * HQ + i_h) * SEQ_Q + o_m
+
+
+@triton.jit
+def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K,
+                    TOTAL_Q, scale,
+                    HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                    BN: tl.constexpr, BD: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr,
+                    RIGHT: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr,
+                    IEEE: tl.constexpr):
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HQ, i_bh % HQ
+    i_kh = i_h // (HQ // HKV)
+    q_start, len_q = sequence_span(i_b, cu_q_ptr, SEQ_Q, PACKED)
+    k_start, len_k = sequence_span(i_b, cu_k_ptr, SEQ_K, PACKED)
+    if i_m * BM >= len_q:
+        return
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    p_q = (q_start + o_m)[:, None] * (HQ * D) + i_h * D + o_d[None, :]
+    b_q = tl.load(q_ptr + p_q, mask=(o_m < len_q)[:, None] & m_d[None, :], other=0.0)
+    qk_scale = scale * LOG2E
+    b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
+    b_l = tl.zeros([BM], dtype=tl.float32)
+    b_acc = tl.zeros([BM, BD], dtype=tl.float32)
+    lo, hi = key_range(i_m * BM, (i_m + 1) * BM, len_q, len_k, BN, CAUSAL, LEFT, RIGHT)
+    for n0 in range(lo, hi, BN):
+        o_n = n0 + tl.arange(0, BN)
+        p_kv = (k_start + o_n)[None, :] * (HKV * D) + i_kh * D + o_d[:, None]
+        m_kv = m_d[:, None] & (o_n < len_k)[None, :]
+        b_kt = tl.load(k_ptr + p_kv, mask=m_kv, other=0.0)                  # [BD, BN]
+        b_s = mm(b_q, b_kt, tl.zeros([BM, BN], dtype=tl.float32), UPCAST, IEEE) * qk_scale
+        b_s = tl.where(visible(o_m, o_n, len_q, len_k, CAUSAL, LEFT, RIGHT), b_s, float("-inf"))
+        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+        b_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+        b_p = tl.exp2(b_s - b_safe[:, None])
+        b_alpha = tl.exp2(b_m - b_safe)
+        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+        b_v = tl.load(v_ptr + (k_start + o_n)[:, None] * (HKV * D) + i_kh * D + o_d[None, :],
+                      mask=(o_n < len_k)[:, None] & m_d[None, :], other=0.0)
+        b_acc = mm(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], UPCAST, IEEE)  # [BM, BN] @ [BN, BD]
+        b_m = b_m_new
+    seen = b_l > 0
+    b_o = b_acc / tl.where(seen, b_l, 1.0)[:, None]
+    tl.store(o_ptr + p_q, b_o.to(o_ptr.dtype.element_ty), mask=(o_m < len_q)[:, None] & m_d[None, :])
+    b_lse = tl.where(seen, (b_m + tl.log2(tl.where(seen, b_l, 1.0))) * LN2, float("-inf"))
+    tl.store(lse_ptr + lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ, PACKED), b_lse,
+             mask=o_m < len_q)
+
+
+@triton.jit
+def attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, cu_q_ptr, SEQ_Q, TOTAL_Q,
+                          HQ: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+                          PACKED: tl.constexpr):
+    """delta = rowsum(do ∘ o), laid out like lse."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HQ, i_bh % HQ
+    q_start, len_q = sequence_span(i_b, cu_q_ptr, SEQ_Q, PACKED)
+    if i_m * BM >= len_q:
+        return
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_d = tl.arange(0, BD)
+    m = (o_m < len_q)[:, None] & (o_d < D)[None, :]
+    p = (q_start + o_m)[:, None] * (HQ * D) + i_h * D + o_d[None, :]
+    b_delta = tl.sum(tl.load(o_ptr + p, mask=m, other=0.0).to(tl.float32)
+                     * tl.load(do_ptr + p, mask=m, other=0.0).to(tl.float32), axis=1)
+    tl.store(delta_ptr + lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ, PACKED), b_delta,
+             mask=o_m < len_q)
+
+
+@triton.jit
+def probabilities(b_q, b_kt, b_lse, o_m, o_n, len_q, len_k, qk_scale, CAUSAL: tl.constexpr,
+                  LEFT: tl.constexpr, RIGHT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr):
+    """P [BM, BN] recomputed from q, kᵀ and the forward's lse (0 where masked or rowless)."""
+    b_s = mm(b_q, b_kt, tl.zeros([BM, BN], dtype=tl.float32), UPCAST, IEEE) * qk_scale
+    has_keys = b_lse != float("-inf")
+    ok = visible(o_m, o_n, len_q, len_k, CAUSAL, LEFT, RIGHT) & has_keys[:, None]
+    return tl.where(ok, tl.exp2(b_s - tl.where(has_keys, b_lse * LOG2E, 0.0)[:, None]), 0.0)
+
+
+@triton.jit
+def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr,
+                         dk_ptr, dv_ptr, SEQ_Q, SEQ_K, TOTAL_Q, scale,
+                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                         BN: tl.constexpr, BD: tl.constexpr, CAUSAL: tl.constexpr,
+                         LEFT: tl.constexpr, RIGHT: tl.constexpr, PACKED: tl.constexpr,
+                         UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """dk, dv of one key block of one KV head, summed over the group's query heads in fp32."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_kh = i_bh // HKV, i_bh % HKV
+    q_start, len_q = sequence_span(i_b, cu_q_ptr, SEQ_Q, PACKED)
+    k_start, len_k = sequence_span(i_b, cu_k_ptr, SEQ_K, PACKED)
+    if i_n * BN >= len_k:
+        return
+    G: tl.constexpr = HQ // HKV
+    o_n = i_n * BN + tl.arange(0, BN)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    p_kv = (k_start + o_n)[:, None] * (HKV * D) + i_kh * D + o_d[None, :]
+    m_kv = (o_n < len_k)[:, None] & m_d[None, :]
+    b_k = tl.load(k_ptr + p_kv, mask=m_kv, other=0.0)                          # [BN, BD]
+    b_v = tl.load(v_ptr + p_kv, mask=m_kv, other=0.0)
+    b_kt = tl.trans(b_k)
+    b_vt = tl.trans(b_v)
+    qk_scale = scale * LOG2E
+    b_dk = tl.zeros([BN, BD], dtype=tl.float32)
+    b_dv = tl.zeros([BN, BD], dtype=tl.float32)
+    lo, hi = query_range(i_n * BN, (i_n + 1) * BN, len_q, len_k, BM, CAUSAL, LEFT, RIGHT)
+    for g in range(G):
+        i_h = i_kh * G + g
+        for m0 in range(lo, hi, BM):
+            o_m = m0 + tl.arange(0, BM)
+            m_q = (o_m < len_q)[:, None] & m_d[None, :]
+            p_q = (q_start + o_m)[:, None] * (HQ * D) + i_h * D + o_d[None, :]
+            b_q = tl.load(q_ptr + p_q, mask=m_q, other=0.0)
+            b_do = tl.load(do_ptr + p_q, mask=m_q, other=0.0)
+            p_row = lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ, PACKED)
+            b_lse = tl.load(lse_ptr + p_row, mask=o_m < len_q, other=float("-inf"))
+            b_delta = tl.load(delta_ptr + p_row, mask=o_m < len_q, other=0.0)
+            b_p = probabilities(b_q, b_kt, b_lse, o_m, o_n, len_q, len_k, qk_scale, CAUSAL, LEFT,
+                                RIGHT, UPCAST, IEEE, BM, BN)
+            b_dv = mm(tl.trans(b_p).to(b_do.dtype), b_do, b_dv, UPCAST, IEEE)    # [BN, BM] @ [BM, BD]
+            b_dp = mm(b_do, b_vt, tl.zeros([BM, BN], dtype=tl.float32), UPCAST, IEEE)
+            b_ds = b_p * (b_dp - b_delta[:, None])
+            b_dk = mm(tl.trans(b_ds).to(b_q.dtype), b_q, b_dk, UPCAST, IEEE)    # [BN, BM] @ [BM, BD]
+    tl.store(dk_ptr + p_kv, (b_dk * scale).to(dk_ptr.dtype.element_ty), mask=m_kv)
+    tl.store(dv_ptr + p_kv, b_dv.to(dv_ptr.dtype.element_ty), mask=m_kv)
+
+
+@triton.jit
+def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, dq_ptr,
+                       SEQ_Q, SEQ_K, TOTAL_Q, scale,
+                       HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
+                       BN: tl.constexpr, BD: tl.constexpr, CAUSAL: tl.constexpr,
+                       LEFT: tl.constexpr, RIGHT: tl.constexpr, PACKED: tl.constexpr,
+                       UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """dq of one query block of one head: sum over key blocks of dS·k (no atomics)."""
+    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+    i_b, i_h = i_bh // HQ, i_bh % HQ
+    i_kh = i_h // (HQ // HKV)
+    q_start, len_q = sequence_span(i_b, cu_q_ptr, SEQ_Q, PACKED)
+    k_start, len_k = sequence_span(i_b, cu_k_ptr, SEQ_K, PACKED)
+    if i_m * BM >= len_q:
+        return
+    o_m = i_m * BM + tl.arange(0, BM)
+    o_d = tl.arange(0, BD)
+    m_d = o_d < D
+    m_q = (o_m < len_q)[:, None] & m_d[None, :]
+    p_q = (q_start + o_m)[:, None] * (HQ * D) + i_h * D + o_d[None, :]
+    b_q = tl.load(q_ptr + p_q, mask=m_q, other=0.0)
+    b_do = tl.load(do_ptr + p_q, mask=m_q, other=0.0)
+    p_row = lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ, PACKED)
+    b_lse = tl.load(lse_ptr + p_row, mask=o_m < len_q, other=float("-inf"))
+    b_delta = tl.load(delta_ptr + p_row, mask=o_m < len_q, other=0.0)
+    qk_scale = scale * LOG2E
+    b_dq = tl.zeros([BM, BD], dtype=tl.float32)
+    lo, hi = key_range(i_m * BM, (i_m + 1) * BM, len_q, len_k, BN, CAUSAL, LEFT, RIGHT)
+    for n0 in range(lo, hi, BN):
+        o_n = n0 + tl.arange(0, BN)
+        m_kv = m_d[:, None] & (o_n < len_k)[None, :]
+        p_kvt = (k_start + o_n)[None, :] * (HKV * D) + i_kh * D + o_d[:, None]
+        b_kt = tl.load(k_ptr + p_kvt, mask=m_kv, other=0.0)                 # [BD, BN]
+        b_vt = tl.load(v_ptr + p_kvt, mask=m_kv, other=0.0)
+        b_p = probabilities(b_q, b_kt, b_lse, o_m, o_n, len_q, len_k, qk_scale, CAUSAL, LEFT,
+                            RIGHT, UPCAST, IEEE, BM, BN)
+        b_dp = mm(b_do, b_vt, tl.zeros([BM, BN], dtype=tl.float32), UPCAST, IEEE)
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        b_dq = mm(b_ds.to(b_q.dtype), tl.trans(b_kt), b_dq, UPCAST, IEEE)     # [BM, BN] @ [BN, BD]
+    tl.store(dq_ptr + p_q, (b_dq * scale).to(dq_ptr.dtype.element_ty), mask=m_q)

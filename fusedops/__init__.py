@@ -30,3 +30,8 @@ from .attention import (GQAAttentionBackward, GQAAttentionDecode, GQAAttentionFo
 
 __all__ += ["GQAAttentionBackward", "GQAAttentionDecode", "GQAAttentionForward",
             "gqa_attention_backward", "gqa_attention_decode", "gqa_attention_forward"]
+from .moe import (MoERouter, MoERouterBackward, ReLU2MoEBackward, ReLU2MoEForward, moe_router,
+                  moe_router_backward, relu2_moe_backward, relu2_moe_forward)
+
+__all__ += ["MoERouter", "MoERouterBackward", "ReLU2MoEBackward", "ReLU2MoEForward", "moe_router",
+            "moe_router_backward", "relu2_moe_backward", "relu2_moe_forward"]

@@ -76,3 +76,46 @@ def mamba2_sequential(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=
             ys = ys.index_put((torch.tensor([row] * len(rows)), torch.arange(t0, t1)), torch.stack(rows))
         finals.append(state)
     return ys, torch.stack(finals)
+
+
+def moe_router(logits, top_k, bias=None, n_group=1, topk_group=1, norm=True, scale=1.0):
+    """specs/moe.md router token by token in float64 with explicit tie rules (the lower index
+    wins); returns (weights [t, k] float64 differentiable w.r.t. logits, ids [t, k] int64)."""
+    s = torch.sigmoid(logits.double())
+    choice = (s + (bias.double() if bias is not None else 0.0)).detach().tolist()
+    t, E = s.shape
+    size = E // n_group
+    ids = []
+    for row in choice:
+        eligible = set(range(E))
+        if n_group > 1:
+            def group_score(g):
+                best = sorted(row[g * size:(g + 1) * size], reverse=True)
+                return best[0] + best[1]
+            groups = sorted(range(n_group), key=lambda g: (-group_score(g), g))[:topk_group]
+            eligible = {e for e in range(E) if e // size in groups}
+        ids.append(sorted(eligible, key=lambda e: (-row[e], e))[:top_k])
+    ids = torch.tensor(ids, dtype=torch.int64, device=logits.device).reshape(t, top_k)
+    w = s.gather(1, ids)
+    if norm:
+        w = w / (w.sum(-1, keepdim=True) + 1e-20)
+    return w * scale, ids
+
+
+def relu2_moe(x, w_up, w_down, ids, weights, shared_w_up=None, shared_w_down=None):
+    """specs/moe.md experts assignment by assignment in float64 (no intermediate rounding);
+    ids outside [0, E) contribute nothing. Differentiable by autograd."""
+    x, w_up, w_down, weights = (v.double() for v in (x, w_up, w_down, weights))
+    t, k = ids.shape
+    rows = []
+    for i in range(t):
+        out = torch.zeros(x.shape[1], dtype=torch.float64, device=x.device)
+        for j in range(k):
+            e = int(ids[i, j])
+            if 0 <= e < w_up.shape[0]:
+                a = torch.relu(w_up[e] @ x[i]) ** 2
+                out = out + weights[i, j] * (w_down[e] @ a)
+        if shared_w_up is not None:
+            out = out + shared_w_down.double() @ torch.relu(shared_w_up.double() @ x[i]) ** 2
+        rows.append(out)
+    return torch.stack(rows)

@@ -17,7 +17,8 @@ from .compiler import resource_usage
 
 # Every Triton operator module lists its production specialisations in ``aot_specs()``.
 OPERATOR_MODULES = ("fusedops.backends.triton.engram", "fusedops.backends.triton.mamba2",
-                    "fusedops.backends.triton.mamba2_inference", "fusedops.backends.triton.attention")
+                    "fusedops.backends.triton.mamba2_inference", "fusedops.backends.triton.attention",
+                    "fusedops.backends.triton.moe_router", "fusedops.backends.triton.moe")
 
 
 def all_specs():

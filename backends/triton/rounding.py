@@ -58,3 +58,13 @@ def nearest_even_on_grid(v, MANTISSA_BITS: tl.constexpr, MIN_EXPONENT: tl.conste
     tie_to_odd = ((r - t) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) == 1.0)
     r = tl.where(tie_to_odd, r - 1.0, r)
     return tl.where(v < 0, -r * ulp, r * ulp)
+
+
+@triton.jit
+def round_to(v, DTYPE: tl.constexpr, EXACT: tl.constexpr):
+    """fp32 v to DTYPE (16-bit) to nearest even: the plain conversion on a GPU, nearest_even
+    where the conversion does not round (EXACT: bf16 under the interpreter)."""
+    if EXACT:
+        return nearest_even(v, DTYPE, tl.int16)
+    else:
+        return v.to(DTYPE)

@@ -1,0 +1,286 @@
+"""Triton kernels of the routed ReLU2 experts: device-side dispatch, one grouped GEMM with three
+epilogues, the per-expert weight-gradient GEMM, and the fixed-order sums.
+
+Dispatch (no host synchronisation; buffers sized for the plan's t):
+  count    per block of BLOCK_A assignments, tokens per expert        part [NB, E_PAD]
+  scan     per expert, exclusive prefix of part over the blocks; counts [E]
+  offsets  padded to the row tile: offsets [E + 1] (offsets[E] = rows in use)
+  scatter  sorted[offsets[e] + rank] = assignment index t·k + j, ranks in assignment order
+Rows [offsets[e] + counts[e], offsets[e + 1]) are padding; every kernel masks them, so they are
+never initialised. Dropped assignments (id outside [0, E)) get no row.
+
+Grouped GEMM: program (row tile, column tile); the row tile's expert is found by binary search in
+offsets; tiles past offsets[E] exit at once (experts without tokens cost nothing). Row r of
+expert e holds assignment a = sorted[r] of token a // k. The operand A is read by token (x,
+d_out: gathered) or by row (act, d_u); B is W[e] through strides, so one kernel serves
+    forward up      x[token]   · W_up[e]ᵀ     epilogue UP:        u -> act[r], u[a] (saved)
+    forward down    act[r]     · W_down[e]ᵀ   epilogue SCATTER:   w_a · y -> y_buf[a] (fp32)
+    backward down   d_out[tok] · W_down[e]    epilogue DGRAD_ACT: d_u[r] and <g, a> partials
+    backward up     d_u[r]     · W_up[e]      epilogue SCATTER:   dx_buf[a] (fp32)
+and, with ROUTED = False (one expert, row = token = assignment), the shared expert.
+"""
+
+import triton
+import triton.language as tl
+
+from .mamba2_fwd import mm
+from .rounding import round_to
+
+EPI_UP = tl.constexpr(0)
+EPI_SCATTER = tl.constexpr(1)
+EPI_DGRAD_ACT = tl.constexpr(2)
+BY_ROW = tl.constexpr(0)
+BY_TOKEN = tl.constexpr(1)
+BY_ASSIGNMENT = tl.constexpr(2)
+
+
+# -- dispatch ------------------------------------------------------------------------------------
+@triton.jit
+def _block_experts(ids_ptr, A, E: tl.constexpr, BLOCK_A: tl.constexpr):
+    a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
+    ex = tl.load(ids_ptr + a, mask=a < A, other=-1)
+    return a, tl.where((ex >= 0) & (ex < E), ex, -1)
+
+
+@triton.jit
+def moe_count_kernel(ids_ptr, part_ptr, A, E: tl.constexpr, E_PAD: tl.constexpr,
+                     EC: tl.constexpr, BLOCK_A: tl.constexpr):
+    _, ex = _block_experts(ids_ptr, A, E, BLOCK_A)
+    for c in range(0, E_PAD, EC):
+        cols = c + tl.arange(0, EC)
+        hits = (ex[:, None] == cols[None, :]).to(tl.int32)
+        tl.store(part_ptr + tl.program_id(0) * E_PAD + cols, tl.sum(hits, axis=0))
+
+
+@triton.jit
+def moe_scan_kernel(part_ptr, counts_ptr, NB, E: tl.constexpr, E_PAD: tl.constexpr,
+                    EC: tl.constexpr, BB: tl.constexpr):
+    cols = tl.program_id(0) * EC + tl.arange(0, EC)
+    carry = tl.zeros([EC], dtype=tl.int32)
+    for b0 in range(0, NB, BB):
+        b = b0 + tl.arange(0, BB)
+        ptrs = part_ptr + b[:, None] * E_PAD + cols[None, :]
+        ok = (b < NB)[:, None]
+        tile = tl.load(ptrs, mask=ok, other=0)
+        tl.store(ptrs, tl.cumsum(tile, axis=0) - tile + carry[None, :], mask=ok)
+        carry += tl.sum(tile, axis=0)
+    tl.store(counts_ptr + cols, carry, mask=cols < E)
+
+
+@triton.jit
+def moe_offsets_kernel(counts_ptr, offsets_ptr, E: tl.constexpr, EP: tl.constexpr,
+                       TILE: tl.constexpr):
+    e = tl.arange(0, EP)
+    padded = (tl.load(counts_ptr + e, mask=e < E, other=0) + TILE - 1) // TILE * TILE
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(offsets_ptr + e, ends - padded, mask=e < E)
+    tl.store(offsets_ptr + 1 + e, ends, mask=e == E - 1)
+
+
+@triton.jit
+def moe_scatter_kernel(ids_ptr, part_ptr, offsets_ptr, sorted_ptr, A, E: tl.constexpr,
+                       E_PAD: tl.constexpr, EC: tl.constexpr, BLOCK_A: tl.constexpr):
+    a, ex = _block_experts(ids_ptr, A, E, BLOCK_A)
+    row = tl.zeros([BLOCK_A], dtype=tl.int32)
+    for c in range(0, E_PAD, EC):
+        cols = c + tl.arange(0, EC)
+        hits = (ex[:, None] == cols[None, :]).to(tl.int32)
+        rank = tl.cumsum(hits, axis=0) - hits
+        base = (tl.load(part_ptr + tl.program_id(0) * E_PAD + cols)
+                + tl.load(offsets_ptr + cols, mask=cols < E, other=0))
+        row += tl.sum(hits * (rank + base[None, :]), axis=1)
+    tl.store(sorted_ptr + row, a, mask=(a < A) & (ex >= 0))
+
+
+# -- grouped GEMM --------------------------------------------------------------------------------
+@triton.jit
+def expert_of_row(row0, offsets_ptr, E: tl.constexpr, STEPS: tl.constexpr):
+    """The largest e < E with offsets[e] <= row0: the expert whose rows hold row0."""
+    lo = row0 * 0
+    hi = lo + E - 1
+    for _ in tl.static_range(STEPS):
+        mid = (lo + hi + 1) // 2
+        up = tl.load(offsets_ptr + mid) <= row0
+        lo = tl.where(up, mid, lo)
+        hi = tl.where(up, hi, mid - 1)
+    return lo
+
+
+@triton.jit
+def expert_rows(row0, offsets_ptr, counts_ptr, sorted_ptr, T, K_TOP: tl.constexpr,
+                E: tl.constexpr, BM: tl.constexpr, ROUTED: tl.constexpr, STEPS: tl.constexpr):
+    """(expert, rows [BM], valid [BM], assignment [BM], token [BM], any row in use)."""
+    r = row0 + tl.arange(0, BM)
+    if ROUTED:
+        used = row0 < tl.load(offsets_ptr + E)
+        e = expert_of_row(row0, offsets_ptr, E, STEPS)
+        valid = r < tl.load(offsets_ptr + e) + tl.load(counts_ptr + e)
+        assign = tl.load(sorted_ptr + r, mask=valid, other=0)
+        token = assign // K_TOP
+    else:
+        used = row0 < T
+        e = row0 * 0
+        valid = r < T
+        assign = r
+        token = r
+    return e, r, valid, assign, token, used
+
+
+@triton.jit
+def moe_gemm_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_ptr, u_ptr,
+                    out_ptr, part_ptr, T, M_TILES,
+                    K_TOP: tl.constexpr, E: tl.constexpr, KDIM: tl.constexpr, NDIM: tl.constexpr,
+                    STRIDE_BE: tl.constexpr, STRIDE_BK: tl.constexpr, STRIDE_BN: tl.constexpr,
+                    ROUTED: tl.constexpr, A_BY_TOKEN: tl.constexpr,
+                    EPILOGUE: tl.constexpr, WEIGHTED: tl.constexpr, SAVE_U: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                    STEPS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                    EXACT: tl.constexpr):
+    # grouped ordering: GROUP_M row tiles run through every column tile before the next group,
+    # so a group's rows and its experts' weight columns stay in L2
+    pid = tl.program_id(0)
+    n_tiles: tl.constexpr = (NDIM + BN - 1) // BN
+    per_group = GROUP_M * n_tiles
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(M_TILES - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    e, r, valid, assign, token, used = expert_rows(pid_m * BM, offsets_ptr, counts_ptr,
+                                                   sorted_ptr, T, K_TOP, E, BM, ROUTED, STEPS)
+    if used:
+        a_row = token if A_BY_TOKEN else r
+        kk = tl.arange(0, BK)
+        n = pid_n * BN + tl.arange(0, BN)
+        a_ptrs = a_ptr + a_row[:, None].to(tl.int64) * KDIM + kk[None, :]
+        b_ptrs = (b_ptr + e.to(tl.int64) * STRIDE_BE + kk[:, None] * STRIDE_BK
+                  + n[None, :] * STRIDE_BN)
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, KDIM, BK):
+            a = tl.load(a_ptrs, mask=valid[:, None] & (k0 + kk < KDIM)[None, :], other=0.0)
+            b = tl.load(b_ptrs, mask=(k0 + kk < KDIM)[:, None] & (n < NDIM)[None, :], other=0.0)
+            acc = mm(a, b, acc, UPCAST, IEEE)
+            a_ptrs += BK
+            b_ptrs += BK * STRIDE_BK
+        dtype = out_ptr.dtype.element_ty
+        ok = valid[:, None] & (n < NDIM)[None, :]
+        by_row = r[:, None].to(tl.int64) * NDIM + n[None, :]
+        by_assignment = assign[:, None].to(tl.int64) * NDIM + n[None, :]
+        if EPILOGUE == EPI_UP:
+            u = round_to(acc, dtype, EXACT)
+            act = tl.maximum(u.to(tl.float32), 0.0)
+            tl.store(out_ptr + by_row, round_to(act * act, dtype, EXACT), mask=ok)
+            if SAVE_U:
+                tl.store(u_ptr + by_assignment, u, mask=ok)
+        elif EPILOGUE == EPI_SCATTER:
+            if WEIGHTED:
+                acc = acc * tl.load(weight_ptr + assign, mask=valid, other=0.0)[:, None]
+            tl.store(out_ptr + by_assignment, acc, mask=ok)
+        else:
+            relu_u = tl.maximum(tl.load(u_ptr + by_assignment, mask=ok, other=0.0).to(tl.float32), 0.0)
+            if WEIGHTED:
+                act = round_to(relu_u * relu_u, dtype, EXACT).to(tl.float32)
+                tl.store(part_ptr + pid_n * (T * K_TOP) + assign, tl.sum(acc * act, axis=1),
+                         mask=valid)
+                acc = acc * tl.load(weight_ptr + assign, mask=valid, other=0.0)[:, None]
+            tl.store(out_ptr + by_row, round_to(acc * 2.0 * relu_u, dtype, EXACT), mask=ok)
+
+
+# -- weight gradients ----------------------------------------------------------------------------
+@triton.jit
+def _operand_rows(source: tl.constexpr, r, token, assign):
+    if source == BY_TOKEN:
+        return token
+    elif source == BY_ASSIGNMENT:
+        return assign
+    else:
+        return r
+
+
+@triton.jit
+def moe_wgrad_kernel(p_ptr, q_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_ptr, grad_ptr, T,
+                     K_TOP: tl.constexpr, E: tl.constexpr, M: tl.constexpr, N: tl.constexpr,
+                     ROUTED: tl.constexpr, P_SOURCE: tl.constexpr, P_WEIGHTED: tl.constexpr,
+                     Q_SOURCE: tl.constexpr, Q_RELU2: tl.constexpr, ACCUMULATE: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                     UPCAST: tl.constexpr, IEEE: tl.constexpr, EXACT: tl.constexpr):
+    """grad[e][m, n] (+)= sum over e's rows r of P[r, m] · Q[r, n], rows in dispatch order."""
+    e = tl.program_id(0)
+    m = tl.program_id(1) * BM + tl.arange(0, BM)
+    n = tl.program_id(2) * BN + tl.arange(0, BN)
+    if ROUTED:
+        start = tl.load(offsets_ptr + e)
+        rows = tl.load(counts_ptr + e)
+    else:
+        start = e * 0
+        rows = T + e * 0
+    kk = tl.arange(0, BK)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    dtype = p_ptr.dtype.element_ty
+    for r0 in range(0, rows, BK):
+        ok = r0 + kk < rows
+        r = start + r0 + kk
+        if ROUTED:
+            assign = tl.load(sorted_ptr + r, mask=ok, other=0)
+        else:
+            assign = r
+        token = assign // K_TOP
+        p_row = _operand_rows(P_SOURCE, r, token, assign)
+        q_row = _operand_rows(Q_SOURCE, r, token, assign)
+        p = tl.load(p_ptr + p_row[:, None].to(tl.int64) * M + m[None, :],
+                    mask=ok[:, None] & (m < M)[None, :], other=0.0)
+        if P_WEIGHTED:
+            w = tl.load(weight_ptr + assign, mask=ok, other=0.0)
+            p = round_to(p.to(tl.float32) * w[:, None], dtype, EXACT)
+        q = tl.load(q_ptr + q_row[:, None].to(tl.int64) * N + n[None, :],
+                    mask=ok[:, None] & (n < N)[None, :], other=0.0)
+        if Q_RELU2:
+            q = tl.maximum(q.to(tl.float32), 0.0)
+            q = round_to(q * q, dtype, EXACT)
+        acc = mm(tl.trans(p), q, acc, UPCAST, IEEE)
+    out = grad_ptr + e.to(tl.int64) * (M * N) + m[:, None].to(tl.int64) * N + n[None, :]
+    ok = (m < M)[:, None] & (n < N)[None, :]
+    if ACCUMULATE:
+        acc += tl.load(out, mask=ok, other=0.0).to(tl.float32)
+    if grad_ptr.dtype.element_ty == tl.float32:
+        tl.store(out, acc, mask=ok)
+    else:
+        tl.store(out, round_to(acc, grad_ptr.dtype.element_ty, EXACT), mask=ok)
+
+
+# -- fixed-order sums ----------------------------------------------------------------------------
+@triton.jit
+def moe_combine_kernel(buf_ptr, shared_ptr, ids_ptr, out_ptr, T, K_TOP: tl.constexpr,
+                       E: tl.constexpr, H: tl.constexpr, HAS_SHARED: tl.constexpr,
+                       BT: tl.constexpr, BH: tl.constexpr, EXACT: tl.constexpr):
+    """out[t] = sum over j (in order) of buf[t·k + j] for the kept assignments (+ shared[t]),
+    fp32, rounded once."""
+    rows = tl.program_id(0) * BT + tl.arange(0, BT)
+    cols = tl.program_id(1) * BH + tl.arange(0, BH)
+    row_ok = rows < T
+    col_ok = (cols < H)[None, :]
+    acc = tl.zeros([BT, BH], dtype=tl.float32)
+    for j in range(K_TOP):
+        a = rows.to(tl.int64) * K_TOP + j
+        ex = tl.load(ids_ptr + a, mask=row_ok, other=-1)
+        kept = row_ok & (ex >= 0) & (ex < E)
+        acc += tl.load(buf_ptr + a[:, None] * H + cols[None, :], mask=kept[:, None] & col_ok,
+                       other=0.0)
+    if HAS_SHARED:
+        acc += tl.load(shared_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
+                       mask=row_ok[:, None] & col_ok, other=0.0)
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
+             round_to(acc, out_ptr.dtype.element_ty, EXACT), mask=row_ok[:, None] & col_ok)
+
+
+@triton.jit
+def moe_weight_grad_reduce_kernel(part_ptr, ids_ptr, dw_ptr, A, E: tl.constexpr,
+                                  PARTS: tl.constexpr, BLOCK: tl.constexpr):
+    """d_w[a] = sum over the column tiles (in order) of the <g, act> partials; 0 when dropped."""
+    a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ex = tl.load(ids_ptr + a, mask=a < A, other=-1)
+    kept = (a < A) & (ex >= 0) & (ex < E)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for p in range(PARTS):
+        acc += tl.load(part_ptr + p * A + a, mask=kept, other=0.0)
+    tl.store(dw_ptr + a, acc, mask=a < A)

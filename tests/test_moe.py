@@ -1,0 +1,537 @@
+"""Routed ReLU2 MoE (specs/moe.md): the router and the experts against float64 oracles and
+transformers' NemotronHMoE, gradcheck, routing edge cases (ties, empty experts, one expert for
+every token, t = 1, k = 1, E not a power of two, dropped ids, u exactly 0), the device dispatch
+layout, accumulate, inference, reproducibility, validation, and the GPU (graph capture)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fusedops
+import oracles
+from fusedops import MoERouter, MoERouterBackward, ReLU2MoEBackward, ReLU2MoEForward
+from fusedops.errors import UnsupportedError, ValidationError
+
+from helpers import DEVICE, Tolerance, assert_close, gpu_backends, requires_cuda, runnable_backends
+
+BACKENDS = [b for b in runnable_backends() if b != "cute"]
+KERNELS = [b for b in BACKENDS if b != "torch"]
+F64 = Tolerance(1e-12, 1e-11, "float64 against float64")
+# against the float64 oracle, which rounds nothing: u, a, d_u and d_y are rounded to x's dtype
+# (one rounding each, u = 6e-8 / 4.9e-4 / 3.9e-3) before the next product
+EXPERT_TOLERANCE = {
+    torch.float64: F64,
+    torch.float32: Tolerance(1e-5, 5e-5, "fp32 products and sums in another order"),
+    torch.float16: Tolerance(2e-3, 1e-2, "u, a, d_u, d_y rounded to fp16 before the next product"),
+    torch.bfloat16: Tolerance(8e-3, 3e-2, "u, a, d_u, d_y rounded to bf16 before the next product"),
+}
+GRAD_NAMES = ("d_x", "d_topk_weights", "d_w_up", "d_w_down", "d_shared_w_up", "d_shared_w_down")
+
+
+def experts_case(t, H, E, I, k, *, shared=0, dtype=torch.float32, seed=0, device=DEVICE):
+    """Inputs with distinct random experts per token and positive weights."""
+    gen = torch.Generator().manual_seed(seed)
+    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
+    case = dict(x=r(t, H), w_up=r(E, I, H) / H ** 0.5, w_down=r(E, H, I) / I ** 0.5,
+                topk_ids=torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(t)]).int(),
+                topk_weights=torch.rand(t, k, generator=gen) + 0.1, d_out=r(t, H))
+    if shared:
+        case.update(shared_w_up=r(shared, H) / H ** 0.5, shared_w_down=r(H, shared) / shared ** 0.5)
+    wdt = torch.float64 if dtype == torch.float64 else torch.float32
+    return {n: v.to(device, torch.int32 if n == "topk_ids" else (wdt if n == "topk_weights" else dtype))
+            for n, v in case.items()}
+
+
+def run_experts(backend, case, **options):
+    fwd_args = {n: case[n] for n in ("x", "w_up", "w_down", "topk_ids", "topk_weights")}
+    shared = {n: case.get(n) for n in ("shared_w_up", "shared_w_down")}
+    out, saved = fusedops.relu2_moe_forward(**fwd_args, **shared, backend=backend, **options)
+    grads = fusedops.relu2_moe_backward(**fwd_args, d_out=case["d_out"], saved=saved, **shared,
+                                        backend=backend)
+    return dict(out=out, **grads)
+
+
+def oracle_experts(case):
+    """The float64 oracle's out and gradients (autograd) for ``case``."""
+    names = ["x", "w_up", "w_down", "topk_weights"] + [n for n in ("shared_w_up", "shared_w_down") if n in case]
+    leaves = {n: case[n].detach().cpu().double().requires_grad_() for n in names}
+    out = oracles.relu2_moe(leaves["x"], leaves["w_up"], leaves["w_down"], case["topk_ids"].cpu(),
+                            leaves["topk_weights"], leaves.get("shared_w_up"), leaves.get("shared_w_down"))
+    grads = torch.autograd.grad(out, list(leaves.values()), case["d_out"].cpu().double())
+    result = dict(out=out.detach())
+    for n, g in zip(names, grads):
+        result["d_" + ("topk_weights" if n == "topk_weights" else n)] = g
+    return result
+
+
+def compare(result, expected, tolerance, names=None):
+    for name in names or expected:
+        assert_close(result[name], expected[name].to(result[name].device), tolerance, name)
+
+
+# -- 1. router -------------------------------------------------------------------------------------
+ROUTER_CASES = {
+    "nano-like": dict(E=12, k=3, bias=True, scale=2.5),
+    "grouped": dict(E=12, k=3, n_group=4, topk_group=2, bias=True),
+    "k1-no-norm": dict(E=8, k=1, norm=False, scale=2.5),
+    "all-experts": dict(E=5, k=5),
+    "groups-of-two": dict(E=6, k=2, n_group=3, topk_group=1),
+}
+
+
+def router_inputs(t, E, *, bias, seed=0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (torch.randn(t, E, generator=gen) * 2).to(DEVICE, dtype)
+    b = (torch.randn(E, generator=gen) * 0.2).to(DEVICE) if bias else None
+    return logits, b
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ROUTER_CASES)
+def test_router_matches_oracle(backend, name):
+    c = ROUTER_CASES[name]
+    logits, bias = router_inputs(37, c["E"], bias=c.get("bias", False))
+    opts = dict(n_group=c.get("n_group", 1), topk_group=c.get("topk_group", 1),
+                norm_topk_prob=c.get("norm", True), routed_scaling_factor=c.get("scale", 1.0))
+    w, ids = fusedops.moe_router(logits, c["k"], correction_bias=bias, backend=backend, **opts)
+    ew, eids = oracles.moe_router(logits.cpu(), c["k"], None if bias is None else bias.cpu(),
+                                  opts["n_group"], opts["topk_group"], opts["norm_topk_prob"],
+                                  opts["routed_scaling_factor"])
+    assert ids.dtype == torch.int32 and torch.equal(ids.cpu().long(), eids)
+    assert_close(w, ew, Tolerance(1e-6, 1e-6, "fp32 sigmoid and normalisation"), "topk_weights")
+    d_w = torch.randn(w.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    leaf = logits.detach().cpu().double().requires_grad_()
+    expected = torch.autograd.grad(oracles.moe_router(leaf, c["k"], None if bias is None else bias.cpu(),
+                                                      opts["n_group"], opts["topk_group"],
+                                                      opts["norm_topk_prob"],
+                                                      opts["routed_scaling_factor"])[0],
+                                   leaf, d_w.cpu().double())[0]
+    d_logits = fusedops.moe_router_backward(logits, ids, d_w, norm_topk_prob=opts["norm_topk_prob"],
+                                            routed_scaling_factor=opts["routed_scaling_factor"],
+                                            backend=backend)["d_logits"]
+    assert_close(d_logits, expected, Tolerance(1e-6, 1e-6, "fp32 sigmoid derivative"), "d_logits")
+    assert (d_logits.cpu() != 0).sum(-1).le(c["k"]).all()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_router_ties_go_to_the_lower_index(backend):
+    logits = torch.zeros(3, 8, device=DEVICE)
+    logits[1, 5] = logits[1, 6] = 1.0           # a tie at the top
+    w, ids = fusedops.moe_router(logits, 3, backend=backend)
+    assert ids.tolist() == [[0, 1, 2], [5, 6, 0], [0, 1, 2]]
+    assert torch.allclose(w[0].cpu(), torch.full((3,), 1 / 3))
+    # tied groups: every group scores the same, the lower groups win
+    w, ids = fusedops.moe_router(torch.zeros(2, 8, device=DEVICE), 2, n_group=4, topk_group=2,
+                                 backend=backend)
+    assert ids.tolist() == [[0, 1], [0, 1]]
+    # the bias decides the selection, the weights stay the unbiased scores
+    bias = torch.tensor([0.0, 0, 0, 0, 0, 0, 0, 1.0], device=DEVICE)
+    w, ids = fusedops.moe_router(torch.zeros(1, 8, device=DEVICE), 2, correction_bias=bias,
+                                 norm_topk_prob=False, backend=backend)
+    assert ids.tolist() == [[7, 0]] and torch.allclose(w.cpu(), torch.tensor([[0.5, 0.5]]))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_router_reads_half_precision_logits(backend, dtype):
+    logits, bias = router_inputs(21, 16, bias=True, dtype=dtype)
+    w, ids = fusedops.moe_router(logits, 4, correction_bias=bias, backend=backend)
+    ew, eids = oracles.moe_router(logits.cpu().float(), 4, bias.cpu())
+    assert torch.equal(ids.cpu().long(), eids)
+    assert_close(w, ew, Tolerance(1e-6, 1e-6, "fp32 math on the given logits"), "topk_weights")
+    d = fusedops.moe_router_backward(logits, ids, torch.ones_like(w), backend=backend)["d_logits"]
+    assert d.dtype == dtype
+
+
+class _Router(torch.autograd.Function):
+    """The router's weights as a function of the logits through the plans (ids held fixed)."""
+
+    @staticmethod
+    def forward(ctx, logits, options):
+        w, ids = fusedops.moe_router(logits, backend="torch", **options)
+        ctx.save_for_backward(logits, ids)
+        ctx.options = options
+        return w
+
+    @staticmethod
+    def backward(ctx, d_w):
+        logits, ids = ctx.saved_tensors
+        o = ctx.options
+        return fusedops.moe_router_backward(
+            logits, ids, d_w.contiguous(), norm_topk_prob=o["norm_topk_prob"],
+            routed_scaling_factor=o["routed_scaling_factor"], backend="torch")["d_logits"], None
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_router_gradcheck_float64(norm):
+    # well separated logits: a perturbation of 1e-6 never changes the selection
+    logits = (torch.randperm(40, generator=torch.Generator().manual_seed(3)).double() / 8 - 2.5)
+    logits = logits.reshape(5, 8).requires_grad_()
+    options = dict(top_k=3, norm_topk_prob=norm, routed_scaling_factor=2.5,
+                   correction_bias=torch.linspace(0, 0.01, 8, dtype=torch.float64))
+    assert torch.autograd.gradcheck(lambda v: _Router.apply(v, options), (logits,))
+
+
+# -- 2. experts against float64 and transformers ------------------------------------------------
+EXPERT_DTYPES = {"torch": [torch.float64, torch.float32],
+                 "triton": [torch.float32, torch.float16, torch.bfloat16]}
+
+
+@pytest.mark.parametrize("backend,dtype", [(b, d) for b in BACKENDS for d in EXPERT_DTYPES.get(b, [])])
+@pytest.mark.parametrize("shared", [0, 40])
+def test_experts_match_float64(backend, dtype, shared):
+    case = experts_case(19, 32, 6, 48, 2, shared=shared, dtype=dtype, seed=4)
+    result = run_experts(backend, case)
+    compare(result, oracle_experts(case), EXPERT_TOLERANCE[dtype])
+    for name, value in result.items():
+        if name in ("d_w_up", "d_w_down", "d_shared_w_up", "d_shared_w_down"):
+            assert value.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+        elif name != "d_topk_weights":
+            assert value.dtype == dtype
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kernels_match_the_torch_backend(backend, dtype):
+    # same rounding points; only the order of fp32 sums differs
+    case = experts_case(45, 64, 7, 80, 3, shared=48, dtype=dtype, seed=5)
+    expected = run_experts("torch", case)
+    tol = {torch.float32: Tolerance(2e-6, 2e-5, "fp32 sums in another order"),
+           torch.float16: Tolerance(1e-4, 1e-3, "an fp16 rounding of u, a or out that flips"),
+           torch.bfloat16: Tolerance(8e-4, 8e-3, "a bf16 rounding of u, a or out that flips")}[dtype]
+    compare(run_experts(backend, case), expected, tol)
+
+
+def _nemotron_moe(H, E, I, k, shared, n_group, topk_group, seed):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHMoE
+    config = transformers.NemotronHConfig(
+        hidden_size=H, n_routed_experts=E, moe_intermediate_size=I,
+        moe_shared_expert_intermediate_size=shared, num_experts_per_tok=k, n_group=n_group,
+        topk_group=topk_group, norm_topk_prob=True, routed_scaling_factor=2.5,
+        mlp_hidden_act="relu2", mlp_bias=False)
+    torch.manual_seed(seed)
+    moe = NemotronHMoE(config)
+    with torch.no_grad():
+        for p in moe.parameters():
+            p.copy_(torch.randn_like(p) / p.shape[-1] ** 0.5)
+        moe.gate.weight.mul_(4.0)
+        moe.gate.e_score_correction_bias.copy_(torch.randn(E) * 0.1)
+    return moe
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("grouped", [False, True])
+def test_matches_transformers_nemotron_h_moe(backend, grouped):
+    """Router + experts + shared expert, forward and the autograd backward of every parameter
+    and the input, against transformers' NemotronHMoE (fp32, tiny config)."""
+    H, E, I, k, shared = 32, 6, 24, 2, 40
+    moe = _nemotron_moe(H, E, I, k, shared, 3 if grouped else 1, 2 if grouped else 1, seed=6)
+    x = torch.randn(2, 9, H, generator=torch.Generator().manual_seed(7))
+    d_out = torch.randn(2, 9, H, generator=torch.Generator().manual_seed(8))
+    x_leaf = x.clone().requires_grad_()
+    out = moe(x_leaf)
+    params = dict(x=x_leaf, gate=moe.gate.weight, w_up=moe.experts.up_proj,
+                  w_down=moe.experts.down_proj, shared_w_up=moe.shared_experts.up_proj.weight,
+                  shared_w_down=moe.shared_experts.down_proj.weight)
+    expected = dict(zip(params, torch.autograd.grad(out, list(params.values()), d_out)))
+    _, hf_weights, hf_ids = moe.gate(x)
+
+    flat = x.reshape(-1, H).to(DEVICE)
+    gate_w = moe.gate.weight.detach().to(DEVICE)
+    logits = flat @ gate_w.T
+    weights, ids = fusedops.moe_router(
+        logits, k, correction_bias=moe.gate.e_score_correction_bias.to(DEVICE),
+        n_group=3 if grouped else 1, topk_group=2 if grouped else 1, routed_scaling_factor=2.5,
+        backend=backend)
+    # transformers' top-k is unordered: compare the selections as sorted sets first
+    order = torch.sort(hf_ids, dim=-1).indices
+    assert torch.equal(torch.sort(ids.cpu().long(), -1).values, hf_ids.gather(1, order))
+    assert_close(torch.sort(weights.cpu(), -1).values, torch.sort(hf_weights.detach(), -1).values,
+                 Tolerance(1e-6, 1e-6, "fp32 router"), "topk_weights")
+    detached = {n: p.detach().to(DEVICE) for n, p in params.items() if n not in ("x", "gate")}
+    case = dict(x=flat, topk_ids=ids, topk_weights=weights, d_out=d_out.reshape(-1, H).to(DEVICE),
+                **detached)
+    r = run_experts(backend, case)
+    d_logits = fusedops.moe_router_backward(logits, ids, r["d_topk_weights"],
+                                            routed_scaling_factor=2.5, backend=backend)["d_logits"]
+    tol = Tolerance(1e-5, 5e-5, "fp32, another summation order")
+    assert_close(r["out"].reshape(out.shape), out.detach(), tol, "out")
+    assert_close(r["d_x"] + d_logits @ gate_w, expected["x"].reshape(-1, H), tol, "d_x")
+    assert_close(d_logits.T @ flat, expected["gate"], tol, "d_gate")
+    for name in ("w_up", "w_down", "shared_w_up", "shared_w_down"):
+        assert_close(r["d_" + name], expected[name], tol, "d_" + name)
+
+
+class _Experts(torch.autograd.Function):
+    """The expert path through the plans, for gradcheck."""
+
+    @staticmethod
+    def forward(ctx, x, w_up, w_down, weights, su, sd, ids):
+        out, saved = fusedops.relu2_moe_forward(x, w_up, w_down, ids, weights, shared_w_up=su,
+                                                shared_w_down=sd, backend="torch")
+        ctx.save_for_backward(x, w_up, w_down, weights, su, sd, ids, saved)
+        return out
+
+    @staticmethod
+    def backward(ctx, d_out):
+        x, w_up, w_down, weights, su, sd, ids, saved = ctx.saved_tensors
+        g = fusedops.relu2_moe_backward(x, w_up, w_down, ids, weights, d_out.contiguous(), saved,
+                                        shared_w_up=su, shared_w_down=sd, weight_grad_dtype=torch.float64,
+                                        backend="torch")
+        return (g["d_x"], g["d_w_up"], g["d_w_down"], g["d_topk_weights"], g["d_shared_w_up"],
+                g["d_shared_w_down"], None)
+
+
+def test_experts_gradcheck_float64():
+    case = experts_case(5, 6, 4, 7, 2, shared=5, dtype=torch.float64, seed=9, device="cpu")
+    ids = case["topk_ids"].clone()
+    ids[2, 1] = -1
+    inputs = tuple(case[n].requires_grad_() for n in ("x", "w_up", "w_down", "topk_weights",
+                                                      "shared_w_up", "shared_w_down"))
+    assert torch.autograd.gradcheck(lambda *v: _Experts.apply(*v, ids), inputs)
+
+
+# -- 3. routing edge cases -----------------------------------------------------------------------
+def _edge_case(name):
+    if name == "empty experts":
+        case = experts_case(12, 16, 9, 24, 2, seed=10)
+        case["topk_ids"] = torch.stack([torch.tensor([0, 4])[torch.randperm(2)] for _ in range(12)]).int().to(DEVICE)
+    elif name == "one expert for every token":
+        case = experts_case(33, 16, 5, 24, 1, seed=11)
+        case["topk_ids"].fill_(3)
+    elif name == "t = 1":
+        case = experts_case(1, 16, 5, 24, 3, shared=8, seed=12)
+    elif name == "k = 1, E = 1":
+        case = experts_case(7, 16, 1, 24, 1, seed=13)
+    elif name == "E = 5, k = E":
+        case = experts_case(6, 16, 5, 24, 5, seed=14)
+    elif name == "dropped ids":
+        case = experts_case(10, 16, 6, 24, 3, seed=15)
+        case["topk_ids"][0] = -1
+        case["topk_ids"][3, 1] = -7
+        case["topk_ids"][5, 2] = 6           # out of range: dropped
+    else:  # u exactly 0: a zero token and an expert row of zeros
+        case = experts_case(8, 16, 4, 24, 2, shared=8, seed=16)
+        case["x"][2] = 0
+        case["w_up"][:, 5] = 0
+    return case
+
+
+EDGE_CASES = ["empty experts", "one expert for every token", "t = 1", "k = 1, E = 1",
+              "E = 5, k = E", "dropped ids", "u exactly 0"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", EDGE_CASES)
+def test_routing_edge_cases(backend, name):
+    case = _edge_case(name)
+    result = run_experts(backend, case)
+    compare(result, oracle_experts(case), EXPERT_TOLERANCE[torch.float32])
+    dropped = (case["topk_ids"] < 0) | (case["topk_ids"] >= case["w_up"].shape[0])
+    assert (result["d_topk_weights"][dropped] == 0).all()
+    if name == "empty experts":
+        unused = [e for e in range(9) if e not in (0, 4)]
+        assert (result["d_w_up"][unused] == 0).all() and (result["d_w_down"][unused] == 0).all()
+    if name == "u exactly 0":
+        assert (result["d_w_up"][:, 5] == 0).all()       # d_u = 0 where u = 0
+        assert (result["d_w_down"][:, :, 5] == 0).all()  # a = 0 there
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_device_dispatch_layout(backend):
+    """counts, tile-padded offsets and each expert's assignments in order, read from saved."""
+    from fusedops.backends.triton import moe as tm
+    case = experts_case(40, 16, 7, 24, 3, seed=17)
+    case["topk_ids"][1, 0] = -1
+    plan = ReLU2MoEForward(*(case[n] for n in ("x", "w_up", "w_down", "topk_ids", "topk_weights")),
+                           backend=backend).compile()
+    saved = plan.allocate_saved().fill_(0xFF)
+    out = torch.empty_like(case["x"])
+    plan.execute(*(case[n] for n in ("x", "w_up", "w_down", "topk_ids", "topk_weights")), out, saved,
+                 workspace=plan.allocate_workspace())
+    layout, tile = tm.saved_layout(plan.problem), tm.row_tile(plan.problem)
+    counts, offsets, rows = (layout.carve(saved, n).tensor().cpu() for n in ("counts", "offsets", "sorted"))
+    flat = case["topk_ids"].reshape(-1).cpu()
+    expected_counts = torch.bincount(flat[flat >= 0], minlength=7)
+    assert torch.equal(counts, expected_counts.int())
+    padded = (expected_counts + tile - 1) // tile * tile
+    assert torch.equal(offsets, torch.cat([torch.zeros(1), padded.cumsum(0)]).int())
+    for e in range(7):
+        start = int(offsets[e])
+        assert rows[start:start + int(counts[e])].tolist() == (flat == e).nonzero().flatten().tolist()
+    assert plan.saved_size == layout.size
+
+
+# -- 4. plan contract -------------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_accumulate_into_main_grads_and_weight_grad_dtype(backend):
+    dtype = torch.float16 if backend != "torch" else torch.float32
+    case = experts_case(20, 32, 5, 40, 2, shared=24, dtype=dtype, seed=18)
+    names = ("x", "w_up", "w_down", "topk_ids", "topk_weights")
+    shared = dict(shared_w_up=case["shared_w_up"], shared_w_down=case["shared_w_down"])
+    fwd = ReLU2MoEForward(*(case[n] for n in names), **shared, backend=backend).compile()
+    out, saved = torch.empty_like(case["x"]), fwd.allocate_saved()
+    fwd.execute(*(case[n] for n in names), out, saved, **shared, workspace=fwd.allocate_workspace())
+    fresh = run_experts(backend, case)
+    for accumulate, wdt in ((True, torch.float32), (False, dtype)):
+        bwd = ReLU2MoEBackward(*(case[n] for n in names), case["d_out"], **shared,
+                               accumulate=accumulate, weight_grad_dtype=wdt, backend=backend).compile()
+        assert bwd.gradient_names == GRAD_NAMES
+        grads = {n: torch.empty(bwd.desc(n).shape, dtype=bwd.desc(n).dtype, device=DEVICE)
+                 for n in bwd.gradient_names}
+        start = {n: torch.full_like(v, 0.5) for n, v in grads.items()}
+        for n in grads:
+            grads[n].copy_(start[n])
+        bwd.execute(*(case[n] for n in names), case["d_out"], saved, **grads, **shared,
+                    workspace=bwd.allocate_workspace())
+        for n in ("d_w_up", "d_w_down", "d_shared_w_up", "d_shared_w_down"):
+            assert grads[n].dtype == wdt
+            expected = fresh[n] + 0.5 if accumulate else fresh[n].to(wdt)
+            tol = Tolerance(1e-6, 1e-6, "fp32 add") if accumulate else Tolerance(1e-3, 1e-3, "fp16 output")
+            assert_close(grads[n], expected, tol, n)
+        assert torch.equal(grads["d_x"], fresh["d_x"])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_inference_forward_and_reproducibility(backend):
+    case = experts_case(30, 32, 6, 40, 2, shared=24, dtype=torch.float16 if backend != "torch" else torch.float32, seed=19)
+    names = ("x", "w_up", "w_down", "topk_ids", "topk_weights")
+    shared = dict(shared_w_up=case["shared_w_up"], shared_w_down=case["shared_w_down"])
+    plan = ReLU2MoEForward(*(case[n] for n in names), **shared, is_inference=True, backend=backend).compile()
+    assert plan.saved_size == 0
+    out = torch.empty_like(case["x"])
+    plan.execute(*(case[n] for n in names), out, **shared, workspace=plan.allocate_workspace())
+    first, second = run_experts(backend, case), run_experts(backend, case)
+    assert torch.equal(out, first["out"])
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    with pytest.raises(ValidationError, match="saved: this plan was built without saved"):
+        plan.execute(*(case[n] for n in names), out, torch.empty(8, dtype=torch.uint8, device=DEVICE),
+                     **shared, workspace=plan.allocate_workspace())
+
+
+def test_execute_dispatches_no_torch_operator():
+    case = experts_case(8, 16, 4, 24, 2)
+    names = ("x", "w_up", "w_down", "topk_ids", "topk_weights")
+    plan = ReLU2MoEForward(*(case[n] for n in names)).compile()
+    out, saved, ws = torch.empty_like(case["x"]), plan.allocate_saved(), plan.allocate_workspace()
+    calls = []
+
+    class NoTorchOps(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            raise AssertionError(f"execute() dispatched {func}")
+    plan._launch = lambda tensors, stream: calls.append(1)
+    with NoTorchOps():
+        plan.execute(*(case[n] for n in names), out, saved, workspace=ws)
+    assert calls == [1]
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(w_down=torch.zeros(4, 24, 16)), r"w_down: expected shape \[E, H, I\] = \[4, 16, 24\], got \[4, 24, 16\]"),
+    (dict(topk_ids=torch.zeros(8, 2)), r"topk_ids: expected dtype int32, got float32"),
+    (dict(topk_weights=torch.zeros(8, 3)), r"topk_weights: expected shape \[t, k\] like topk_ids = \[8, 2\]"),
+    (dict(topk_weights=torch.zeros(8, 2, dtype=torch.float16)), r"topk_weights: expected dtype float32"),
+    (dict(w_up=torch.zeros(4, 24, 16, dtype=torch.float16)), r"w_up: expected dtype float32, got float16"),
+    (dict(shared_w_up=torch.zeros(8, 16)), r"shared_w_up, shared_w_down: expected both"),
+    (dict(shared_w_up=torch.zeros(8, 16), shared_w_down=torch.zeros(16, 9)),
+     r"shared_w_down: expected shape \[H, I_shared\] = \[16, 8\], got \[16, 9\]"),
+    (dict(x=torch.zeros(0, 16), topk_ids=torch.zeros(0, 2, dtype=torch.int32),
+          topk_weights=torch.zeros(0, 2)), r"x: expected t, H >= 1"),
+])
+def test_experts_validation(change, match):
+    case = experts_case(8, 16, 4, 24, 2)
+    args = {n: case[n] for n in ("x", "w_up", "w_down", "topk_ids", "topk_weights")}
+    args.update({k: v.to(DEVICE) for k, v in change.items()})
+    with pytest.raises(ValidationError, match=match):
+        ReLU2MoEForward(**args)
+
+
+def test_backward_validation_and_float64_needs_torch():
+    case = experts_case(8, 16, 4, 24, 2)
+    args = [case[n] for n in ("x", "w_up", "w_down", "topk_ids", "topk_weights", "d_out")]
+    with pytest.raises(ValidationError, match=r"weight_grad_dtype: expected float32 or float32"):
+        ReLU2MoEBackward(*args, weight_grad_dtype=torch.float16)
+    with pytest.raises(ValidationError, match=r"accumulate: expected a bool"):
+        ReLU2MoEBackward(*args, accumulate=1)
+    if KERNELS:
+        f64 = experts_case(8, 16, 4, 24, 2, dtype=torch.float64)
+        with pytest.raises(UnsupportedError, match="float64"):
+            ReLU2MoEForward(*(f64[n] for n in ("x", "w_up", "w_down", "topk_ids", "topk_weights")),
+                            backend=KERNELS[0])
+
+
+@pytest.mark.parametrize("options,match", [
+    (dict(top_k=9), r"top_k: expected at most E = 8 experts, got 9"),
+    (dict(top_k=2, n_group=3), r"n_group: expected a divisor of E = 8"),
+    (dict(top_k=2, n_group=8), r"giving groups of >= 2 experts"),
+    (dict(top_k=2, n_group=4, topk_group=5), r"topk_group: expected at most n_group = 4, got 5"),
+    (dict(top_k=5, n_group=4, topk_group=2), r"top_k: expected at most topk_group · E / n_group = 4"),
+    (dict(top_k=2, routed_scaling_factor=float("inf")), r"routed_scaling_factor: expected a finite float"),
+    (dict(top_k=2, correction_bias=torch.zeros(7)), r"correction_bias: expected shape \[E\] = \[8\]"),
+    (dict(top_k=0), r"top_k: expected an int >= 1, got 0"),
+])
+def test_router_validation(options, match):
+    options = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in options.items()}
+    with pytest.raises(ValidationError, match=match):
+        MoERouter(torch.zeros(4, 8, device=DEVICE), **options)
+    with pytest.raises(ValidationError, match=r"d_topk_weights: expected shape \[t, k\] like topk_ids"):
+        MoERouterBackward(torch.zeros(4, 8, device=DEVICE),
+                          torch.zeros(4, 2, dtype=torch.int32, device=DEVICE),
+                          torch.zeros(4, 3, device=DEVICE))
+
+
+# -- 5. GPU --------------------------------------------------------------------------------------
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", gpu_backends() or ["triton"])
+def test_gpu_nano_like_shapes_against_the_torch_backend(backend):
+    case = experts_case(2048, 1024, 32, 512, 6, shared=1024, dtype=torch.bfloat16, seed=30)
+    gen = torch.Generator().manual_seed(31)
+    logits = torch.randn(2048, 32, generator=gen).to(DEVICE)
+    case["topk_weights"], case["topk_ids"] = fusedops.moe_router(logits, 6, routed_scaling_factor=2.5)
+    expected = run_experts("torch", case)
+    first, second = run_experts(backend, case), run_experts(backend, case)
+    compare(first, expected, Tolerance(8e-3, 3e-2, "bf16 roundings of u or a that flip"))
+    for name in first:
+        assert torch.equal(first[name], second[name]), f"{name} not bitwise reproducible"
+
+
+@requires_cuda
+@pytest.mark.gpu
+def test_gpu_graph_capture_with_changing_routing():
+    case = experts_case(512, 256, 16, 128, 4, shared=128, dtype=torch.bfloat16, seed=32)
+    logits = torch.randn(512, 16, device=DEVICE)
+    names = ("x", "w_up", "w_down", "topk_ids", "topk_weights")
+    shared = dict(shared_w_up=case["shared_w_up"], shared_w_down=case["shared_w_down"])
+    router = MoERouter(logits, top_k=4, routed_scaling_factor=2.5).compile()
+    fwd = ReLU2MoEForward(*(case[n] for n in names), **shared).compile()
+    bwd = ReLU2MoEBackward(*(case[n] for n in names), case["d_out"], **shared).compile()
+    out, saved, ws_f, ws_b = (torch.empty_like(case["x"]), fwd.allocate_saved(),
+                              fwd.allocate_workspace(), bwd.allocate_workspace())
+    grads = {n: torch.empty(bwd.desc(n).shape, dtype=bwd.desc(n).dtype, device=DEVICE)
+             for n in bwd.gradient_names}
+    ids, weights = case["topk_ids"], case["topk_weights"]
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        with torch.cuda.graph(graph, stream=stream):
+            router.execute(logits, weights, ids)
+            fwd.execute(case["x"], case["w_up"], case["w_down"], ids, weights, out, saved, **shared,
+                        workspace=ws_f)
+            bwd.execute(case["x"], case["w_up"], case["w_down"], ids, weights, case["d_out"], saved,
+                        **grads, **shared, workspace=ws_b)
+    for skew in (0.0, 8.0):   # balanced, then almost every token to expert 3
+        logits.copy_(torch.randn(512, 16, device=DEVICE))
+        logits[:, 3] += skew
+        graph.replay()
+        torch.cuda.synchronize()
+        w, i = fusedops.moe_router(logits, 4, routed_scaling_factor=2.5)
+        assert torch.equal(i, ids) and torch.equal(w, weights)
+        expected = run_experts("triton", dict(case, topk_ids=i, topk_weights=w))
+        assert torch.equal(out, expected["out"])
+        for name, value in grads.items():
+            assert torch.equal(value, expected[name]), name

@@ -14,6 +14,7 @@ from .attention import GQAAttentionBackward, GQAAttentionForward
 from .engram import EngramGateSavedBackward, EngramGateSavedForward
 from .errors import UnsupportedError
 from .mamba2 import Mamba2ChunkScanBackward, Mamba2ChunkScanForward
+from .moe import MoERouter, MoERouterBackward, ReLU2MoEBackward, ReLU2MoEForward
 
 # relative L2 error allowed against the float64 reference, by what the backend's numerics are
 ONE_BF16_ROUNDING = 8e-3      # fp32 math, each bf16 output rounded once
@@ -187,6 +188,70 @@ def attention_rows(device, backends) -> list[Row]:
     return rows
 
 
+# -- routed ReLU2 MoE ---------------------------------------------------------------------------
+_EXPERT_INPUTS = ("x", "w_up", "w_down", "topk_ids", "topk_weights")
+
+
+def _moe(t, backend):
+    """Router forward, experts forward and backward, router backward with the experts' d_w."""
+    router = MoERouter(t["logits"], top_k=t["k"], routed_scaling_factor=2.5, backend=backend).compile()
+    dev, wdt = t["x"].device, router.desc("topk_weights").dtype
+    weights = torch.empty(router.desc("topk_weights").shape, dtype=wdt, device=dev)
+    ids = t.get("ids")
+    ids = torch.empty(weights.shape, dtype=torch.int32, device=dev) if ids is None else ids
+    shared = dict(shared_w_up=t["shared_w_up"], shared_w_down=t["shared_w_down"])
+    e = dict(t, topk_ids=ids, topk_weights=weights)
+    fwd = ReLU2MoEForward(*(e[n] for n in _EXPERT_INPUTS), **shared, backend=backend).compile()
+    bwd = ReLU2MoEBackward(*(e[n] for n in _EXPERT_INPUTS), t["d_out"], **shared, backend=backend).compile()
+    r_bwd = MoERouterBackward(t["logits"], ids, weights, routed_scaling_factor=2.5, backend=backend).compile()
+    out, saved, wf, wb = torch.empty_like(t["x"]), fwd.allocate_saved(), fwd.allocate_workspace(), bwd.allocate_workspace()
+    grads = {n: torch.empty(bwd.desc(n).shape, dtype=bwd.desc(n).dtype, device=dev) for n in bwd.gradient_names}
+    d_logits = torch.empty_like(t["logits"])
+
+    def run_f():
+        if "ids" not in t:
+            router.execute(t["logits"], weights, ids)
+        else:      # the reference keeps the kernels' selection (scores equal in fp32 may tie)
+            from fusedops.backends.torch.moe_router import weights_of
+            weights.copy_(weights_of(torch.sigmoid(t["logits"]).gather(1, ids.long()), True, 2.5))
+        fwd.execute(*(e[n] for n in _EXPERT_INPUTS), out, saved, **shared, workspace=wf)
+
+    def run_b():
+        bwd.execute(*(e[n] for n in _EXPERT_INPUTS), t["d_out"], saved, **grads, **shared, workspace=wb)
+        r_bwd.execute(t["logits"], ids, grads["d_topk_weights"], d_logits)
+    run_f()
+    run_b()
+    return run_f, run_b, [out, weights], list(grads.values()) + [d_logits], ids
+
+
+def moe_rows(device, backends) -> list[Row]:
+    shapes = ({"torch": (256, 256, 16, 4, 384, 256), "triton": (48, 64, 6, 2, 96, 64)}
+              if device.type == "cpu" else {})
+    rows = []
+    for backend in backends:
+        tokens, H, E, k, I, S = shapes.get(backend, (4096, 2688, 128, 6, 1856, 3712))
+        gen = torch.Generator().manual_seed(3)
+        rnd = lambda *s, scale=1.0: torch.randn(*s, generator=gen) * scale  # noqa: E731
+        dtype = torch.bfloat16
+        t = {n: v.to(device, dtype) for n, v in dict(
+            x=rnd(tokens, H), w_up=rnd(E, I, H, scale=H ** -0.5), w_down=rnd(E, H, I, scale=I ** -0.5),
+            shared_w_up=rnd(S, H, scale=H ** -0.5), shared_w_down=rnd(H, S, scale=S ** -0.5),
+            d_out=rnd(tokens, H)).items()}
+        t.update(logits=rnd(tokens, E).to(device), k=k)
+        try:
+            run_f, run_b, outs, grads, ids = _moe(t, backend)
+        except UnsupportedError as error:
+            print(f"  routed moe on {backend}: not run ({error})")
+            continue
+        ref = dict(_as_reference({n: v for n, v in t.items() if n != "k"}), k=k, ids=ids.cpu())
+        _, _, ref_outs, ref_grads, _ = _moe(ref, "torch")
+        rows.append(Row("routed moe", _label(backend, device), f"t={tokens} H={H} E={E} k={k} I={I} +shared",
+                        max(_rel_l2(a, r) for a, r in zip(outs, ref_outs)),
+                        max(_rel_l2(a, r) for a, r in zip(grads, ref_grads)),
+                        _timed(run_f, device), _timed(run_b, device), ONE_BF16_ROUNDING))
+    return rows
+
+
 def runnable(device: torch.device) -> list[str]:
     return [b for b in ("torch", "triton") if toolchain_unavailable_reason(b, device) is None]
 
@@ -197,7 +262,8 @@ def run_demo() -> int:
     print("each operator forward + backward against the float64 torch reference; errors are the "
           "largest relative L2 error over the outputs (fwd) and the gradients (bwd)\n")
     backends = runnable(device)
-    rows = gate_rows(device, backends) + scan_rows(device, backends) + attention_rows(device, backends)
+    rows = (gate_rows(device, backends) + scan_rows(device, backends) + attention_rows(device, backends)
+            + moe_rows(device, backends))
     header = (f"{'operator':<13} {'backend':<21} {'shape':<36} {'fwd err':>9} {'bwd err':>9} "
               f"{'limit':>8} {'fwd ms':>8} {'bwd ms':>8}  result")
     print(header)
@@ -234,7 +300,9 @@ def run_check() -> int:
     ops = {"engram gate": EngramGateSavedForward.implementations,
            "mamba2 scan": Mamba2ChunkScanForward.implementations,
            "mamba2 state update": Mamba2StateUpdate.implementations,
-           "gqa attention": GQAAttentionForward.implementations}
+           "gqa attention": GQAAttentionForward.implementations,
+           "moe router": MoERouter.implementations,
+           "relu2 moe": ReLU2MoEForward.implementations}
     for device in devices:
         print(f"\nbackends on {device}:")
         for backend in BACKENDS:

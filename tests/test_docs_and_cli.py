@@ -68,7 +68,7 @@ def test_mamba2_benchmark_smoke(tmp_path):
 
 
 @pytest.mark.parametrize("script", ["bench/mamba2_decode.py", "bench/mamba2_state_storage.py",
-                                    "bench/attention.py"])
+                                    "bench/attention.py", "bench/moe.py"])
 def test_inference_benchmarks_smoke(script, tmp_path):
     proc = _run(script, "--quick", "--json", str(tmp_path / "r.json"))
     assert proc.returncode == 0, proc.stderr

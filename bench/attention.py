@@ -84,12 +84,7 @@ def main(argv=None):
                                fwd_ms=f_ms, bwd_ms=both - f_ms, fwd_TFLOPs=flops / f_ms / 1e9,
                                bwd_TFLOPs=2.5 * flops / max(both - f_ms, 1e-9) / 1e9)
     decode_rows(report, device, dtype, hq, d, args.quick)
-    report.print()
-    if args.json:
-        report.save_json(args.json)
-    if args.png:
-        report.rows = [dict(r, label=f"{r['case']} {r['impl']}") for r in report.rows if "fwd_TFLOPs" in r]
-        report.save_png(args.png, "label", "fwd_TFLOPs")
+    report.finish(args, "fwd_TFLOPs")
 
 
 def decode_rows(report, device, dtype, hq, d, quick):

@@ -98,12 +98,7 @@ def main(argv=None) -> None:
                           "speedup vs compile": peer / ms if peer else None})
         for backend, us in overheads.items():
             report.add(case=f"N={n} fwd execute() host time", impl=f"fusedops {backend}", us=us)
-    report.print()
-    if args.json:
-        report.save_json(args.json)
-    if args.png:
-        report.rows = [dict(r, label=f"{r['case']} {r['impl']}") for r in report.rows if "GB/s" in r]
-        report.save_png(args.png, "label", "GB/s")
+    report.finish(args, "GB/s")
 
 
 if __name__ == "__main__":

@@ -116,17 +116,27 @@ class Report:
         with open(path, "w") as f:
             json.dump(asdict(self), f, indent=1)
 
-    def save_png(self, path: str, label: str, value: str) -> None:
+    def save_png(self, path: str, bars: list, value: str) -> None:
+        """A horizontal bar chart of (label, value) pairs."""
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         fig, ax = plt.subplots(figsize=(10, 4))
-        names = [str(r[label]) for r in self.rows]
-        ax.barh(names, [r[value] for r in self.rows])
+        ax.barh([str(name) for name, _ in bars], [v for _, v in bars])
         ax.set_xlabel(value)
         ax.set_title(f"{self.title} — {self.device}, {self.date}")
         fig.tight_layout()
         fig.savefig(path, dpi=120)
+
+    def finish(self, args, value: str | None = None, label=None) -> None:
+        """Prints the table and saves what the command line asked for: --json, and --png (a
+        bar chart of ``value`` over the rows that have it, labelled "case impl" by default)."""
+        self.print()
+        if args.json:
+            self.save_json(args.json)
+        if args.png and value:
+            label = label or (lambda r: f"{r['case']} {r['impl']}")
+            self.save_png(args.png, [(label(r), r[value]) for r in self.rows if value in r], value)
 
 
 def _fmt(value) -> str:

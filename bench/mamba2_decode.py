@@ -59,12 +59,7 @@ def main(argv=None):
             report.add(batch=b, state=f"{str(state_dtype).removeprefix('torch.')} {rounding}",
                        backend=used, us=ms * 1e3, states_per_s=b / ms * 1e3, **{"GB/s": gbs},
                        **{"% copy": 100 * gbs / copy_gbs})
-    report.print()
-    if args.json:
-        report.save_json(args.json)
-    if args.png:
-        report.rows = [dict(r, label=f"b={r['batch']} {r['state']}") for r in report.rows]
-        report.save_png(args.png, "label", "GB/s")
+    report.finish(args, "GB/s", label=lambda r: f"b={r['batch']} {r['state']}")
 
 
 if __name__ == "__main__":

@@ -172,12 +172,7 @@ def main(argv=None) -> None:
             report.add(case=f"l={l} h={shape[2]} p={shape[3]} n={shape[5]}", impl=name,
                        fwd_ms=fwd_ms, bwd_ms=both_ms - fwd_ms, fwd_bwd_ms=both_ms,
                        peak_MiB=peak_mb, **{"fusedops speedup": both_ms / baseline})
-    report.print()
-    if args.json:
-        report.save_json(args.json)
-    if args.png:
-        report.rows = [dict(r, label=f"{r['case']} {r['impl']}") for r in report.rows if "fwd_bwd_ms" in r]
-        report.save_png(args.png, "label", "fwd_bwd_ms")
+    report.finish(args, "fwd_bwd_ms")
 
 
 if __name__ == "__main__":

@@ -66,9 +66,7 @@ def main(argv=None):
                                rounding=rounding, written_every=period,
                                state_rel_err=rel(s, ref_state),
                                y_rel_err_last_eighth=rel(y[:, tail], ref_y[:, tail]))
-    report.print()
-    if args.json:
-        report.save_json(args.json)
+    report.finish(args)
 
 
 if __name__ == "__main__":

@@ -134,12 +134,7 @@ def main(argv=None):
             if device.type == "cuda":
                 torch.cuda.empty_cache()
     gemm_rows(report, models, args.tokens[-1] if device.type == "cuda" else 64, device, dtype, reps)
-    report.print()
-    if args.json:
-        report.save_json(args.json)
-    if args.png:
-        report.rows = [dict(r, label=f"{r['case']} {r['impl']}") for r in report.rows if "fwd_TFLOPs" in r]
-        report.save_png(args.png, "label", "fwd_TFLOPs")
+    report.finish(args, "fwd_TFLOPs")
 
 
 def gemm_rows(report, models, t, device, dtype, reps):

@@ -294,6 +294,25 @@ def test_experts_gradcheck_float64():
     assert torch.autograd.gradcheck(lambda *v: _Experts.apply(*v, ids), inputs)
 
 
+def test_moe_block_gradcheck_float64():
+    """Router weight, input and experts together: logits = x·W_routerᵀ -> router -> experts,
+    through the plans' forward and backward, against finite differences."""
+    case = experts_case(6, 5, 6, 7, 2, shared=4, dtype=torch.float64, seed=20, device="cpu")
+    w_router = torch.randn(6, 5, dtype=torch.float64, generator=torch.Generator().manual_seed(21))
+    options = dict(top_k=2, norm_topk_prob=True, routed_scaling_factor=2.5)
+    logits = case["x"] @ w_router.T
+    _, ids = fusedops.moe_router(logits, backend="torch", **options)
+    gap = torch.sort(torch.sigmoid(logits), -1, descending=True).values
+    assert (gap[:, 1] - gap[:, 2]).min() > 1e-4, "the selection must not flip under perturbation"
+
+    def block(x, w_r, w_up, w_down, su, sd):
+        weights = _Router.apply(x @ w_r.T, options)
+        return _Experts.apply(x, w_up, w_down, weights, su, sd, ids)
+    inputs = tuple(v.requires_grad_() for v in (case["x"], w_router, case["w_up"], case["w_down"],
+                                                case["shared_w_up"], case["shared_w_down"]))
+    assert torch.autograd.gradcheck(block, inputs)
+
+
 # -- 3. routing edge cases -----------------------------------------------------------------------
 def _edge_case(name):
     if name == "empty experts":

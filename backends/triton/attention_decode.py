@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 
 from .attention_kernels import LN2, LOG2E
-from .mamba2_fwd import mm
+from .tiles import mm
 from .rounding import nearest_even_on_grid
 
 

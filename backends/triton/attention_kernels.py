@@ -9,7 +9,7 @@ Sequences: dense [b, s, h, d] (PACKED = False) or packed [total, h, d] with cu_s
 import triton
 import triton.language as tl
 
-from .mamba2_fwd import mm
+from .tiles import mm
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)

@@ -18,7 +18,8 @@ Every reduction over tokens, heads or tiles goes through fixed-order partials in
 import triton
 import triton.language as tl
 
-from .mamba2_fwd import mm, segment_bounds, sequence_segments
+from .mamba2_fwd import segment_bounds, sequence_segments
+from .tiles import mm
 
 
 @triton.jit

@@ -13,20 +13,15 @@ Tokens are addressed in the flattened [b·l] index with 64-bit offsets.
 import triton
 import triton.language as tl
 
+from .tiles import last_at_most, mm
+
 
 @triton.jit
 def segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q: tl.constexpr, VARLEN: tl.constexpr,
                    SEARCH_STEPS: tl.constexpr):
     """[start, end) tokens of segment i_seg (start == end for unused trailing segments)."""
     if VARLEN:
-        # the sequence of the segment: the largest s with off[s] <= i_seg
-        lo = i_seg * 0
-        hi = lo + NSEQ - 1
-        for _ in tl.static_range(SEARCH_STEPS):
-            mid = (lo + hi + 1) // 2
-            up = tl.load(off_ptr + mid) <= i_seg
-            lo = tl.where(up, mid, lo)
-            hi = tl.where(up, hi, mid - 1)
+        lo = last_at_most(off_ptr, i_seg, NSEQ, SEARCH_STEPS)     # the segment's sequence
         used = i_seg < tl.load(off_ptr + NSEQ)
         start = tl.load(cu_ptr + lo) + (i_seg - tl.load(off_ptr + lo)) * Q
         end = tl.minimum(tl.load(cu_ptr + lo + 1), start + Q)
@@ -52,18 +47,6 @@ def sequence_segments(i_s, off_ptr, L, Q: tl.constexpr, VARLEN: tl.constexpr):
         first = i_s * nc
         last = first + nc
     return first, last
-
-
-@triton.jit
-def mm(a, b, acc, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """acc + a @ b with fp32 accumulation. UPCAST: fp32 operands (the CPU interpreter cannot
-    multiply bf16); IEEE: exact fp32 products (fp32 inputs) instead of tf32."""
-    if UPCAST:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    elif IEEE:
-        return tl.dot(a, b, acc, input_precision="ieee")
-    else:
-        return tl.dot(a, b, acc)
 
 
 @triton.jit

@@ -23,7 +23,7 @@ and, with ROUTED = False (one expert, row = token = assignment), the shared expe
 import triton
 import triton.language as tl
 
-from .mamba2_fwd import mm
+from .tiles import last_at_most, mm
 from .rounding import round_to
 
 EPI_UP = tl.constexpr(0)
@@ -94,26 +94,13 @@ def moe_scatter_kernel(ids_ptr, part_ptr, offsets_ptr, sorted_ptr, A, E: tl.cons
 
 # -- grouped GEMM --------------------------------------------------------------------------------
 @triton.jit
-def expert_of_row(row0, offsets_ptr, E: tl.constexpr, STEPS: tl.constexpr):
-    """The largest e < E with offsets[e] <= row0: the expert whose rows hold row0."""
-    lo = row0 * 0
-    hi = lo + E - 1
-    for _ in tl.static_range(STEPS):
-        mid = (lo + hi + 1) // 2
-        up = tl.load(offsets_ptr + mid) <= row0
-        lo = tl.where(up, mid, lo)
-        hi = tl.where(up, hi, mid - 1)
-    return lo
-
-
-@triton.jit
 def expert_rows(row0, offsets_ptr, counts_ptr, sorted_ptr, T, K_TOP: tl.constexpr,
                 E: tl.constexpr, BM: tl.constexpr, ROUTED: tl.constexpr, STEPS: tl.constexpr):
     """(expert, rows [BM], valid [BM], assignment [BM], token [BM], any row in use)."""
     r = row0 + tl.arange(0, BM)
     if ROUTED:
         used = row0 < tl.load(offsets_ptr + E)
-        e = expert_of_row(row0, offsets_ptr, E, STEPS)
+        e = last_at_most(offsets_ptr, row0, E, STEPS)     # the expert holding row0
         valid = r < tl.load(offsets_ptr + e) + tl.load(counts_ptr + e)
         assign = tl.load(sorted_ptr + r, mask=valid, other=0)
         token = assign // K_TOP

@@ -35,3 +35,6 @@ from .moe import (MoERouter, MoERouterBackward, ReLU2MoEBackward, ReLU2MoEForwar
 
 __all__ += ["MoERouter", "MoERouterBackward", "ReLU2MoEBackward", "ReLU2MoEForward", "moe_router",
             "moe_router_backward", "relu2_moe_backward", "relu2_moe_forward"]
+from . import ops  # noqa: E402  (registers torch.ops.fusedops.*: the differentiable torch ops)
+
+__all__ += ["ops"]

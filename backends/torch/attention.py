@@ -13,6 +13,8 @@ import math
 
 import torch
 
+from ._autograd import autograd_recording
+
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
 
@@ -92,7 +94,7 @@ def attention_backward(q, k, v, do, *, causal=False, softmax_scale=None, window=
     """(dq, dk, dv) in compute_dtype, by autograd through attention_forward (dk, dv at the KV
     head count: autograd sums the repeated heads)."""
     leaves = [t.detach().to(compute_dtype).requires_grad_() for t in (q, k, v)]
-    with torch.enable_grad():
+    with autograd_recording():
         o, _ = attention_forward(*leaves, causal=causal, softmax_scale=softmax_scale, window=window,
                                  cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                  compute_dtype=compute_dtype)

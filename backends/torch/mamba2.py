@@ -25,6 +25,8 @@ import math
 import torch
 import torch.nn.functional as F
 
+from ._autograd import autograd_recording
+
 SOFTPLUS_THRESHOLD = 20.0
 
 
@@ -157,7 +159,7 @@ def chunk_scan_backward(x, dt, A, B, C, dy, chunk_size, D=None, z=None, dt_bias=
     named = dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
                  initial_states=initial_states)
     leaves = {k: v.detach().to(cd).requires_grad_() for k, v in named.items() if v is not None}
-    with torch.enable_grad():
+    with autograd_recording():
         y, final, _, _ = chunk_scan_forward(
             leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size,
             D=leaves.get("D"), z=leaves.get("z"), dt_bias=leaves.get("dt_bias"),

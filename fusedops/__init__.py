@@ -38,3 +38,6 @@ __all__ += ["MoERouter", "MoERouterBackward", "ReLU2MoEBackward", "ReLU2MoEForwa
 from . import ops  # noqa: E402  (registers torch.ops.fusedops.*: the differentiable torch ops)
 
 __all__ += ["ops"]
+from . import layers  # noqa: E402  (torch.nn layers on fusedops.ops)
+
+__all__ += ["layers"]

@@ -1,19 +1,48 @@
-"""``python -m fusedops demo | check``."""
+"""``fusedops demo | check | bench | memory`` (also ``python -m fusedops ...``)."""
 
 import argparse
+import json
 import os
+import subprocess
 import sys
+from pathlib import Path
+
+BENCHMARKS = ("engram_gate", "mamba2_scan", "mamba2_decode", "mamba2_state_storage", "attention", "moe")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m fusedops")
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fusedops")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="every operator forward+backward on every backend this "
                                        "machine runs, against the float64 reference")
     demo.add_argument("--no-interpreter", action="store_true",
                       help="on a machine without CUDA, skip the Triton interpreter rows")
     sub.add_parser("check", help="environment report: versions, device, backends per operator")
-    args = parser.parse_args(argv)
+    bench = sub.add_parser("bench", help="run the benchmarks of a source checkout's bench/ and "
+                                         "write their JSON and PNG plots")
+    bench.add_argument("names", nargs="*", metavar="NAME",
+                       help=f"which of {', '.join(BENCHMARKS)} (default: all)")
+    bench.add_argument("--out", default="bench_out", help="directory for logs, JSON and plots")
+    bench.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
+    memory = sub.add_parser("memory", help="decode state / KV cache and training saved/workspace "
+                                           "bytes per layer of a NemotronH config")
+    memory.add_argument("config", help="a transformers NemotronH config.json")
+    memory.add_argument("--tokens", type=int, default=8192, help="tokens per training step")
+    memory.add_argument("--sequences", type=int, default=1, help="sequences packed in the step")
+    memory.add_argument("--context", type=int, default=65536, help="decode context length")
+    memory.add_argument("--kv-dtype", choices=["bf16", "fp8"], default="bf16")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "bench":
+        unknown = [n for n in args.names if n not in BENCHMARKS]
+        if unknown:
+            raise SystemExit(f"fusedops bench: names: expected some of {', '.join(BENCHMARKS)}, got {unknown}")
+        return run_benchmarks(args.names or list(BENCHMARKS), Path(args.out), args.quick)
+    if args.command == "memory":
+        return run_memory(args)
     import torch
     if args.command == "demo" and not torch.cuda.is_available() and not args.no_interpreter \
             and "triton" not in sys.modules:
@@ -23,6 +52,52 @@ def main(argv=None) -> int:
     if args.command == "demo":
         return demo_module.run_demo()
     return demo_module.run_check()
+
+
+def bench_directory() -> Path:
+    """bench/ of the source checkout this package was installed from (editable installs)."""
+    here = Path(__file__).resolve().parent.parent / "bench"
+    if not (here / "harness.py").exists():
+        raise SystemExit("fusedops bench: the benchmarks live in the source checkout's bench/ "
+                         f"(not found at {here}); install fusedops from a checkout with pip -e")
+    return here
+
+
+def run_benchmarks(names, out: Path, quick: bool) -> int:
+    directory = bench_directory()
+    out.mkdir(parents=True, exist_ok=True)
+    status = 0
+    for i, name in enumerate(names, 1):
+        print(f"[{i}/{len(names)}] bench/{name}.py", flush=True)
+        cmd = [sys.executable, str(directory / f"{name}.py"), "--json", str(out / f"{name}.json")]
+        if name != "mamba2_state_storage":
+            cmd += ["--png", str(out / f"{name}.png")]
+        if quick:
+            cmd.append("--quick")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        (out / f"{name}.log").write_text(proc.stdout + proc.stderr)
+        print(proc.stdout.rstrip())
+        if proc.returncode:
+            print(f"bench/{name}.py failed (exit {proc.returncode}); see {out / (name + '.log')}",
+                  file=sys.stderr)
+            status = 1
+    return status
+
+
+def run_memory(args) -> int:
+    import torch
+    from .memory import format_model_bytes, load_nemotron_h_config, model_bytes
+    try:
+        config = load_nemotron_h_config(json.loads(Path(args.config).read_text()))
+    except (OSError, ValueError) as error:
+        raise SystemExit(f"fusedops memory: config: expected a readable NemotronH config.json, "
+                         f"got {args.config!r} ({error})")
+    kv = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
+    rows = model_bytes(config, tokens=args.tokens, context=args.context, sequences=args.sequences,
+                       kv_dtype=kv)
+    print(f"{args.config}: bf16 activations, fp32 recurrent state, {args.kv_dtype} KV cache")
+    print(format_model_bytes(rows, tokens=args.tokens, context=args.context))
+    return 0
 
 
 if __name__ == "__main__":

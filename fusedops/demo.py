@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import platform
+import sys
 import time
 from dataclasses import dataclass
 
@@ -262,8 +263,12 @@ def run_demo() -> int:
     print("each operator forward + backward against the float64 torch reference; errors are the "
           "largest relative L2 error over the outputs (fwd) and the gradients (bwd)\n")
     backends = runnable(device)
-    rows = (gate_rows(device, backends) + scan_rows(device, backends) + attention_rows(device, backends)
-            + moe_rows(device, backends))
+    families = (("engram gate", gate_rows), ("mamba2 scan", scan_rows), ("gqa attention", attention_rows),
+                ("routed moe", moe_rows))
+    rows = []
+    for i, (name, family_rows) in enumerate(families, 1):
+        print(f"  [{i}/{len(families)}] {name} ...", file=sys.stderr, flush=True)
+        rows += family_rows(device, backends)
     header = (f"{'operator':<13} {'backend':<21} {'shape':<36} {'fwd err':>9} {'bwd err':>9} "
               f"{'limit':>8} {'fwd ms':>8} {'bwd ms':>8}  result")
     print(header)

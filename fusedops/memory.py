@@ -52,3 +52,100 @@ class HybridCacheConfig:
 NEMOTRON_3_ULTRA = HybridCacheConfig(mamba_layers=48, mamba_heads=256, mamba_head_dim=64,
                                      mamba_state=128, attention_layers=12, kv_heads=2,
                                      kv_head_dim=128)
+
+
+@dataclass(frozen=True)
+class LayerBytes:
+    """What one layer kind of a model holds, in bytes (per layer)."""
+
+    kind: str
+    layers: int
+    inference_state: int        # per sequence: recurrent state, or KV cache at ``context`` tokens
+    training_saved: int         # the fused op's saved buffer for one step of ``tokens`` tokens
+    training_workspace: int     # its larger of forward/backward workspace
+
+
+PATTERN_LAYERS = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+
+
+def load_nemotron_h_config(values: dict):
+    """A NemotronH config from its config.json dict: transformers' NemotronHConfig when installed,
+    else a namespace with ``layers_block_type`` derived from ``hybrid_override_pattern``."""
+    try:
+        from transformers import NemotronHConfig
+    except ImportError:
+        from types import SimpleNamespace
+        values = dict(values)
+        if "layers_block_type" not in values:
+            pattern = values.get("hybrid_override_pattern")
+            if not isinstance(pattern, str) or set(pattern) - set(PATTERN_LAYERS):
+                raise ValueError("expected layers_block_type or a hybrid_override_pattern of "
+                                 f"{''.join(PATTERN_LAYERS)}, got {pattern!r}")
+            values["layers_block_type"] = [PATTERN_LAYERS[c] for c in pattern]
+        return SimpleNamespace(**values)
+    return NemotronHConfig(**values)
+
+
+def _count(kinds, name) -> int:
+    return sum(1 for k in kinds if k == name)
+
+
+def model_bytes(config, *, tokens: int, context: int, sequences: int = 1,
+                dtype=torch.bfloat16, state_dtype=torch.float32, kv_dtype=torch.bfloat16) -> list[LayerBytes]:
+    """Per layer kind of a transformers NemotronHConfig (or any object with its attributes):
+    decode-time state for one sequence at ``context`` tokens, and the training-time bytes the
+    Triton backend's plans save and use as workspace for a step of ``tokens`` tokens packed in
+    ``sequences`` sequences. Pure arithmetic from the plans' layout formulas; needs no GPU."""
+    from fusedops.backends.triton import mamba2 as scan_kernels
+    from fusedops.backends.triton import moe as moe_kernels
+    from .mamba2 import ScanProblem
+    from .moe import MoEProblem
+    cpu = torch.device("cpu")
+    kinds = list(config.layers_block_type)
+    rows = []
+    elt = dtype_bytes(dtype)
+    n_mamba = _count(kinds, "linear_attention")
+    if n_mamba:
+        h, p, n, g = config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size, config.n_groups
+        conv_dim = h * p + 2 * g * n
+        state = h * p * n * dtype_bytes(state_dtype) + conv_dim * (config.conv_kernel - 1) * elt
+        packed = sequences > 1
+        pr = ScanProblem(dtype, dtype, 1, tokens, h, p, g, n, config.chunk_size if config.chunk_size in
+                         (16, 32, 64, 128, 256) else 256, sequences if packed else None, True, False,
+                         False, True, True, (0.0, math.inf), False, False, False, False, cpu)
+        rows.append(LayerBytes("mamba2", n_mamba, state, scan_kernels.saved_size(pr),
+                               max(scan_kernels.forward_workspace_size(pr),
+                                   scan_kernels.backward_workspace_size(pr))))
+    n_attn = _count(kinds, "full_attention")
+    if n_attn:
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        kv = 2 * context * config.num_key_value_heads * head_dim * dtype_bytes(kv_dtype)
+        lse = 4 * tokens * config.num_attention_heads
+        rows.append(LayerBytes("attention", n_attn, kv, lse, lse))
+    n_moe = _count(kinds, "moe")
+    if n_moe:
+        dim = getattr(config, "moe_latent_size", None) or config.hidden_size
+        pr = MoEProblem(dtype, tokens, dim, config.n_routed_experts, config.moe_intermediate_size,
+                        config.num_experts_per_tok, config.moe_shared_expert_intermediate_size
+                        if not getattr(config, "moe_latent_size", None) else 0, False, False,
+                        torch.float32, cpu)
+        rows.append(LayerBytes("moe", n_moe, 0, moe_kernels.saved_size(pr),
+                               max(moe_kernels.forward_workspace_size(pr),
+                                   moe_kernels.backward_workspace_size(pr))))
+    return rows
+
+
+def format_model_bytes(rows: list[LayerBytes], *, tokens: int, context: int) -> str:
+    """A table of model_bytes() rows with totals (MiB)."""
+    lines = [f"{'layers':<10} {'count':>5} {'state/seq @' + str(context):>20} {'saved @' + str(tokens):>16} "
+             f"{'workspace':>12}   (MiB, per layer)"]
+    total_state = total_saved = 0
+    for r in rows:
+        lines.append(f"{r.kind:<10} {r.layers:>5} {r.inference_state / MIB:>20.2f} "
+                     f"{r.training_saved / MIB:>16.2f} {r.training_workspace / MIB:>12.2f}")
+        total_state += r.layers * r.inference_state
+        total_saved += r.layers * r.training_saved
+    peak_ws = max((r.training_workspace for r in rows), default=0)
+    lines.append(f"{'all':<10} {sum(r.layers for r in rows):>5} {total_state / MIB:>20.2f} "
+                 f"{total_saved / MIB:>16.2f} {peak_ws / MIB:>12.2f}   (totals; workspace: the largest, reused)")
+    return "\n".join(lines)

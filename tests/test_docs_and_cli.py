@@ -1,6 +1,7 @@
 """The docs' examples run, the README's commands are what CI runs, and the CLI and benchmark
 scripts work on this machine."""
 
+import json
 import os
 import pathlib
 import re
@@ -53,6 +54,36 @@ def test_demo_passes():
 def test_check_reports_backends():
     proc = _run("-m", "fusedops", "check")
     assert proc.returncode == 0 and "torch   serves: engram gate" in proc.stdout, proc.stderr
+
+
+def test_console_script_is_installed():
+    script = pathlib.Path(sys.executable).parent / "fusedops"
+    assert script.exists(), f"{script}: the fusedops console script (pyproject [project.scripts])"
+
+
+def test_memory_calculator_on_a_config_file(tmp_path):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(dict(
+        hidden_size=2688, hybrid_override_pattern="MEM*EM", mamba_num_heads=64, mamba_head_dim=64,
+        n_groups=8, ssm_state_size=128, conv_kernel=4, chunk_size=128, num_attention_heads=32,
+        num_key_value_heads=2, head_dim=128, n_routed_experts=128, moe_intermediate_size=1856,
+        moe_shared_expert_intermediate_size=3712, num_experts_per_tok=6)))
+    proc = _run("-m", "fusedops", "memory", str(config), "--tokens", "8192", "--context", "65536")
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[2:]}
+    # recurrent state: 64·64·128 fp32 + conv history 3·(64·64 + 2·8·128) bf16; KV: 2·65536·2·128 bf16
+    state_mib = (64 * 64 * 128 * 4 + 3 * (64 * 64 + 2 * 8 * 128) * 2) / 2 ** 20
+    assert rows["mamba2"][0] == "3" and float(rows["mamba2"][1]) == pytest.approx(state_mib, abs=0.01)
+    assert rows["attention"][0] == "1" and float(rows["attention"][1]) == 64.0
+    assert rows["moe"][0] == "2" and float(rows["moe"][2]) == pytest.approx(232.25, abs=0.01)
+
+
+def test_bench_command_runs_a_benchmark(tmp_path):
+    proc = _run("-m", "fusedops", "bench", "moe", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "[1/1] bench/moe.py" in proc.stdout and (tmp_path / "moe.json").exists()
+    proc = _run("-m", "fusedops", "bench", "nonsense")
+    assert proc.returncode != 0 and "names: expected some of" in proc.stderr
 
 
 def test_engram_benchmark_smoke(tmp_path):

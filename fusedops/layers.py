@@ -5,13 +5,16 @@ hf_module.state_dict())`` moves weights either way, and each mixer's ``forward``
 transformers' ``NemotronHBlock`` passes it. The operators run through differentiable custom ops
 (autograd, torch.compile, checkpointing); their plans are cached per shape.
 
-Training/prefill paths only: a ``cache`` (incremental decoding) is rejected with a clear error —
-decode with the plans (Mamba2StateUpdate, GQAAttentionDecode) directly.
+Incremental decoding uses fusedops' own per-layer state (``layer.allocate_state(...)``, passed
+as ``state=``): the Mamba2 mixer keeps its convolution tail and fp32 SSM state and steps with the
+Mamba2 state update; attention keeps a KV cache and steps with the KV-cache decode. A
+transformers ``cache`` object is rejected with a clear error.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -25,8 +28,27 @@ from .errors import UnsupportedError, ValidationError
 def _no_cache(layer: str, cache) -> None:
     if cache is not None:
         raise UnsupportedError(
-            f"{layer}: cache: expected None (the layers run training and prefill); decode with "
-            "the Mamba2StateUpdate / GQAAttentionDecode plans")
+            f"{layer}: cache: expected None (a transformers cache); decode with the layer's own "
+            "state: layer.allocate_state(...) passed as state=")
+
+
+@dataclass
+class Mamba2State:
+    """A Mamba2 mixer's decode state: conv [b, conv_dim, kernel - 1] (the last inputs of the
+    depthwise convolution, in the activation dtype) and ssm [b, h, p, n] fp32; ``tokens`` seen."""
+
+    conv: torch.Tensor
+    ssm: torch.Tensor
+    tokens: int = 0
+
+
+@dataclass
+class KVState:
+    """An attention layer's KV cache: k, v [b, capacity, h_kv, d] and lengths [b] int32."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    lengths: torch.Tensor
 
 
 def _padding_mask(states: torch.Tensor, attention_mask) -> torch.Tensor:
@@ -104,20 +126,48 @@ class Mamba2Mixer(nn.Module):
                    time_step_min=config.time_step_min, eps=config.layer_norm_epsilon,
                    use_conv_bias=config.use_conv_bias, use_bias=config.use_bias, **options)
 
-    def forward(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+    def allocate_state(self, batch: int, *, device=None, dtype=None) -> Mamba2State:
+        """A fresh decode state for ``batch`` sequences (zero history)."""
+        device = device or self.in_proj.weight.device
+        dtype = dtype or self.in_proj.weight.dtype
+        return Mamba2State(
+            torch.zeros(batch, self.conv_dim, self.conv1d.kernel_size[0] - 1, device=device, dtype=dtype),
+            torch.zeros(batch, self.num_heads, self.head_dim, self.state_size, device=device))
+
+    def forward(self, hidden_states, cache=None, attention_mask=None, *, state: Mamba2State | None = None,
+                **kwargs):
+        """[b, l, hidden] -> [b, l, hidden]. With ``state``: a prefill (fresh state: the chunked
+        scan, keeping the final states) or decode steps (the state update), advancing it."""
         _no_cache("Mamba2Mixer", cache)
         b, l, _ = hidden_states.shape
         projected = self.in_proj(_padding_mask(hidden_states, attention_mask))
         gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        xbc = F.silu(self.conv1d(xbc.transpose(1, 2))[..., :l].transpose(1, 2))
-        xbc = _padding_mask(xbc, attention_mask)
+        xbc = xbc.transpose(1, 2)
+        kernel = self.conv1d.kernel_size[0]
+        if state is not None:
+            history = torch.cat([state.conv, xbc], dim=-1)
+            state.conv.copy_(history[..., -(kernel - 1):])
+            xbc = F.conv1d(history, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
+        else:
+            xbc = self.conv1d(xbc)[..., :l]
+        xbc = _padding_mask(F.silu(xbc).transpose(1, 2), attention_mask)
         gn = self.n_groups * self.state_size
         x, B, C = xbc.split([self.intermediate_size, gn, gn], dim=-1)
-        y, _ = ops.mamba2_chunk_scan(
-            x.reshape(b, l, self.num_heads, self.head_dim), dt, -torch.exp(self.A_log.float()),
-            B.reshape(b, l, self.n_groups, self.state_size), C.reshape(b, l, self.n_groups, self.state_size),
-            _scan_chunk(self.chunk_size), D=self.D.float(), dt_bias=self.dt_bias.float(), dt_softplus=True,
-            dt_limit=self.time_step_limit, backend=self.backend)
+        x = x.reshape(b, l, self.num_heads, self.head_dim)
+        B, C = B.reshape(b, l, self.n_groups, self.state_size), C.reshape(b, l, self.n_groups, self.state_size)
+        A = -torch.exp(self.A_log.float())
+        options = dict(D=self.D.float(), dt_bias=self.dt_bias.float(), dt_softplus=True,
+                       dt_limit=self.time_step_limit, backend=self.backend)
+        if state is not None and state.tokens > 0:
+            from .mamba2_inference import mamba2_state_update
+            y = mamba2_state_update(state.ssm, x.contiguous(), dt.contiguous(), A, B.contiguous(),
+                                    C.contiguous(), **options)["y"]
+        else:
+            y, final = ops.mamba2_chunk_scan(x, dt, A, B, C, _scan_chunk(self.chunk_size), **options)
+            if state is not None:
+                state.ssm.copy_(final)
+        if state is not None:
+            state.tokens += l
         return self.out_proj(self.norm(y.reshape(b, l, -1), gate).to(hidden_states.dtype))
 
     def extra_repr(self) -> str:
@@ -153,7 +203,19 @@ class GQAAttention(nn.Module):
         return cls(config.hidden_size, config.num_attention_heads, config.num_key_value_heads, head_dim,
                    **options)
 
-    def forward(self, hidden_states, attention_mask=None, cache=None, **kwargs):
+    def allocate_state(self, batch: int, capacity: int, *, device=None, dtype=None) -> KVState:
+        """An empty KV cache of ``capacity`` tokens for ``batch`` sequences."""
+        device = device or self.q_proj.weight.device
+        dtype = dtype or self.q_proj.weight.dtype
+        shape = (batch, capacity, self.num_kv_heads, self.head_dim)
+        return KVState(torch.zeros(shape, device=device, dtype=dtype),
+                       torch.zeros(shape, device=device, dtype=dtype),
+                       torch.zeros(batch, dtype=torch.int32, device=device))
+
+    def forward(self, hidden_states, attention_mask=None, cache=None, *, state: KVState | None = None,
+                **kwargs):
+        """[b, s, hidden] -> ([b, s, hidden], None). With ``state``: the s new tokens are appended
+        to the KV cache and attend to it (the KV-cache decode kernel), advancing the lengths."""
         _no_cache("GQAAttention", cache)
         if attention_mask is not None:
             raise UnsupportedError(
@@ -163,7 +225,13 @@ class GQAAttention(nn.Module):
         q = self.q_proj(hidden_states).view(b, s, self.num_heads, self.head_dim)
         k = self.k_proj(hidden_states).view(b, s, self.num_kv_heads, self.head_dim)
         v = self.v_proj(hidden_states).view(b, s, self.num_kv_heads, self.head_dim)
-        o = ops.gqa_attention(q, k, v, causal=True, backend=self.backend)
+        if state is None:
+            o = ops.gqa_attention(q, k, v, causal=True, backend=self.backend)
+        else:
+            from .attention import gqa_attention_decode
+            o = gqa_attention_decode(q.contiguous(), k.contiguous(), v.contiguous(), state.k, state.v,
+                                     state.lengths, backend=self.backend)["o"]
+            state.lengths += s
         return self.o_proj(o.reshape(b, s, -1)), None
 
     def extra_repr(self) -> str:

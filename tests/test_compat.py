@@ -1,5 +1,6 @@
 """fusedops.compat: mamba_ssm, flash-attn and cuDNN signatures over the fusedops operators, and
-transformers' NemotronH running with them in place of its fallbacks (its kernel hooks)."""
+transformers' NemotronH running with them in place of its fallbacks (its kernel hooks and its
+attention-function registry)."""
 
 from __future__ import annotations
 
@@ -127,11 +128,23 @@ if sys.argv[1] == "fusedops":
     sys.modules["mamba_ssm.ops.triton"].ssd_combined = ssd
     sys.modules["mamba_ssm.ops.triton"].selective_state_update = ssu
 import transformers
+calls = []
+if sys.argv[1] == "fusedops":
+    # attention through transformers' attention-function registry, served by flash_attn_func
+    def fusedops_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        calls.append(query.shape[2])
+        out = compat.flash_attn_func(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+                                     softmax_scale=scaling, causal=True)
+        return out, None
+    transformers.AttentionInterface.register("fusedops", fusedops_attention)
+    transformers.AttentionMaskInterface.register("fusedops", transformers.masking_utils.sdpa_mask)
 
 config = transformers.NemotronHConfig(
     vocab_size=97, hidden_size=64, layers_block_type=["linear_attention", "full_attention", "linear_attention"],
     mamba_num_heads=4, mamba_head_dim=16, n_groups=2, ssm_state_size=16, conv_kernel=4, chunk_size=16,
     num_attention_heads=4, num_key_value_heads=2, head_dim=16, intermediate_size=64, tie_word_embeddings=False)
+if sys.argv[1] == "fusedops":
+    config._attn_implementation = "fusedops"
 torch.manual_seed(0)
 model = transformers.NemotronHForCausalLM(config).eval()
 ids = torch.randint(0, 97, (1, 21), generator=torch.Generator().manual_seed(1))
@@ -142,7 +155,7 @@ model.train()
 loss = model(ids, labels=ids, use_cache=False).loss
 loss.backward()
 grad = model.model.layers[0].mixer.in_proj.weight.grad
-print(json.dumps(dict(logits=logits.flatten()[:200].tolist(), generated=generated[0].tolist(),
+print(json.dumps(dict(attention=model.config._attn_implementation, attention_calls=calls, logits=logits.flatten()[:200].tolist(), generated=generated[0].tolist(),
                       loss=loss.item(), grad=grad.flatten()[:200].tolist())))
 '''
 
@@ -162,7 +175,8 @@ def test_transformers_nemotron_h_runs_on_fusedops_through_its_kernel_hooks():
     assert "falling back to its reference PyTorch implementation" in reference_log
     for name in ("mamba_chunk_scan_combined", "selective_state_update"):
         assert f"`{name}` is falling back" in reference_log and f"`{name}` is falling back" not in log
-    assert ours["generated"] == theirs["generated"]
+    assert ours["attention"] == "fusedops" and ours["generated"] == theirs["generated"]
+    assert 21 in ours["attention_calls"] and 1 in ours["attention_calls"]   # prefill and decode steps
     for key in ("logits", "grad"):
         a, b = torch.tensor(ours[key]), torch.tensor(theirs[key])
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-5), key

@@ -14,6 +14,8 @@ import math
 import torch
 
 from ._autograd import autograd_recording
+from ._surface import (  # noqa: F401  (re-exported: the backend surface)
+    backward_workspace_size, forward_workspace_size, unsupported_reason)
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -164,18 +166,6 @@ def decode(q, k_new, v_new, k_cache, v_cache, cache_seqlens, *, block_table=None
 
 
 # -- the backend surface -----------------------------------------------------------------------
-def unsupported_reason(problem) -> str | None:
-    return None
-
-
-def forward_workspace_size(problem) -> int:
-    return 0
-
-
-def backward_workspace_size(problem) -> int:
-    return 0
-
-
 def _compute_dtype(problem):
     return torch.float64 if problem.dtype == torch.float64 else torch.float32
 

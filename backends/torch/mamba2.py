@@ -26,6 +26,8 @@ import torch
 import torch.nn.functional as F
 
 from ._autograd import autograd_recording
+from ._surface import (  # noqa: F401  (re-exported: the backend surface)
+    backward_workspace_size, forward_workspace_size, saved_size, unsupported_reason)
 
 SOFTPLUS_THRESHOLD = 20.0
 
@@ -179,23 +181,6 @@ def chunk_scan_backward(x, dt, A, B, C, dy, chunk_size, D=None, z=None, dt_bias=
 # -- the backend surface -----------------------------------------------------------------------
 def _compute_dtype(problem) -> torch.dtype:
     return torch.float64 if problem.dtype == torch.float64 else torch.float32
-
-
-def unsupported_reason(problem) -> str | None:
-    return None
-
-
-def saved_size(problem) -> int:
-    """The torch backend recomputes everything in its backward (autograd): it saves nothing."""
-    return 0
-
-
-def forward_workspace_size(problem) -> int:
-    return 0
-
-
-def backward_workspace_size(problem) -> int:
-    return 0
 
 
 def _options(problem, t) -> dict:

@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import torch
 
+from ._surface import (  # noqa: F401  (re-exported: the backend surface)
+    backward_workspace_size, forward_workspace_size, saved_size, unsupported_reason)
+
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
@@ -92,22 +95,6 @@ def experts_backward(x, w_up, w_down, topk_ids, topk_weights, d_out, shared_w_up
 
 
 # -- the backend surface -----------------------------------------------------------------------
-def unsupported_reason(problem) -> str | None:
-    return None
-
-
-def saved_size(problem) -> int:
-    return 0
-
-
-def forward_workspace_size(problem) -> int:
-    return 0
-
-
-def backward_workspace_size(problem) -> int:
-    return 0
-
-
 def _shared(t):
     return dict(shared_w_up=t["shared_w_up"], shared_w_down=t["shared_w_down"])
 

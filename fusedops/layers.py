@@ -23,6 +23,7 @@ from torch import nn
 from . import ops
 from .engram import DEFAULT_EPS
 from .errors import UnsupportedError, ValidationError
+from .mamba2 import CHUNK_SIZES
 
 
 def _no_cache(layer: str, cache) -> None:
@@ -105,6 +106,8 @@ class Mamba2Mixer(nn.Module):
         super().__init__()
         if num_heads % n_groups:
             raise ValidationError(f"n_groups: expected a divisor of num_heads = {num_heads}, got {n_groups}")
+        if chunk_size not in CHUNK_SIZES:
+            raise ValidationError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk_size!r}")
         self.num_heads, self.head_dim, self.n_groups, self.state_size = num_heads, head_dim, n_groups, state_size
         self.intermediate_size = num_heads * head_dim
         self.conv_dim = self.intermediate_size + 2 * n_groups * state_size
@@ -163,7 +166,7 @@ class Mamba2Mixer(nn.Module):
             y = mamba2_state_update(state.ssm, x.contiguous(), dt.contiguous(), A, B.contiguous(),
                                     C.contiguous(), **options)["y"]
         else:
-            y, final = ops.mamba2_chunk_scan(x, dt, A, B, C, _scan_chunk(self.chunk_size), **options)
+            y, final = ops.mamba2_chunk_scan(x, dt, A, B, C, self.chunk_size, **options)
             if state is not None:
                 state.ssm.copy_(final)
         if state is not None:
@@ -173,13 +176,6 @@ class Mamba2Mixer(nn.Module):
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, head_dim={self.head_dim}, groups={self.n_groups}, "
                 f"state={self.state_size}, chunk={self.chunk_size}")
-
-
-def _scan_chunk(chunk: int) -> int:
-    from .mamba2 import CHUNK_SIZES
-    if chunk not in CHUNK_SIZES:
-        raise ValidationError(f"chunk_size: expected one of {CHUNK_SIZES}, got {chunk}")
-    return chunk
 
 
 class GQAAttention(nn.Module):

@@ -98,7 +98,7 @@ def model_bytes(config, *, tokens: int, context: int, sequences: int = 1,
     ``sequences`` sequences. Pure arithmetic from the plans' layout formulas; needs no GPU."""
     from fusedops.backends.triton import mamba2 as scan_kernels
     from fusedops.backends.triton import moe as moe_kernels
-    from .mamba2 import ScanProblem
+    from .mamba2 import CHUNK_SIZES, ScanProblem
     from .moe import MoEProblem
     cpu = torch.device("cpu")
     kinds = list(config.layers_block_type)
@@ -110,8 +110,10 @@ def model_bytes(config, *, tokens: int, context: int, sequences: int = 1,
         conv_dim = h * p + 2 * g * n
         state = h * p * n * dtype_bytes(state_dtype) + conv_dim * (config.conv_kernel - 1) * elt
         packed = sequences > 1
-        pr = ScanProblem(dtype, dtype, 1, tokens, h, p, g, n, config.chunk_size if config.chunk_size in
-                         (16, 32, 64, 128, 256) else 256, sequences if packed else None, True, False,
+        if config.chunk_size not in CHUNK_SIZES:
+            raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {config.chunk_size!r}")
+        pr = ScanProblem(dtype, dtype, 1, tokens, h, p, g, n, config.chunk_size,
+                         sequences if packed else None, True, False,
                          False, True, True, (0.0, math.inf), False, False, False, False, cpu)
         rows.append(LayerBytes("mamba2", n_mamba, state, scan_kernels.saved_size(pr),
                                max(scan_kernels.forward_workspace_size(pr),

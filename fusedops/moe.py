@@ -190,8 +190,9 @@ class MoERouterBackward(_RouterPlan):
         ids = self._declare("topk_ids", topk_ids, alignment=4)
         expect_ndim("topk_ids", ids, 2, "[t, k]")
         expect_dtype("topk_ids", ids, (torch.int32,))
-        if ids.shape[0] != t:
-            raise ValidationError(f"topk_ids: expected [t, k] with t = {t} like logits, got {list(ids.shape)}")
+        if ids.shape[0] != t or not 1 <= ids.shape[1] <= E:
+            raise ValidationError(f"topk_ids: expected [t, k] with t = {t} like logits and 1 <= k <= "
+                                  f"E = {E}, got {list(ids.shape)}")
         top_k, scale = self._declare_options(E, ids.shape[1], norm_topk_prob, routed_scaling_factor)
         compute = torch.float64 if logits.dtype == torch.float64 else torch.float32
         dw = self._declare("d_topk_weights", d_topk_weights)
@@ -417,7 +418,8 @@ class ReLU2MoEBackward(_ExpertPlan):
         facts = self._declare_experts(x, w_up, w_down, topk_ids, topk_weights, shared_w_up,
                                       shared_w_down)
         _expect_bool("accumulate", accumulate)
-        allowed = (torch.float64,) if facts["dtype"] == torch.float64 else (torch.float32, facts["dtype"])
+        allowed = tuple(dict.fromkeys((torch.float64,) if facts["dtype"] == torch.float64
+                                      else (torch.float32, facts["dtype"])))
         weight_grad_dtype = allowed[0] if weight_grad_dtype is None else weight_grad_dtype
         if weight_grad_dtype not in allowed:
             names = " or ".join(str(d).removeprefix("torch.") for d in allowed)

@@ -471,7 +471,7 @@ def test_experts_validation(change, match):
 def test_backward_validation_and_float64_needs_torch():
     case = experts_case(8, 16, 4, 24, 2)
     args = [case[n] for n in ("x", "w_up", "w_down", "topk_ids", "topk_weights", "d_out")]
-    with pytest.raises(ValidationError, match=r"weight_grad_dtype: expected float32 or float32"):
+    with pytest.raises(ValidationError, match=r"weight_grad_dtype: expected float32, got torch.float16"):
         ReLU2MoEBackward(*args, weight_grad_dtype=torch.float16)
     with pytest.raises(ValidationError, match=r"accumulate: expected a bool"):
         ReLU2MoEBackward(*args, accumulate=1)
@@ -496,6 +496,9 @@ def test_router_validation(options, match):
     options = {k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in options.items()}
     with pytest.raises(ValidationError, match=match):
         MoERouter(torch.zeros(4, 8, device=DEVICE), **options)
+    with pytest.raises(ValidationError, match=r"topk_ids: expected \[t, k\] with t = 4 like logits and 1 <= k <= E = 8"):
+        MoERouterBackward(torch.zeros(4, 8, device=DEVICE), torch.zeros(4, 9, dtype=torch.int32, device=DEVICE),
+                          torch.zeros(4, 9, device=DEVICE))
     with pytest.raises(ValidationError, match=r"d_topk_weights: expected shape \[t, k\] like topk_ids"):
         MoERouterBackward(torch.zeros(4, 8, device=DEVICE),
                           torch.zeros(4, 2, dtype=torch.int32, device=DEVICE),

@@ -19,7 +19,7 @@ def _unsupported(function: str, **options) -> None:
                                f"or 0), got {shown}")
 
 
-def _attention(function, q, k, v, causal, softmax_scale, window_size, return_attn_probs, **packing):
+def _attention(q, k, v, causal, softmax_scale, window_size, return_attn_probs, **packing):
     if return_attn_probs:    # flash-attn returns (out, softmax_lse, S_dmask); no dropout mask here
         o, lse = gqa_attention_forward(q, k, v, causal=causal, softmax_scale=softmax_scale,
                                        window_size=tuple(window_size), **packing)
@@ -33,7 +33,7 @@ def flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False, wi
     """q [b, s_q, h_q, d], k, v [b, s_k, h_kv, d] -> out like q (differentiable; always
     deterministic). With return_attn_probs: (out, softmax_lse [b, h_q, s_q], None)."""
     _unsupported("flash_attn_func", dropout_p=dropout_p, softcap=softcap, alibi_slopes=alibi_slopes)
-    return _attention("flash_attn_func", q, k, v, causal, softmax_scale, window_size, return_attn_probs)
+    return _attention(q, k, v, causal, softmax_scale, window_size, return_attn_probs)
 
 
 def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -43,7 +43,7 @@ def flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     """Packed sequences: q [total_q, h_q, d], k, v [total_k, h_kv, d], cu_seqlens int32."""
     _unsupported("flash_attn_varlen_func", dropout_p=dropout_p, softcap=softcap,
                  alibi_slopes=alibi_slopes, block_table=block_table)
-    return _attention("flash_attn_varlen_func", q, k, v, causal, softmax_scale, window_size,
+    return _attention(q, k, v, causal, softmax_scale, window_size,
                       return_attn_probs, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=int(max_seqlen_q), max_seqlen_k=int(max_seqlen_k))
 

@@ -12,7 +12,7 @@ from fusedops.mamba2_inference import mamba2_state_update
 
 
 def _fp32(t):
-    return None if t is None else t.float()
+    return None if t is None else t.float().contiguous()
 
 
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
@@ -74,10 +74,10 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     if D is not None and D.dim() == 2 and D.stride(1) == 0:
         D = D[:, 0]
     indices = None if state_batch_indices is None else state_batch_indices.to(torch.int32)
-    out = mamba2_state_update(state, x.contiguous(), dt_h.contiguous(), A_h.float().contiguous(),
-                              B.contiguous(), C.contiguous(), D=_fp32(D).contiguous() if D is not None else None,
+    out = mamba2_state_update(state, x.contiguous(), dt_h.contiguous(), _fp32(A_h),
+                              B.contiguous(), C.contiguous(), D=_fp32(D),
                               z=None if z is None else z.contiguous(),
-                              dt_bias=None if bias_h is None else bias_h.float().contiguous(),
+                              dt_bias=_fp32(bias_h),
                               dt_softplus=bool(dt_softplus), dt_limit=tuple(dt_limit),
                               state_batch_indices=indices)
     return out["y"]

@@ -16,7 +16,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="every operator forward+backward on every backend this "
                                        "machine runs, against the float64 reference")
     demo.add_argument("--no-interpreter", action="store_true",
-                      help="on a machine without CUDA, skip the Triton interpreter rows")
+                      help="on a machine without CUDA, skip the Triton interpreter and PTX emulator rows")
     sub.add_parser("check", help="environment report: versions, device, backends per operator")
     bench = sub.add_parser("bench", help="run the benchmarks of a source checkout's bench/ and "
                                          "write their JSON and PNG plots")
@@ -46,8 +46,10 @@ def main(argv=None) -> int:
     import torch
     if args.command == "demo" and not torch.cuda.is_available() and not args.no_interpreter \
             and "triton" not in sys.modules:
-        # without a GPU the Triton kernels can still run, slowly, on the CPU interpreter
+        # without a GPU the Triton kernels can still run, slowly, on the CPU interpreter, and
+        # the CuTe kernels' PTX in the emulator
         os.environ.setdefault("TRITON_INTERPRET", "1")
+        os.environ.setdefault("FUSEDOPS_CUTE_EMULATE", "1")
     from . import demo as demo_module
     if args.command == "demo":
         return demo_module.run_demo()

@@ -55,7 +55,9 @@ def _timed(fn, device) -> float:
 
 
 def _label(backend: str, device: torch.device) -> str:
-    return backend + (" (interpreter)" if device.type == "cpu" and backend == "triton" else "")
+    if device.type != "cpu":
+        return backend
+    return backend + {"triton": " (interpreter)", "cute": " (PTX emulator)"}.get(backend, "")
 
 
 def _as_reference(tensors: dict) -> dict:
@@ -80,7 +82,8 @@ def _gate(t, backend):
 
 
 def gate_rows(device, backends) -> list[Row]:
-    shapes = {"torch": (256, 4, 1024), "triton": (8, 4, 256)} if device.type == "cpu" else {}
+    shapes = ({"torch": (256, 4, 1024), "triton": (8, 4, 256), "cute": (8, 4, 5120)}
+              if device.type == "cpu" else {})
     rows = []
     for backend in backends:
         n, s, d = shapes.get(backend, (8192, 4, 5120))
@@ -254,7 +257,7 @@ def moe_rows(device, backends) -> list[Row]:
 
 
 def runnable(device: torch.device) -> list[str]:
-    return [b for b in ("torch", "triton") if toolchain_unavailable_reason(b, device) is None]
+    return [b for b in BACKENDS if toolchain_unavailable_reason(b, device) is None]
 
 
 def run_demo() -> int:
@@ -263,12 +266,14 @@ def run_demo() -> int:
     print("each operator forward + backward against the float64 torch reference; errors are the "
           "largest relative L2 error over the outputs (fwd) and the gradients (bwd)\n")
     backends = runnable(device)
-    families = (("engram gate", gate_rows), ("mamba2 scan", scan_rows), ("gqa attention", attention_rows),
-                ("routed moe", moe_rows))
+    families = (("engram gate", gate_rows, EngramGateSavedForward),
+                ("mamba2 scan", scan_rows, Mamba2ChunkScanForward),
+                ("gqa attention", attention_rows, GQAAttentionForward),
+                ("routed moe", moe_rows, ReLU2MoEForward))
     rows = []
-    for i, (name, family_rows) in enumerate(families, 1):
+    for i, (name, family_rows, op) in enumerate(families, 1):
         print(f"  [{i}/{len(families)}] {name} ...", file=sys.stderr, flush=True)
-        rows += family_rows(device, backends)
+        rows += family_rows(device, [b for b in backends if b in op.implementations])
     header = (f"{'operator':<13} {'backend':<21} {'shape':<36} {'fwd err':>9} {'bwd err':>9} "
               f"{'limit':>8} {'fwd ms':>8} {'bwd ms':>8}  result")
     print(header)

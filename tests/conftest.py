@@ -1,7 +1,8 @@
 """Test session setup.
 
 Without a GPU the Triton kernels run under the Triton interpreter, which must be chosen before
-triton is first imported; this file is imported before any test module, so it decides here.
+triton is first imported; this file is imported before any test module, so it decides here. The
+CuTe kernels run, compiled for sm_90a, in the PTX emulator.
 """
 
 import os
@@ -14,6 +15,7 @@ if not torch.cuda.is_available():
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("triton was imported before tests/conftest.py could select the interpreter")
     os.environ.setdefault("TRITON_INTERPRET", "1")
+    os.environ.setdefault("FUSEDOPS_CUTE_EMULATE", "1")
 
 AOT_FIGURES_KEY = pytest.StashKey[list]()
 

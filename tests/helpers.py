@@ -16,7 +16,8 @@ requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA device")
 
 
 def runnable_backends() -> list:
-    """torch everywhere; triton on CUDA, or on CPU under the interpreter; cute on sm_90/sm_100."""
+    """torch everywhere; triton on CUDA, or on CPU under the interpreter; cute on sm_90/sm_100,
+    or on CPU under the PTX emulator."""
     from fusedops._backend import toolchain_unavailable_reason
     return ["torch"] + [b for b in ("triton", "cute") if toolchain_unavailable_reason(b, DEVICE) is None]
 

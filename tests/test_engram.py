@@ -285,9 +285,16 @@ def test_backend_errors(monkeypatch):
     with pytest.raises(ValidationError, match=r"backend: expected one of auto, torch, triton, cute, got 'cudnn'"):
         EngramGateSavedForward(**_fwd_args(), backend="cudnn")
     if not HAS_CUDA:
-        with pytest.raises(UnsupportedError, match=r"cute: (CuTe DSL kernels run on CUDA devices, not on cpu"
+        monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", "0")
+        with pytest.raises(UnsupportedError, match=r"cute: (CuTe DSL kernels run on CUDA devices, not on cpu; "
+                                                   r"on cpu only under the PTX emulator \(FUSEDOPS_CUTE_EMULATE=1\)"
                                                    r"|nvidia-cutlass-dsl is not installed)"):
             EngramGateSavedForward(**_fwd_args(), backend="cute")
+        monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", "sm_80")
+        with pytest.raises(UnsupportedError, match=r"FUSEDOPS_CUTE_EMULATE: expected 1, 0, sm_90a or sm_100a, "
+                                                   r"got 'sm_80'|nvidia-cutlass-dsl is not installed"):
+            EngramGateSavedForward(**_fwd_args(), backend="cute")
+        monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", "1")
     t = make_inputs(2, 1, 8, torch.float64)
     with pytest.raises(UnsupportedError, match=r"triton: the Triton gate kernels take bf16/fp16/fp32"):
         EngramGateSavedForward(t["x"], t["kv"], t["weight"], None, backend="triton")

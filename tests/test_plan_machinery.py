@@ -120,15 +120,19 @@ def test_plan_cache_is_lru():
     assert cache.get(Dummy, 1) is not a and Dummy.made == 4
 
 
-def test_backend_selection_reasons():
+def test_backend_selection_reasons(monkeypatch):
     cpu = torch.device("cpu")
     impls = {"torch": "fusedops.backends.torch.engram"}
     assert select_backend("op", "auto", cpu, None, impls, ("triton", "torch"))[0] == "torch"
     with pytest.raises(UnsupportedError, match=r"backend='triton' cannot serve op on cpu: triton: op has no "
                                                r"triton implementation \(implemented by: torch\)"):
         select_backend("op", "triton", cpu, None, impls, ("triton", "torch"))
+    monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", "0")
     reason = toolchain_unavailable_reason("cute", cpu)
     assert "CuTe DSL kernels run on CUDA devices" in reason or "nvidia-cutlass-dsl" in reason
+    monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", "sm_100a")
+    assert toolchain_unavailable_reason("cute", cpu) in (None, "nvidia-cutlass-dsl is not installed "
+                                                               "(pip install 'fusedops[cute]')")
     with pytest.raises(ValidationError, match=r"backend: expected one of auto, torch, triton, cute, got 'x'"):
         toolchain_unavailable_reason("x", cpu)
     if not HAS_CUDA:

@@ -5,6 +5,10 @@ runtime arguments; ``compile_kernel`` compiles it for an explicit ``--gpu-arch``
 and ``make_launcher`` loads it on a device and returns ``launch(*runtime_args, stream)``. Runtime
 pointer arguments are passed as tensors (or raw addresses) and wrapped per call; token counts are
 ``Int32`` runtime arguments, so one compile serves every N.
+
+Without a GPU, ``FUSEDOPS_CUTE_EMULATE=1`` (or ``=sm_90a`` / ``=sm_100a``) lets the backend
+serve CPU tensors: the kernel is compiled to PTX for that architecture as for a GPU, and
+``ptx_emulator`` runs that PTX, checking every memory access against the launch's buffers.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from fusedops._cache import COMPILE_CACHE
 
 MIN_VERSION = (4, 7)
 ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
+EMULATE_ENV = "FUSEDOPS_CUTE_EMULATE"
 
 
 def installed_version() -> str | None:
@@ -37,6 +42,15 @@ def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in re.findall(r"\d+", version)[:2])
 
 
+def emulated_arch() -> str | None:
+    """The architecture whose PTX the emulator runs for CPU tensors (from FUSEDOPS_CUTE_EMULATE:
+    unset or "0" -> None, "1" -> "sm_90a", or "sm_90a" / "sm_100a")."""
+    value = os.environ.get(EMULATE_ENV, "0")
+    if value in ("", "0"):
+        return None
+    return "sm_90a" if value == "1" else value
+
+
 def unsupported_reason(device: torch.device) -> str | None:
     """Why the CuTe backend cannot serve ``device`` (version of CuTe DSL, capability), or None."""
     version = installed_version()
@@ -45,6 +59,15 @@ def unsupported_reason(device: torch.device) -> str | None:
     if _version_tuple(version) < MIN_VERSION:
         return (f"nvidia-cutlass-dsl {version} is installed; the cute backend needs >= "
                 f"{'.'.join(map(str, MIN_VERSION))}")
+    if device.type == "cpu":
+        arch = emulated_arch()
+        if arch is None:
+            return (f"CuTe DSL kernels run on CUDA devices, not on cpu; on cpu only under the PTX "
+                    f"emulator ({EMULATE_ENV}=1)")
+        if arch not in ARCH_BY_CAPABILITY.values():
+            return (f"{EMULATE_ENV}: expected 1, 0, {' or '.join(ARCH_BY_CAPABILITY.values())}, "
+                    f"got {os.environ[EMULATE_ENV]!r}")
+        return None
     if device.type != "cuda":
         return f"CuTe DSL kernels run on CUDA devices, not on {device.type}"
     cap = device_capability(device.index)
@@ -55,6 +78,8 @@ def unsupported_reason(device: torch.device) -> str | None:
 
 
 def arch_of(device: torch.device) -> str:
+    if device.type == "cpu":
+        return emulated_arch()
     return ARCH_BY_CAPABILITY[device_capability(device.index)]
 
 
@@ -74,23 +99,28 @@ def pointer(dtype: torch.dtype, address: int, alignment: int = 16):
 @dataclass(frozen=True)
 class Arg:
     """A runtime argument of a CuTe launcher: a pointer (``dtype`` of the memory, alignment) or a
-    scalar (``scalar`` is "i32" or "f32")."""
+    scalar (``scalar`` is "i32" or "f32"). ``launch_only`` arguments shape the launch (grid)
+    and are not kernel parameters."""
 
     name: str
     dtype: torch.dtype | None = None
     alignment: int = 16
     scalar: str | None = None
+    launch_only: bool = False
 
 
 @dataclass(frozen=True)
 class CuteKernel:
     """One compiled specialisation: the ``@cute.jit`` launcher, its runtime arguments (in order,
-    before the trailing stream) and its compile-time arguments (in order, after the stream)."""
+    before the trailing stream), its compile-time arguments (in order, after the stream) and
+    ``grid(**arguments)``, the launch grid from the arguments by name (the function the launcher
+    itself calls); the kernel's parameters are the runtime arguments that are not launch_only."""
 
     name: str
     launcher: Any
     args: tuple[Arg, ...]
     constexprs: tuple[tuple[str, Any], ...]
+    grid: Callable[..., Any]
     dynamic_shared_bytes: int = 0
 
     def example_args(self) -> list:
@@ -112,11 +142,24 @@ def compile_kernel(kernel: CuteKernel, arch: str, keep_dir: str | None = None):
     return cute.compile(kernel.launcher, *kernel.example_args(), options=options)
 
 
+def compile_ptx(kernel: CuteKernel, arch: str) -> str:
+    """The PTX text ``cute.compile`` produces for ``kernel`` on ``arch``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = compile_kernel(kernel, arch, keep_dir=tmp).__ptx__
+        if ptx.lstrip().startswith(("//", ".version")):
+            return ptx
+        with open(ptx) as f:  # some versions return the path of the kept file
+            return f.read()
+
+
 def make_launcher(kernel: CuteKernel, device: torch.device) -> Callable[..., None]:
     """Compiles ``kernel`` for ``device`` (cached process-wide), loads it into the device's
     context now, and returns ``launch(*runtime_args, stream)``; tensors given for pointer
-    arguments are passed by address."""
+    arguments are passed by address. On cpu (under FUSEDOPS_CUTE_EMULATE) the launch runs the
+    kernel's PTX in the emulator; pointer arguments must then be tensors."""
     arch = arch_of(device)
+    if device.type == "cpu":
+        return _emulated_launcher(kernel, arch)
     compiled = COMPILE_CACHE.get_or_build(("cute", kernel, arch),
                                           lambda: compile_kernel(kernel, arch))
     with torch.cuda.device(device):
@@ -127,6 +170,31 @@ def make_launcher(kernel: CuteKernel, device: torch.device) -> Callable[..., Non
         args = [pointer(m[0], v if isinstance(v, int) else v.data_ptr(), m[1]) if m else v
                 for m, v in zip(makers, runtime_args)]
         executor(*args, stream)
+    return launch
+
+
+def _emulated_launcher(kernel: CuteKernel, arch: str) -> Callable[..., None]:
+    from .ptx_emulator import Memory, PtxFault, PtxProgram
+    program = COMPILE_CACHE.get_or_build(("cute-ptx", kernel, arch),
+                                         lambda: PtxProgram.parse(compile_ptx(kernel, arch)))
+    constexprs = dict(kernel.constexprs)
+
+    def launch(*runtime_args, stream):
+        memory, params = Memory(), []
+        for arg, value in zip(kernel.args, runtime_args, strict=True):
+            if arg.dtype is not None:
+                if not isinstance(value, torch.Tensor):
+                    raise PtxFault(f"{arg.name}: the emulator needs a tensor (its extent bounds "
+                                   f"the kernel's accesses), got {type(value).__name__}")
+                if value.data_ptr() % arg.alignment:
+                    raise PtxFault(f"{arg.name}: the kernel assumes {arg.alignment}-byte alignment, "
+                                   f"got address {value.data_ptr():#x}")
+                memory.add_tensor(value, arg.name)
+                value = value.data_ptr()
+            if not arg.launch_only:
+                params.append(value)
+        named = dict(zip((a.name for a in kernel.args), runtime_args)) | constexprs
+        program.launch(kernel.grid(**named), params, memory, kernel.dynamic_shared_bytes)
     return launch
 
 
@@ -147,11 +215,9 @@ def ptxas_usage(kernel: CuteKernel, arch: str) -> PtxasUsage:
     reads registers, spills and stack; shared memory is the static amount plus the kernel's
     declared dynamic shared memory."""
     with tempfile.TemporaryDirectory() as tmp:
-        compiled = compile_kernel(kernel, arch, keep_dir=tmp)
         ptx_path = os.path.join(tmp, "kernel.ptx")
-        ptx = compiled.__ptx__
         with open(ptx_path, "w") as f:
-            f.write(ptx if ptx.lstrip().startswith(("//", ".version")) else open(ptx).read())
+            f.write(compile_ptx(kernel, arch))
         proc = subprocess.run(["ptxas", f"-arch={arch}", "-v", ptx_path, "-o", ptx_path + ".cubin"],
                               capture_output=True, text=True, check=True)
     text = proc.stdout + proc.stderr

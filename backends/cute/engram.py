@@ -21,6 +21,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64
 
+from fusedops._backend import triton_interpreter_active
 from fusedops.backends.torch.engram import DOT_CLAMP
 from fusedops.backends.triton.engram import (backward_blocks, backward_workspace_size,
                                              reduce_launcher)
@@ -79,6 +80,16 @@ def gate_scalars(sxx, skk, sxwk, eps, D, SQRT_D, DOT_MIN):
                                 cutlass.select_(dot < Float32(0.0), -mag, Float32(0.0))))
     gate = Float32(1.0) / (Float32(1.0) + cute.math.exp(-r))
     return gate, dot, rx, rk
+
+
+def forward_grid(N, **_):
+    """One CTA per token."""
+    return [N, 1, 1]
+
+
+def backward_grid(S, BLOCKS, **_):
+    """(stream or grad_v, token block) CTAs."""
+    return [S + 1, BLOCKS, 1]
 
 
 @cute.kernel
@@ -168,7 +179,7 @@ def gate_fwd(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer, pmask: cute.
              SQRT_D: cutlass.Constexpr, DOT_MIN: cutlass.Constexpr):
     gate_fwd_kernel(px, pkv, pw, pmask, pout, psaved, N, eps, DTYPE, S, D, VEC, THREADS,
                     ITERS, X_HELD, HAS_MASK, SQRT_D, DOT_MIN).launch(
-        grid=[N, 1, 1], block=[THREADS, 1, 1], stream=stream)
+        grid=forward_grid(N=N), block=[THREADS, 1, 1], stream=stream)
 
 
 @cute.kernel
@@ -286,7 +297,7 @@ def gate_bwd(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer, psaved: cute
              SQRT_D: cutlass.Constexpr, DOT_MIN: cutlass.Constexpr):
     gate_bwd_kernel(px, pkv, pw, psaved, pg, pgx, pgkv, ppartial, N, TOKENS_PER_BLOCK,
                     DTYPE, S, D, VEC, THREADS, ITERS, SQRT_D, DOT_MIN).launch(
-        grid=[S + 1, BLOCKS, 1], block=[THREADS, 1, 1], stream=stream)
+        grid=backward_grid(S=S, BLOCKS=BLOCKS), block=[THREADS, 1, 1], stream=stream)
 
 
 # -- specialisations ---------------------------------------------------------------------------
@@ -306,7 +317,7 @@ def forward_kernel(problem) -> CuteKernel:
     held = problem.streams * iters <= MAX_HELD_VECTORS
     return CuteKernel("engram_gate_fwd", gate_fwd, args,
                       _constexprs(problem, ("X_HELD", held), ("HAS_MASK", problem.has_mask)),
-                      dynamic_shared_bytes=4 * 3 * problem.streams * (threads // 32))
+                      forward_grid, dynamic_shared_bytes=4 * 3 * problem.streams * (threads // 32))
 
 
 def backward_kernel(problem) -> CuteKernel:
@@ -314,9 +325,9 @@ def backward_kernel(problem) -> CuteKernel:
     args = (Arg("x", dt), Arg("kv", dt), Arg("weight", torch.float32), Arg("saved", torch.float32),
             Arg("grad_out", dt), Arg("grad_x", dt), Arg("grad_kv", dt),
             Arg("partials", torch.float32), Arg("N", scalar="i32"),
-            Arg("TOKENS_PER_BLOCK", scalar="i32"), Arg("BLOCKS", scalar="i32"))
+            Arg("TOKENS_PER_BLOCK", scalar="i32"), Arg("BLOCKS", scalar="i32", launch_only=True))
     _, threads, _ = row_geometry(problem.hidden, problem.dtype)
-    return CuteKernel("engram_gate_bwd", gate_bwd, args, _constexprs(problem),
+    return CuteKernel("engram_gate_bwd", gate_bwd, args, _constexprs(problem), backward_grid,
                       dynamic_shared_bytes=4 * 2 * (threads // 32))
 
 
@@ -324,6 +335,9 @@ def backward_kernel(problem) -> CuteKernel:
 def unsupported_reason(problem) -> str | None:
     if problem.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return f"the cute gate kernels take bf16/fp16/fp32, not {problem.dtype} (use backend='torch')"
+    if problem.device.type == "cpu" and not triton_interpreter_active():
+        return ("the cute gate backward sums grad_weight with the Triton reduction kernel, which "
+                "runs on cpu only under the Triton interpreter (TRITON_INTERPRET=1)")
     return None
 
 

@@ -1,0 +1,947 @@
+"""A PTX emulator: runs the PTX that CuTe DSL compiled for sm_90a/sm_100a on CPU memory.
+
+It is how the CuTe kernels' numerics are checked on a machine without a GPU (the role the Triton
+interpreter plays for Triton kernels), and it checks more than numerics: every global access
+must fall inside one of the buffers passed to the launch and be aligned to its width, shared
+accesses must stay inside the declared shared memory, ``shfl.sync`` must find every lane of
+its member mask converged, and ``bar.sync`` every live thread of the CTA; a violation raises
+``PtxFault`` naming the instruction, the thread and the address.
+
+Execution model: all threads of a batch of CTAs are lanes of numpy arrays (registers hold raw
+bits in uint64). Each step runs the instruction at the lowest program counter among live
+lanes, for the lanes at that counter, which reconverges structured control flow at its join
+points. Arithmetic is IEEE: ``.rn``/``.rm``/``.rp``/``.rz`` are rounded exactly (fma included);
+the ``.approx`` instructions are computed exactly, so results can differ from hardware by the
+approximation's error (a few ulp). The instruction set is the subset the project's kernels
+compile to; anything else raises ``PtxFault`` naming the opcode.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import re
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["PtxFault", "PtxProgram", "Memory"]
+
+WARP = 32
+MAX_LANES_PER_BATCH = 1 << 14
+MAX_STEPS = 10_000_000
+
+
+class PtxFault(RuntimeError):
+    """What a GPU would report as a fault or undefined behaviour, found while emulating."""
+
+
+# -- types ---------------------------------------------------------------------------------------
+_INT_TYPES = {
+    "b8": np.uint8, "u8": np.uint8, "s8": np.int8, "b16": np.uint16, "u16": np.uint16,
+    "s16": np.int16, "b32": np.uint32, "u32": np.uint32, "s32": np.int32, "b64": np.uint64,
+    "u64": np.uint64, "s64": np.int64,
+}
+_FLOAT_TYPES = {"f16": np.float16, "f32": np.float32, "f64": np.float64}
+_UNSIGNED = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
+_TYPE_NAMES = set(_INT_TYPES) | set(_FLOAT_TYPES) | {"pred", "bf16", "bf16x2", "f16x2"}
+
+
+def _width(t: str) -> int:
+    if t == "pred":
+        return 1
+    if t in ("bf16",):
+        return 16
+    if t in ("bf16x2", "f16x2"):
+        return 32
+    return int(re.sub(r"\D", "", t))
+
+
+def _from_bits(bits: np.ndarray, t: str) -> np.ndarray:
+    """uint64 register bits -> values of PTX type t (bf16 stays raw uint16)."""
+    if t == "pred":
+        return bits != 0
+    w = _width(t)
+    raw = bits.astype(_UNSIGNED[w])
+    if t in _FLOAT_TYPES:
+        return raw.view(_FLOAT_TYPES[t])
+    if t in _INT_TYPES:
+        return raw.view(_INT_TYPES[t])
+    return raw
+
+
+def _to_bits(values: np.ndarray, t: str) -> np.ndarray:
+    """Values of PTX type t -> uint64 register bits (zero-extended)."""
+    if t == "pred":
+        return np.asarray(values, dtype=bool).astype(np.uint64)
+    w = _width(t)
+    v = np.asarray(values)
+    if t in _FLOAT_TYPES:
+        v = v.astype(_FLOAT_TYPES[t])
+    elif v.dtype.kind == "f":
+        raise PtxFault(f"internal: float values written as {t}")
+    else:
+        v = v.astype(_INT_TYPES.get(t, _UNSIGNED[w]), copy=False)
+    return v.view(_UNSIGNED[w]).astype(np.uint64)
+
+
+# -- rounding ------------------------------------------------------------------------------------
+def _round_f64_to_f32(exact_hi: np.ndarray, exact_lo: np.ndarray, mode: str) -> np.ndarray:
+    """Rounds hi + lo (an unevaluated float64 sum, |lo| <= ulp(hi)/2) to float32 in ``mode``.
+
+    The sum is first rounded to float64 by round-to-odd, which makes the second rounding to
+    float32 exact (53 >= 2*24 + 2 bits)."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = exact_hi
+        inexact = (exact_lo != 0) & np.isfinite(s)
+        even = (s.view(np.uint64) & np.uint64(1)) == 0
+        toward = np.where(exact_lo > 0, np.inf, -np.inf)
+        s = np.where(inexact & even, np.nextafter(s, toward), s)
+        r = s.astype(np.float32)
+        if mode == "rn":
+            return r
+        r64 = r.astype(np.float64)
+        finite = np.isfinite(s)
+        if mode == "rm":
+            fix = finite & (r64 > s)
+            return np.where(fix, np.nextafter(r, np.float32(-np.inf)), r)
+        if mode == "rp":
+            fix = finite & (r64 < s)
+            return np.where(fix, np.nextafter(r, np.float32(np.inf)), r)
+        if mode == "rz":
+            fix = finite & (np.abs(r64) > np.abs(s))
+            return np.where(fix, np.nextafter(r, np.float32(0)), r)
+    raise PtxFault(f"unsupported rounding mode .{mode}")
+
+
+def _two_sum(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = a + b
+        bb = s - a
+        err = (a - (s - bb)) + (b - bb)
+    return s, np.where(np.isfinite(err), err, 0.0)
+
+
+def _f32_op(op: str, mode: str, *args: np.ndarray) -> np.ndarray:
+    """Correctly rounded fp32 add/sub/mul/fma/div/sqrt/rcp (computed in float64, exact)."""
+    a = [x.astype(np.float64) for x in args]
+    with np.errstate(all="ignore"):
+        if op in ("add", "sub", "fma"):
+            if op == "fma":
+                hi, lo = _two_sum(a[0] * a[1], a[2])  # the float64 product of two floats is exact
+            else:
+                hi, lo = _two_sum(a[0], a[1] if op == "add" else -a[1])
+            return _round_f64_to_f32(hi, lo, mode)
+        exact = {"mul": lambda: a[0] * a[1], "div": lambda: a[0] / a[1],
+                 "sqrt": lambda: np.sqrt(a[0]), "rcp": lambda: 1.0 / a[0]}[op]()
+    # mul is exact in float64; div/sqrt/rcp rounded to float64 and then to float32 are
+    # correctly rounded for round-to-nearest (53 >= 2*24 + 2); directed modes need the residual.
+    if op == "mul" or mode == "rn":
+        return _round_f64_to_f32(exact, np.zeros_like(exact), mode)
+    raise PtxFault(f"unsupported rounding mode .{mode} for {op}.f32")
+
+
+def _flush(x: np.ndarray) -> np.ndarray:
+    """Flush float32 subnormals to sign-preserving zero (.ftz)."""
+    tiny = np.abs(x) < np.finfo(np.float32).tiny
+    return np.where(tiny & (x != 0), np.copysign(np.float32(0), x), x).astype(np.float32)
+
+
+def _f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + np.uint64(0x7FFF) + ((bits >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16)
+    nan = np.isnan(x)
+    return np.where(nan, (bits >> np.uint64(16)) | np.uint64(0x40), rounded).astype(np.uint16)
+
+
+def _bf16_bits_to_f32(bits: np.ndarray) -> np.ndarray:
+    return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
+
+
+# -- operands ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Reg:
+    name: str
+
+
+@dataclass(frozen=True)
+class Imm:
+    text: str
+
+
+@dataclass(frozen=True)
+class Special:
+    name: str
+
+
+@dataclass(frozen=True)
+class Sym:
+    name: str
+
+
+@dataclass(frozen=True)
+class Mem:
+    base: object    # Reg, Sym or Imm
+    offset: int
+
+
+@dataclass(frozen=True)
+class Vec:
+    items: tuple
+
+
+@dataclass(frozen=True)
+class Label:
+    name: str
+
+
+_SPECIALS = {"%tid.x", "%tid.y", "%tid.z", "%ntid.x", "%ntid.y", "%ntid.z", "%ctaid.x",
+             "%ctaid.y", "%ctaid.z", "%nctaid.x", "%nctaid.y", "%nctaid.z", "%laneid",
+             "%warpid"}
+
+
+def _operand(text: str):
+    text = text.strip()
+    if text.startswith("{"):
+        return Vec(tuple(_operand(p) for p in text.strip("{}").split(",")))
+    if text.startswith("["):
+        inner = text.strip("[]").strip()
+        m = re.fullmatch(r"(.+?)\s*\+\s*(-?\w+)", inner)
+        base, offset = (m.group(1), int(m.group(2), 0)) if m else (inner, 0)
+        return Mem(_operand(base), offset)
+    if text in _SPECIALS:
+        return Special(text)
+    if text.startswith("%"):
+        return Reg(text)
+    if text.startswith("$"):
+        return Label(text)
+    if re.fullmatch(r"0[fFdD][0-9a-fA-F]+|-?(0[xX][0-9a-fA-F]+|\d+)U?", text):
+        return Imm(text)
+    return Sym(text)
+
+
+def _split_operands(text: str) -> list[str]:
+    parts, depth, cur = [], 0, ""
+    for ch in text:
+        if ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+        if ch == "," and depth == 0:
+            parts.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        parts.append(cur)
+    return [p.strip() for p in parts]
+
+
+@dataclass(frozen=True)
+class Instr:
+    text: str
+    guard: str | None
+    guard_negated: bool
+    opcode: tuple[str, ...]
+    operands: tuple
+
+
+@dataclass
+class PtxProgram:
+    """One ``.entry`` of a PTX module, parsed: parameters, instructions, labels, block shape."""
+
+    name: str
+    params: list[tuple[str, str]]                 # (name, type)
+    instrs: list[Instr]
+    labels: dict[str, int]
+    reqntid: tuple[int, int, int] | None
+    static_shared: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (offset, bytes)
+    dynamic_shared_symbol: str | None = None
+
+    @classmethod
+    def parse(cls, ptx: str, entry: str | None = None) -> "PtxProgram":
+        text = re.sub(r"//[^\n]*", "", ptx)
+        dyn = re.search(r"\.extern\s+\.shared\s+(?:\.align\s+\d+\s+)?\.b8\s+(\w+)\s*\[\s*\]", text)
+        entries = list(re.finditer(r"\.entry\s+(\w+)\s*\((.*?)\)\s*([^{]*)\{", text, re.S))
+        if entry is not None:
+            entries = [m for m in entries if m.group(1) == entry]
+        if len(entries) != 1:
+            raise PtxFault(f"expected one .entry{' named ' + entry if entry else ''} in the PTX, "
+                           f"found {len(entries)}")
+        m = entries[0]
+        params = []
+        for decl in m.group(2).split(","):
+            words = decl.split()
+            if not words:
+                continue
+            if "[" in decl:
+                raise PtxFault(f"byte-array kernel parameters are not emulated: {decl.strip()}")
+            params.append((words[-1], words[1].lstrip(".")))
+        req = re.search(r"\.reqntid\s+(\d+)(?:\s*,\s*(\d+))?(?:\s*,\s*(\d+))?", m.group(3))
+        reqntid = tuple(int(g or 1) for g in req.groups()) if req else None
+        body_start = m.end()
+        depth, i = 1, body_start
+        while depth:
+            depth += {"{": 1, "}": -1}.get(text[i], 0)
+            i += 1
+        body = text[body_start:i - 1]
+        instrs, labels, static_shared, shared_top = [], {}, {}, 0
+        for raw in body.split(";"):
+            stmt = raw.strip()
+            while True:
+                lm = re.match(r"(\$?[\w$]+):\s*", stmt)
+                if not lm:
+                    break
+                labels[lm.group(1)] = len(instrs)
+                stmt = stmt[lm.end():]
+            if not stmt or stmt.startswith((".reg", ".pragma", ".local")):
+                if stmt.startswith(".local"):
+                    raise PtxFault(f"local memory is not emulated: {stmt}")
+                continue
+            if stmt.startswith(".shared"):
+                sm = re.search(r"(?:\.align\s+(\d+)\s+)?\.b8\s+(\w+)\s*\[(\d+)\]", stmt)
+                align, name, size = int(sm.group(1) or 1), sm.group(2), int(sm.group(3))
+                shared_top = -(-shared_top // align) * align
+                static_shared[name] = (shared_top, size)
+                shared_top += size
+                continue
+            guard, negated = None, False
+            gm = re.match(r"@(!?)(%\w+)\s+", stmt)
+            if gm:
+                negated, guard = gm.group(1) == "!", gm.group(2)
+                stmt = stmt[gm.end():]
+            op, rest = (re.split(r"\s+", stmt, maxsplit=1) + [""])[:2]
+            instrs.append(Instr(" ".join(stmt.split()), guard, negated, tuple(op.split(".")),
+                                tuple(_operand(o) for o in _split_operands(rest))))
+        return cls(m.group(1), params, instrs, labels, reqntid, static_shared,
+                   dyn.group(1) if dyn else None)
+
+    @property
+    def static_shared_bytes(self) -> int:
+        return max((o + s for o, s in self.static_shared.values()), default=0)
+
+    def launch(self, grid: Sequence[int], params: Sequence, memory: "Memory",
+               dynamic_shared_bytes: int = 0, block: Sequence[int] | None = None) -> None:
+        """Runs the kernel over ``grid`` CTAs of ``block`` threads (default: ``.reqntid``).
+        ``params`` are the kernel parameters in order: ints (pointers, integers) or floats."""
+        if block is None:
+            if self.reqntid is None:
+                raise PtxFault(f"{self.name} declares no .reqntid; pass block=")
+            block = self.reqntid
+        block = tuple(block) + (1,) * (3 - len(block))
+        grid = tuple(int(g) for g in grid) + (1,) * (3 - len(grid))
+        if len(params) != len(self.params):
+            raise PtxFault(f"{self.name} takes {len(self.params)} parameters, got {len(params)}")
+        threads = block[0] * block[1] * block[2]
+        ctas = grid[0] * grid[1] * grid[2]
+        per_batch = max(1, MAX_LANES_PER_BATCH // threads)
+        for first in range(0, ctas, per_batch):
+            _Machine(self, grid, block, params, memory, dynamic_shared_bytes,
+                     range(first, min(ctas, first + per_batch))).run()
+
+
+# -- memory --------------------------------------------------------------------------------------
+class Memory:
+    """Global memory: the byte ranges a launch may touch, read and written in place."""
+
+    def __init__(self):
+        self._ranges: list[tuple[int, int, str]] = []
+        self._regions = None
+
+    def add(self, address: int, nbytes: int, name: str) -> None:
+        if nbytes > 0:
+            self._ranges.append((address, address + nbytes, name))
+            self._regions = None
+
+    def add_tensor(self, tensor, name: str) -> None:
+        """The bytes ``tensor`` spans (from its lowest to its highest element)."""
+        if tensor.numel() == 0:
+            return
+        if any(st < 0 for st in tensor.stride()):
+            raise PtxFault(f"{name}: negative strides are not emulated")
+        span = sum((n - 1) * st for n, st in zip(tensor.shape, tensor.stride())) + 1
+        self.add(tensor.data_ptr(), span * tensor.element_size(), name)
+
+    def regions(self):
+        """(lows, highs, names, byte views) of the ranges, overlapping ones merged."""
+        if self._regions is None:
+            merged = []
+            for lo, hi, name in sorted(self._ranges):
+                if merged and lo <= merged[-1][1]:
+                    plo, phi, pname = merged[-1]
+                    merged[-1] = (plo, max(phi, hi), pname if name in pname.split("|") else f"{pname}|{name}")
+                else:
+                    merged.append((lo, hi, name))
+            self._regions = (np.array([m[0] for m in merged], dtype=np.uint64),
+                             np.array([m[1] for m in merged], dtype=np.uint64),
+                             [m[2] for m in merged],
+                             [np.ctypeslib.as_array((ctypes.c_uint8 * (hi - lo)).from_address(lo))
+                              for lo, hi, _ in merged])
+        return self._regions
+
+    def _locate(self, addr: np.ndarray, nbytes: int, instr: Instr, lanes, what: str):
+        lows, highs, names, views = self.regions()
+        which = np.searchsorted(lows, addr, side="right").astype(np.int64) - 1
+        ok = which >= 0
+        ok[ok] &= addr[ok] + np.uint64(nbytes) <= highs[which[ok]]
+        if not ok.all():
+            bad = int(np.argmin(ok))
+            ranges = ", ".join(f"{n} [{int(lo):#x}, {int(hi):#x})" for lo, hi, n in zip(lows, highs, names))
+            raise PtxFault(f"out-of-bounds global {what} of {nbytes} B at {int(addr[bad]):#x} by "
+                           f"{lanes(bad)} in '{instr.text}'; the launch's buffers: {ranges}")
+        if nbytes > 1 and (addr % np.uint64(nbytes)).any():
+            bad = int(np.argmax(addr % np.uint64(nbytes) != 0))
+            raise PtxFault(f"misaligned global {what} of {nbytes} B at {int(addr[bad]):#x} by "
+                           f"{lanes(bad)} in '{instr.text}'")
+        return which
+
+    def _pieces(self, addr, which):
+        lows, _, _, views = self.regions()
+        for r in np.unique(which):
+            sel = which == r
+            yield views[r], sel, (addr[sel] - lows[r]).astype(np.int64)
+
+    def load(self, addr, nbytes, instr, lanes) -> np.ndarray:
+        which = self._locate(addr, nbytes, instr, lanes, "load")
+        out = np.empty((len(addr), nbytes), dtype=np.uint8)
+        for view, sel, offs in self._pieces(addr, which):
+            out[sel] = view[offs[:, None] + np.arange(nbytes)]
+        return out
+
+    def store(self, addr, data: np.ndarray, instr, lanes) -> None:
+        which = self._locate(addr, data.shape[1], instr, lanes, "store")
+        for view, sel, offs in self._pieces(addr, which):
+            view[offs[:, None] + np.arange(data.shape[1])] = data[sel]
+
+
+# -- execution -----------------------------------------------------------------------------------
+class _Machine:
+    def __init__(self, program, grid, block, params, memory, dynamic_shared_bytes, ctas):
+        self.p = program
+        self.memory = memory
+        self.params = {name: (t, v) for (name, t), v in zip(program.params, params)}
+        threads = block[0] * block[1] * block[2]
+        cta = np.repeat(np.asarray(list(ctas), dtype=np.int64), threads)
+        t = np.tile(np.arange(threads, dtype=np.int64), len(ctas))
+        self.threads = threads
+        self.n = len(t)
+        self.cta_index = cta - ctas[0]
+        self.thread = t
+        self.specials = {
+            "%tid.x": t % block[0], "%tid.y": (t // block[0]) % block[1],
+            "%tid.z": t // (block[0] * block[1]),
+            "%ctaid.x": cta % grid[0], "%ctaid.y": (cta // grid[0]) % grid[1],
+            "%ctaid.z": cta // (grid[0] * grid[1]),
+            "%laneid": t % WARP, "%warpid": t // WARP,
+        }
+        for axis, (b, g) in zip("xyz", zip(block, grid)):
+            self.specials[f"%ntid.{axis}"] = np.full(self.n, b)
+            self.specials[f"%nctaid.{axis}"] = np.full(self.n, g)
+        self.shared_base = program.static_shared_bytes
+        self.shared_size = self.shared_base + dynamic_shared_bytes
+        self.shared = np.zeros((len(ctas), max(self.shared_size, 1)), dtype=np.uint8)
+        self.regs: dict[str, np.ndarray] = {}
+        self.pc = np.zeros(self.n, dtype=np.int64)
+        self.alive = np.ones(self.n, dtype=bool)
+        self.ctas = ctas
+
+    def lane_name(self, lanes: np.ndarray):
+        def name(i):
+            lane = int(lanes[i])
+            return (f"thread {int(self.thread[lane])} of CTA "
+                    f"({int(self.specials['%ctaid.x'][lane])}, {int(self.specials['%ctaid.y'][lane])}, "
+                    f"{int(self.specials['%ctaid.z'][lane])})")
+        return name
+
+    # operands
+    def read(self, op, t: str, lanes: np.ndarray) -> np.ndarray:
+        if isinstance(op, Reg):
+            bits = self.regs.get(op.name)
+            if bits is None:
+                bits = self.regs[op.name] = np.zeros(self.n, dtype=np.uint64)
+            return _from_bits(bits[lanes], t)
+        if isinstance(op, Imm):
+            return _from_bits(np.full(len(lanes), self._imm_bits(op.text, t), dtype=np.uint64), t)
+        if isinstance(op, Special):
+            return _from_bits(self.specials[op.name][lanes].astype(np.uint64), t)
+        if isinstance(op, Sym):
+            return _from_bits(np.full(len(lanes), self._symbol_address(op.name), dtype=np.uint64), t)
+        raise PtxFault(f"cannot read operand {op}")
+
+    def _imm_bits(self, text: str, t: str) -> int:
+        if text[:2] in ("0f", "0F"):
+            bits = int(text[2:], 16)
+            if t == "f64":
+                return int(np.array(bits, np.uint32).view(np.float32).astype(np.float64).view(np.uint64))
+            return bits
+        if text[:2] in ("0d", "0D"):
+            bits = int(text[2:], 16)
+            if t == "f32":
+                return int(np.array(bits, np.uint64).view(np.float64).astype(np.float32).view(np.uint32))
+            return bits
+        value = int(text.rstrip("U"), 0)
+        if t in _FLOAT_TYPES:
+            return int(_to_bits(np.array([value], dtype=np.float64), t)[0])
+        return value & ((1 << 64) - 1)
+
+    def _symbol_address(self, name: str) -> int:
+        if name == self.p.dynamic_shared_symbol:
+            return self.shared_base
+        if name in self.p.static_shared:
+            return self.p.static_shared[name][0]
+        raise PtxFault(f"unknown symbol {name}")
+
+    def write(self, op, t: str, lanes: np.ndarray, values) -> None:
+        if not isinstance(op, Reg):
+            raise PtxFault(f"cannot write operand {op}")
+        bits = self.regs.get(op.name)
+        if bits is None:
+            bits = self.regs[op.name] = np.zeros(self.n, dtype=np.uint64)
+        bits[lanes] = _to_bits(np.broadcast_to(values, (len(lanes),)), t)
+
+    # the scheduler
+    def run(self) -> None:
+        instrs = self.p.instrs
+        steps = 0
+        while self.alive.any():
+            steps += 1
+            if steps > MAX_STEPS:
+                raise PtxFault(f"{self.p.name}: more than {MAX_STEPS} steps; an endless loop?")
+            pc = int(self.pc[self.alive].min())
+            if pc >= len(instrs):
+                raise PtxFault(f"{self.p.name}: fell off the end of the kernel")
+            lanes = np.flatnonzero(self.alive & (self.pc == pc))
+            ins = instrs[pc]
+            executing = lanes
+            if ins.guard is not None:
+                g = self.read(Reg(ins.guard), "pred", lanes)
+                executing = lanes[~g if ins.guard_negated else g]
+            self.pc[lanes] = pc + 1
+            try:
+                self.execute(ins, executing, lanes)
+            except PtxFault:
+                raise
+            except Exception as exc:  # noqa: BLE001 - re-raised with the instruction
+                raise PtxFault(f"{self.p.name}: '{ins.text}' failed: {exc}") from exc
+
+    def execute(self, ins: Instr, lanes: np.ndarray, at_pc: np.ndarray) -> None:
+        op = ins.opcode[0]
+        handler = getattr(self, f"op_{op}", None)
+        if handler is None:
+            raise PtxFault(f"{self.p.name}: instruction '{ins.text}' is not emulated")
+        if op in ("bar", "barrier"):
+            handler(ins, lanes, at_pc)
+        elif len(lanes):
+            handler(ins, lanes)
+
+    @staticmethod
+    def _type(ins: Instr) -> str:
+        for part in reversed(ins.opcode):
+            if part in _TYPE_NAMES:
+                return part
+        raise PtxFault(f"no type in '{ins.text}'")
+
+    # control flow and synchronisation
+    def op_bra(self, ins, lanes):
+        self.pc[lanes] = self.p.labels[ins.operands[0].name]
+
+    def op_ret(self, ins, lanes):
+        self.alive[lanes] = False
+
+    op_exit = op_ret
+
+    def op_bar(self, ins, lanes, at_pc):
+        if len(ins.operands) > 1:
+            raise PtxFault(f"'{ins.text}': barriers with a thread count are not emulated")
+        if len(lanes) != len(at_pc):
+            raise PtxFault(f"'{ins.text}' is predicated off for some threads")
+        arrived = np.bincount(self.cta_index[at_pc], minlength=len(self.ctas))
+        live = np.bincount(self.cta_index[self.alive], minlength=len(self.ctas))
+        for cta in np.flatnonzero(arrived):
+            if arrived[cta] != live[cta]:
+                raise PtxFault(f"'{ins.text}' reached by {arrived[cta]} of {live[cta]} live "
+                               f"threads of CTA {self.ctas[cta]}: a divergent barrier")
+
+    op_barrier = op_bar
+
+    def op_shfl(self, ins, lanes):
+        mode, t = ins.opcode[2], self._type(ins)
+        if len(ins.operands) != 5 or "|" in getattr(ins.operands[0], "name", ""):
+            raise PtxFault(f"'{ins.text}': only shfl.sync d, a, b, c, membermask is emulated")
+        dst, src, b_op, c_op, mask_op = ins.operands
+        membermask = int(self.read(mask_op, "b32", lanes[:1])[0])
+        warp = (self.cta_index * self.threads + self.thread) // WARP
+        warps_here = np.bincount(warp[lanes], minlength=int(warp[-1]) + 1)
+        for w in np.flatnonzero(warps_here):
+            first = w * WARP
+            size = min(WARP, self.threads - int(self.thread[first]))
+            needed = [i for i in range(size) if membermask >> i & 1]
+            executing = set(self.specials["%laneid"][lanes[warp[lanes] == w]].tolist())
+            if warps_here[w] != len(needed) or not executing.issuperset(needed):
+                raise PtxFault(f"'{ins.text}': lanes {sorted(set(needed) - executing)} of the "
+                               f"member mask are not converged here ({self.lane_name(np.array([first]))(0)})")
+        lane_id = self.specials["%laneid"]
+        a = self.read(src, t, np.arange(self.n))
+        bval = self.read(b_op, "u32", lanes).astype(np.int64)
+        cval = self.read(c_op, "u32", lanes).astype(np.int64)
+        lane = lane_id[lanes]
+        seg = (cval >> 8) & 0x1F
+        min_lane = lane & seg
+        max_lane = min_lane | ((cval & 0x1F) & ~seg)
+        if mode == "idx":
+            j = min_lane | (bval & ~seg)
+            ok = j <= max_lane
+        elif mode == "bfly":
+            j = lane ^ bval
+            ok = j <= max_lane
+        elif mode == "down":
+            j = lane + bval
+            ok = j <= max_lane
+        elif mode == "up":
+            j = lane - bval
+            ok = j >= max_lane
+        else:
+            raise PtxFault(f"'{ins.text}': shfl mode {mode} is not emulated")
+        j = np.where(ok, j, lane)
+        source = lanes - lane + j
+        self.write(dst, t, lanes, a[source])
+
+    # data movement
+    def op_mov(self, ins, lanes):
+        t = self._type(ins)
+        dst, src = ins.operands
+        if isinstance(dst, Vec):  # unpack: first element takes the low bits
+            w = _width(t) // len(dst.items)
+            bits = self.read(src, t, lanes).astype(np.uint64)
+            for i, item in enumerate(dst.items):
+                self.write(item, f"b{w}", lanes, (bits >> np.uint64(i * w)) & np.uint64((1 << w) - 1))
+            return
+        if isinstance(src, Vec):
+            w = _width(t) // len(src.items)
+            bits = np.zeros(len(lanes), dtype=np.uint64)
+            for i, item in enumerate(src.items):
+                bits |= self.read(item, f"b{w}", lanes).astype(np.uint64) << np.uint64(i * w)
+            self.write(dst, t, lanes, _from_bits(bits, t))
+            return
+        self.write(dst, t, lanes, self.read(src, t, lanes))
+
+    def _address(self, mem: Mem, lanes, space: str) -> np.ndarray:
+        t = "u32" if space == "shared" and not isinstance(mem.base, Sym) else "u64"
+        base = self.read(mem.base, t, lanes).astype(np.uint64)
+        return base + np.uint64(mem.offset & ((1 << 64) - 1))
+
+    def _space(self, ins) -> str:
+        for space in ("param", "global", "shared", "local", "const"):
+            if space in ins.opcode:
+                return space
+        return "generic"
+
+    def op_ld(self, ins, lanes):
+        space, t = self._space(ins), self._type(ins)
+        dst, mem = ins.operands
+        if space == "param":
+            name = mem.base.name if isinstance(mem.base, Sym) else None
+            if name not in self.params or mem.offset:
+                raise PtxFault(f"'{ins.text}': unknown kernel parameter")
+            ptype, value = self.params[name]
+            if ptype in _FLOAT_TYPES:
+                return self.write(dst, ptype, lanes, np.full(len(lanes), value, dtype=_FLOAT_TYPES[ptype]))
+            return self.write(dst, t, lanes, np.full(len(lanes), int(value) & ((1 << _width(t)) - 1),
+                                                     dtype=np.uint64))
+        items = dst.items if isinstance(dst, Vec) else (dst,)
+        w = _width(t) // 8
+        data = self._load(space, self._address(mem, lanes, space), w * len(items), ins, lanes)
+        for i, item in enumerate(items):
+            raw = data[:, i * w:(i + 1) * w].copy().view(_UNSIGNED[8 * w])[:, 0]
+            self.write(item, t, lanes, _from_bits(raw.astype(np.uint64), t))
+
+    def op_st(self, ins, lanes):
+        space, t = self._space(ins), self._type(ins)
+        mem, src = ins.operands
+        items = src.items if isinstance(src, Vec) else (src,)
+        w = _width(t) // 8
+        data = np.empty((len(lanes), w * len(items)), dtype=np.uint8)
+        for i, item in enumerate(items):
+            bits = self.read(item, f"b{8 * w}", lanes)
+            data[:, i * w:(i + 1) * w] = bits.astype(_UNSIGNED[8 * w]).view(np.uint8).reshape(len(lanes), w)
+        self._store(space, self._address(mem, lanes, space), data, ins, lanes)
+
+    def _load(self, space, addr, nbytes, ins, lanes):
+        if space == "global":
+            return self.memory.load(addr, nbytes, ins, self.lane_name(lanes))
+        if space == "shared":
+            offs = self._shared_offsets(addr, nbytes, ins, lanes)
+            return self.shared[self.cta_index[lanes][:, None], offs]
+        raise PtxFault(f"'{ins.text}': {space} loads are not emulated")
+
+    def _store(self, space, addr, data, ins, lanes):
+        if space == "global":
+            return self.memory.store(addr, data, ins, self.lane_name(lanes))
+        if space == "shared":
+            offs = self._shared_offsets(addr, data.shape[1], ins, lanes)
+            self.shared[self.cta_index[lanes][:, None], offs] = data
+            return
+        raise PtxFault(f"'{ins.text}': {space} stores are not emulated")
+
+    def _shared_offsets(self, addr, nbytes, ins, lanes):
+        a = addr.astype(np.int64)
+        bad = (a < 0) | (a + nbytes > self.shared_size) | (a % nbytes != 0)
+        if bad.any():
+            i = int(np.argmax(bad))
+            raise PtxFault(f"shared access of {nbytes} B at offset {int(a[i])} by "
+                           f"{self.lane_name(lanes)(i)} in '{ins.text}' is outside the "
+                           f"{self.shared_size} B of shared memory or misaligned")
+        return a[:, None] + np.arange(nbytes)
+
+    # arithmetic
+    def _binary(self, ins, lanes, float_fn, int_fn):
+        t = self._type(ins)
+        d, a, b = ins.operands
+        x, y = self.read(a, t, lanes), self.read(b, t, lanes)
+        if t == "f32":
+            mode = next((m for m in ("rn", "rm", "rp", "rz") if m in ins.opcode), "rn")
+            if "ftz" in ins.opcode:
+                x, y = _flush(x), _flush(y)
+            r = float_fn(x, y, mode)
+            self.write(d, t, lanes, _flush(r) if "ftz" in ins.opcode else r)
+        elif t in _INT_TYPES:
+            with np.errstate(over="ignore"):
+                self.write(d, t, lanes, int_fn(x, y).astype(_INT_TYPES[t]))
+        else:
+            raise PtxFault(f"'{ins.text}': type {t} is not emulated")
+
+    def op_add(self, ins, lanes):
+        self._binary(ins, lanes, lambda x, y, m: _f32_op("add", m, x, y), lambda x, y: x + y)
+
+    def op_sub(self, ins, lanes):
+        self._binary(ins, lanes, lambda x, y, m: _f32_op("sub", m, x, y), lambda x, y: x - y)
+
+    def op_min(self, ins, lanes):
+        self._binary(ins, lanes, lambda x, y, m: np.fmin(x, y), np.minimum)
+
+    def op_max(self, ins, lanes):
+        self._binary(ins, lanes, lambda x, y, m: np.fmax(x, y), np.maximum)
+
+    def op_and(self, ins, lanes):
+        self._bitwise(ins, lanes, np.bitwise_and)
+
+    def op_or(self, ins, lanes):
+        self._bitwise(ins, lanes, np.bitwise_or)
+
+    def op_xor(self, ins, lanes):
+        self._bitwise(ins, lanes, np.bitwise_xor)
+
+    def _bitwise(self, ins, lanes, fn):
+        t = self._type(ins)
+        d, a, b = ins.operands
+        self.write(d, t, lanes, fn(self.read(a, t, lanes), self.read(b, t, lanes)))
+
+    def op_not(self, ins, lanes):
+        t = self._type(ins)
+        d, a = ins.operands
+        self.write(d, t, lanes, ~self.read(a, t, lanes))
+
+    def op_mul(self, ins, lanes):
+        t = self._type(ins)
+        if t == "f32":
+            return self._binary(ins, lanes, lambda x, y, m: _f32_op("mul", m, x, y), None)
+        d, a, b = ins.operands
+        x, y = self.read(a, t, lanes), self.read(b, t, lanes)
+        w = _width(t)
+        if "wide" in ins.opcode:
+            wide = t[0].replace("b", "u") + str(2 * w)
+            self.write(d, wide, lanes, x.astype(_INT_TYPES[wide]) * y.astype(_INT_TYPES[wide]))
+        elif "lo" in ins.opcode:
+            with np.errstate(over="ignore"):
+                self.write(d, t, lanes, (x * y).astype(_INT_TYPES[t]))
+        elif "hi" in ins.opcode and w == 32:
+            wide = t[0].replace("b", "u") + "64"
+            prod = x.astype(_INT_TYPES[wide]) * y.astype(_INT_TYPES[wide])
+            self.write(d, t, lanes, (prod >> 32).astype(_INT_TYPES[t]))
+        else:
+            raise PtxFault(f"'{ins.text}' is not emulated")
+
+    def op_mad(self, ins, lanes):
+        t = self._type(ins)
+        d, a, b, c = ins.operands
+        x, y, z = (self.read(o, t, lanes) for o in (a, b, c))
+        if "lo" in ins.opcode:
+            with np.errstate(over="ignore"):
+                self.write(d, t, lanes, (x * y + z).astype(_INT_TYPES[t]))
+        elif "wide" in ins.opcode:
+            wide = t[0].replace("b", "u") + str(2 * _width(t))
+            z = self.read(c, wide, lanes)
+            with np.errstate(over="ignore"):
+                self.write(d, wide, lanes, x.astype(_INT_TYPES[wide]) * y.astype(_INT_TYPES[wide]) + z)
+        else:
+            raise PtxFault(f"'{ins.text}' is not emulated")
+
+    def op_fma(self, ins, lanes):
+        t = self._type(ins)
+        if t != "f32":
+            raise PtxFault(f"'{ins.text}' is not emulated")
+        d, a, b, c = ins.operands
+        x, y, z = (self.read(o, t, lanes) for o in (a, b, c))
+        if "ftz" in ins.opcode:
+            x, y, z = _flush(x), _flush(y), _flush(z)
+        mode = next((m for m in ("rn", "rm", "rp", "rz") if m in ins.opcode), "rn")
+        r = _f32_op("fma", mode, x, y, z)
+        if "sat" in ins.opcode:
+            r = np.where(np.isnan(r), 0, np.clip(r, 0, 1))
+        self.write(d, t, lanes, _flush(r) if "ftz" in ins.opcode else r)
+
+    def _unary_f32(self, ins, lanes, fn):
+        t = self._type(ins)
+        d, a = ins.operands
+        x = self.read(a, t, lanes)
+        if t != "f32":
+            raise PtxFault(f"'{ins.text}' is not emulated")
+        if "ftz" in ins.opcode:
+            x = _flush(x)
+        with np.errstate(all="ignore"):
+            r = np.asarray(fn(x), dtype=np.float32)
+        self.write(d, t, lanes, _flush(r) if "ftz" in ins.opcode else r)
+
+    def op_div(self, ins, lanes):
+        t = self._type(ins)
+        if "approx" in ins.opcode or "full" in ins.opcode:
+            d, a, b = ins.operands
+            with np.errstate(all="ignore"):
+                r = (self.read(a, t, lanes).astype(np.float64) / self.read(b, t, lanes)).astype(np.float32)
+            return self.write(d, t, lanes, r)
+        if t in _INT_TYPES:
+            raise PtxFault(f"'{ins.text}' is not emulated")
+        self._binary(ins, lanes, lambda x, y, m: _f32_op("div", m, x, y), None)
+
+    def op_sqrt(self, ins, lanes):
+        mode = "rn" if "approx" in ins.opcode else next(m for m in ("rn", "rm", "rp", "rz") if m in ins.opcode)
+        self._unary_f32(ins, lanes, lambda x: _f32_op("sqrt", mode, x))
+
+    def op_rcp(self, ins, lanes):
+        mode = "rn" if "approx" in ins.opcode else next(m for m in ("rn", "rm", "rp", "rz") if m in ins.opcode)
+        self._unary_f32(ins, lanes, lambda x: _f32_op("rcp", mode, x))
+
+    def op_rsqrt(self, ins, lanes):
+        self._unary_f32(ins, lanes, lambda x: 1.0 / np.sqrt(x.astype(np.float64)))
+
+    def op_ex2(self, ins, lanes):
+        self._unary_f32(ins, lanes, lambda x: np.exp2(x.astype(np.float64)))
+
+    def op_lg2(self, ins, lanes):
+        self._unary_f32(ins, lanes, lambda x: np.log2(x.astype(np.float64)))
+
+    def op_tanh(self, ins, lanes):
+        self._unary_f32(ins, lanes, lambda x: np.tanh(x.astype(np.float64)))
+
+    def op_neg(self, ins, lanes):
+        t = self._type(ins)
+        d, a = ins.operands
+        x = self.read(a, t, lanes)
+        if t == "f32":
+            self.write(d, t, lanes, (x.view(np.uint32) ^ np.uint32(0x80000000)).view(np.float32))
+        else:
+            with np.errstate(over="ignore"):
+                self.write(d, t, lanes, -x)
+
+    def op_abs(self, ins, lanes):
+        t = self._type(ins)
+        d, a = ins.operands
+        x = self.read(a, t, lanes)
+        if t == "f32":
+            self.write(d, t, lanes, (x.view(np.uint32) & np.uint32(0x7FFFFFFF)).view(np.float32))
+        else:
+            self.write(d, t, lanes, np.abs(x))
+
+    def op_shl(self, ins, lanes):
+        t = self._type(ins)
+        d, a, b = ins.operands
+        x = self.read(a, t, lanes).astype(np.uint64)
+        n = self.read(b, "u32", lanes).astype(np.uint64)
+        w = _width(t)
+        r = np.where(n >= w, 0, (x << np.minimum(n, 63)) & np.uint64((1 << w) - 1 if w < 64 else (1 << 64) - 1))
+        self.write(d, t, lanes, _from_bits(r.astype(np.uint64), t))
+
+    def op_shr(self, ins, lanes):
+        t = self._type(ins)
+        d, a, b = ins.operands
+        x = self.read(a, t, lanes)
+        n = self.read(b, "u32", lanes).astype(np.int64)
+        w = _width(t)
+        if t.startswith("s"):
+            r = x.astype(np.int64) >> np.minimum(n, 63)
+        else:
+            r = np.where(n >= w, 0, x.astype(np.uint64) >> np.minimum(n, 63).astype(np.uint64))
+        self.write(d, t, lanes, r.astype(_INT_TYPES[t]))
+
+    def op_setp(self, ins, lanes):
+        cmp, t = ins.opcode[1], self._type(ins)
+        if len(ins.opcode) != 3:
+            raise PtxFault(f"'{ins.text}': combined setp forms are not emulated")
+        d, a, b = ins.operands
+        x, y = self.read(a, t, lanes), self.read(b, t, lanes)
+        if t in ("b16", "b32", "b64"):
+            x, y = x.astype(_UNSIGNED[_width(t)]), y.astype(_UNSIGNED[_width(t)])
+        base = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
+                "gt": np.greater, "ge": np.greater_equal, "lo": np.less, "ls": np.less_equal,
+                "hi": np.greater, "hs": np.greater_equal}
+        if cmp in base:
+            r = base[cmp](x, y)
+            if t in _FLOAT_TYPES and cmp == "ne":
+                r &= ~(np.isnan(x) | np.isnan(y))
+        elif cmp.endswith("u") and cmp[:-1] in base:
+            r = base[cmp[:-1]](x, y) | np.isnan(x) | np.isnan(y)
+        elif cmp == "num":
+            r = ~(np.isnan(x) | np.isnan(y))
+        elif cmp == "nan":
+            r = np.isnan(x) | np.isnan(y)
+        else:
+            raise PtxFault(f"'{ins.text}': comparison {cmp} is not emulated")
+        self.write(d, "pred", lanes, r)
+
+    def op_selp(self, ins, lanes):
+        t = self._type(ins)
+        d, a, b, c = ins.operands
+        self.write(d, t, lanes, np.where(self.read(c, "pred", lanes), self.read(a, t, lanes),
+                                         self.read(b, t, lanes)))
+
+    def op_cvt(self, ins, lanes):
+        types = [p for p in ins.opcode[1:] if p in _TYPE_NAMES]
+        if len(types) != 2:
+            raise PtxFault(f"'{ins.text}' is not emulated")
+        dt, st = types
+        operands = ins.operands
+        if dt in ("bf16x2", "f16x2"):  # d = {cvt(a) in the high half, cvt(b) in the low half}
+            d, a, b = operands
+            hi, lo = (self.read(o, "f32", lanes) for o in (a, b))
+            if dt == "bf16x2":
+                hb, lb = _f32_to_bf16_bits(hi), _f32_to_bf16_bits(lo)
+            else:
+                hb, lb = hi.astype(np.float16).view(np.uint16), lo.astype(np.float16).view(np.uint16)
+            packed = (hb.astype(np.uint64) << np.uint64(16)) | lb.astype(np.uint64)
+            return self.write(d, "b32", lanes, packed.astype(np.uint32))
+        d, a = operands
+        if st == "bf16":
+            x = _bf16_bits_to_f32(self.read(a, "b16", lanes))
+        else:
+            x = self.read(a, st, lanes)
+        if dt == "bf16":
+            if st != "f32":
+                raise PtxFault(f"'{ins.text}' is not emulated")
+            return self.write(d, "b16", lanes, _f32_to_bf16_bits(x))
+        if dt in _FLOAT_TYPES:
+            r = x.astype(np.float64).astype(_FLOAT_TYPES[dt]) if st in _INT_TYPES else x.astype(_FLOAT_TYPES[dt])
+            if "sat" in ins.opcode:
+                r = np.where(np.isnan(r), 0, np.clip(r, 0, 1)).astype(_FLOAT_TYPES[dt])
+            if "ftz" in ins.opcode and dt == "f32":
+                r = _flush(r)
+            return self.write(d, dt, lanes, r)
+        if st in _FLOAT_TYPES or st == "bf16":
+            fn = {"rni": np.rint, "rzi": np.trunc, "rmi": np.floor, "rpi": np.ceil}
+            mode = next((m for m in fn if m in ins.opcode), None)
+            if mode is None:
+                raise PtxFault(f"'{ins.text}': float-to-int conversion needs a rounding mode")
+            info = np.iinfo(_INT_TYPES[dt])
+            v = np.clip(np.nan_to_num(fn[mode](x.astype(np.float64)), nan=0.0), info.min, info.max)
+            return self.write(d, dt, lanes, v.astype(_INT_TYPES[dt]))
+        # integer -> integer: sign- or zero-extend from the source type, then truncate
+        self.write(d, dt, lanes, x.astype(np.int64 if st.startswith("s") else np.uint64).astype(_INT_TYPES[dt]))

@@ -128,6 +128,17 @@ def test_rows_wider_than_one_block(backend):
     check_against_oracle(t, run_plans(t, backend), torch.float32)
 
 
+@pytest.mark.skipif(HAS_CUDA or "cute" not in BACKENDS, reason="runs the CuTe PTX in the emulator")
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
+@pytest.mark.parametrize("s", [4, 5], ids=["x held", "x re-read"])
+def test_cute_ptx_of_each_architecture(monkeypatch, arch, s):
+    """The PTX compiled for each target, at the production row width; S = 5 takes the forward
+    path that re-reads x instead of holding S * ITERS > 8 vectors in registers."""
+    monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", arch)
+    t = make_inputs(3, s, 5120, torch.bfloat16, seed=13)
+    check_against_oracle(t, run_plans(t, "cute"), torch.bfloat16)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n", [16, 65])
 def test_token_counts_across_backward_blocks(backend, n):

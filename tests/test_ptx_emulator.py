@@ -11,12 +11,9 @@ import torch
 
 from fusedops.backends.cute.ptx_emulator import Memory, PtxFault, PtxProgram
 
-HEADER = ".version 8.8\n.target sm_90a\n.address_size 64\n"
-
-
-def kernel(body: str, threads: int = 32, params: str = ".param .u64 out") -> str:
+def kernel(body: str, threads: int = 32, params: str = ".param .u64 out", arch: str = "sm_90a") -> str:
     """A one-entry PTX module; ``%rd1`` holds ``out`` and ``%rd3`` = out + 4 * thread index."""
-    return (HEADER + f".extern .shared .align 16 .b8 smem[];\n"
+    return (f".version 8.8\n.target {arch}\n.address_size 64\n.extern .shared .align 16 .b8 smem[];\n"
             f".visible .entry k({params})\n.reqntid {threads}, 1, 1\n{{\n"
             "\t.reg .pred %p<8>;\n\t.reg .b16 %rs<8>;\n\t.reg .b32 %r<32>;\n\t.reg .b64 %rd<8>;\n"
             "\tld.param.b64 %rd1, [out];\n\tmov.u32 %r1, %tid.x;\n"
@@ -24,19 +21,19 @@ def kernel(body: str, threads: int = 32, params: str = ".param .u64 out") -> str
             f"{body}\n\tret;\n}}\n")
 
 
-def assemble_if_possible(ptx: str, tmp_path) -> None:
+def assemble_if_possible(ptx: str, arch: str, tmp_path) -> None:
     if shutil.which("ptxas") is None:
         return
     path = tmp_path / "k.ptx"
     path.write_text(ptx)
-    subprocess.run(["ptxas", "-arch=sm_90a", str(path), "-o", str(tmp_path / "k.cubin")],
+    subprocess.run(["ptxas", f"-arch={arch}", str(path), "-o", str(tmp_path / "k.cubin")],
                    check=True, capture_output=True, text=True)
 
 
 def run(body: str, tmp_path, threads: int = 32, out_words: int | None = None, shared: int = 0,
-        grid=(1, 1, 1)) -> np.ndarray:
-    ptx = kernel(body, threads)
-    assemble_if_possible(ptx, tmp_path)
+        grid=(1, 1, 1), arch: str = "sm_90a") -> np.ndarray:
+    ptx = kernel(body, threads, arch=arch)
+    assemble_if_possible(ptx, arch, tmp_path)
     out = torch.zeros(out_words if out_words is not None else threads * grid[0], dtype=torch.int32)
     memory = Memory()
     memory.add_tensor(out, "out")
@@ -72,6 +69,17 @@ def test_bf16x2_packing_rounding_and_unpacking(tmp_path):
             "\tselp.b32 %r6, %r4, %r5, %p1;\n\tst.global.b32 [%rd3], %r6;")
     out = run(body, tmp_path)
     assert out[0] == 0x3F804000 and out[1] == f32_bits(2.0)
+
+
+def test_sm100_packed_f32x2_and_mixed_bf16_fma(tmp_path):
+    # sm_100a code adds pairs of fp32 in one 64-bit register (low element first) and fma with
+    # bf16 multiplicands and an fp32 addend
+    body = ("\tmov.b32 %r2, 0f3FC00000;\n\tmov.b32 %r3, 0fC0000000;\n\tmov.b64 %rd4, {%r2, %r3};\n"
+            "\tadd.f32x2 %rd5, %rd4, %rd4;\n\tmov.b64 {%r4, %r5}, %rd5;\n\tmov.b16 %rs1, 0x3FC0;\n"
+            "\tfma.rn.f32.bf16 %r6, %rs1, %rs1, %r4;\n\tsetp.eq.u32 %p1, %r1, 0;\n"
+            "\tselp.b32 %r7, %r6, %r5, %p1;\n\tst.global.b32 [%rd3], %r7;")
+    out = run(body, tmp_path, arch="sm_100a")
+    assert out[0] == f32_bits(2.25 + 3.0) and out[1] == f32_bits(-4.0)
 
 
 def test_butterfly_and_index_shuffles(tmp_path):

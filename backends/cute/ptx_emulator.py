@@ -44,7 +44,8 @@ _INT_TYPES = {
 }
 _FLOAT_TYPES = {"f16": np.float16, "f32": np.float32, "f64": np.float64}
 _UNSIGNED = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
-_TYPE_NAMES = set(_INT_TYPES) | set(_FLOAT_TYPES) | {"pred", "bf16", "bf16x2", "f16x2"}
+_TYPE_NAMES = set(_INT_TYPES) | set(_FLOAT_TYPES) | {"pred", "bf16", "bf16x2", "f16x2", "f32x2"}
+_ROUNDING = ("rn", "rm", "rp", "rz")
 
 
 def _width(t: str) -> int:
@@ -54,6 +55,8 @@ def _width(t: str) -> int:
         return 16
     if t in ("bf16x2", "f16x2"):
         return 32
+    if t == "f32x2":
+        return 64
     return int(re.sub(r"\D", "", t))
 
 
@@ -694,21 +697,53 @@ class _Machine:
         return a[:, None] + np.arange(nbytes)
 
     # arithmetic
+    def _read_float(self, op, t: str, lanes) -> np.ndarray:
+        """A float source as float32: f32x2 as shape (2, lanes) (low element first), bf16 and
+        f16 widened exactly."""
+        if t == "f32x2":
+            bits = self.read(op, "b64", lanes)
+            return np.stack([(bits >> np.uint64(32 * i)).astype(np.uint32).view(np.float32) for i in (0, 1)])
+        if t == "bf16":
+            return _bf16_bits_to_f32(self.read(op, "b16", lanes))
+        if t in ("f16", "f32"):
+            return self.read(op, t, lanes).astype(np.float32)
+        raise PtxFault(f"float operand of type {t} is not emulated")
+
+    def _write_float(self, op, t: str, lanes, values: np.ndarray) -> None:
+        if t == "f32x2":
+            lo, hi = (v.astype(np.float32).view(np.uint32).astype(np.uint64) for v in values)
+            return self.write(op, "b64", lanes, lo | (hi << np.uint64(32)))
+        self.write(op, t, lanes, values)
+
+    def _float_arith(self, ins, lanes, fn) -> None:
+        """d = fn(mode, *sources) for f32 and packed f32x2 instructions, and the mixed forms
+        (``fma.rn.f32.bf16``: the leading sources are bf16/f16, the last and d are f32)."""
+        d, *sources = ins.operands
+        types = [p for p in ins.opcode[1:] if p in _TYPE_NAMES]
+        dt = types[0]
+        if len(types) == 2:
+            src_types = [types[1]] * (len(sources) - 1) + [dt]
+        else:
+            src_types = [dt] * len(sources)
+        xs = [self._read_float(o, st, lanes) for o, st in zip(sources, src_types)]
+        ftz = "ftz" in ins.opcode
+        if ftz:
+            xs = [_flush(x) for x in xs]
+        r = fn(next((m for m in _ROUNDING if m in ins.opcode), "rn"), *xs)
+        if "sat" in ins.opcode:
+            r = np.where(np.isnan(r), 0, np.clip(r, 0, 1)).astype(np.float32)
+        self._write_float(d, dt, lanes, _flush(r) if ftz else r)
+
     def _binary(self, ins, lanes, float_fn, int_fn):
         t = self._type(ins)
+        if t.startswith("f32") or "f32" in ins.opcode:
+            return self._float_arith(ins, lanes, lambda mode, x, y: float_fn(x, y, mode))
         d, a, b = ins.operands
         x, y = self.read(a, t, lanes), self.read(b, t, lanes)
-        if t == "f32":
-            mode = next((m for m in ("rn", "rm", "rp", "rz") if m in ins.opcode), "rn")
-            if "ftz" in ins.opcode:
-                x, y = _flush(x), _flush(y)
-            r = float_fn(x, y, mode)
-            self.write(d, t, lanes, _flush(r) if "ftz" in ins.opcode else r)
-        elif t in _INT_TYPES:
-            with np.errstate(over="ignore"):
-                self.write(d, t, lanes, int_fn(x, y).astype(_INT_TYPES[t]))
-        else:
+        if t not in _INT_TYPES:
             raise PtxFault(f"'{ins.text}': type {t} is not emulated")
+        with np.errstate(over="ignore"):
+            self.write(d, t, lanes, int_fn(x, y).astype(_INT_TYPES[t]))
 
     def op_add(self, ins, lanes):
         self._binary(ins, lanes, lambda x, y, m: _f32_op("add", m, x, y), lambda x, y: x + y)
@@ -743,7 +778,7 @@ class _Machine:
 
     def op_mul(self, ins, lanes):
         t = self._type(ins)
-        if t == "f32":
+        if t.startswith("f32"):
             return self._binary(ins, lanes, lambda x, y, m: _f32_op("mul", m, x, y), None)
         d, a, b = ins.operands
         x, y = self.read(a, t, lanes), self.read(b, t, lanes)
@@ -777,18 +812,9 @@ class _Machine:
             raise PtxFault(f"'{ins.text}' is not emulated")
 
     def op_fma(self, ins, lanes):
-        t = self._type(ins)
-        if t != "f32":
+        if not any(p.startswith("f32") for p in ins.opcode):
             raise PtxFault(f"'{ins.text}' is not emulated")
-        d, a, b, c = ins.operands
-        x, y, z = (self.read(o, t, lanes) for o in (a, b, c))
-        if "ftz" in ins.opcode:
-            x, y, z = _flush(x), _flush(y), _flush(z)
-        mode = next((m for m in ("rn", "rm", "rp", "rz") if m in ins.opcode), "rn")
-        r = _f32_op("fma", mode, x, y, z)
-        if "sat" in ins.opcode:
-            r = np.where(np.isnan(r), 0, np.clip(r, 0, 1))
-        self.write(d, t, lanes, _flush(r) if "ftz" in ins.opcode else r)
+        self._float_arith(ins, lanes, lambda mode, x, y, z: _f32_op("fma", mode, x, y, z))
 
     def _unary_f32(self, ins, lanes, fn):
         t = self._type(ins)
@@ -814,11 +840,11 @@ class _Machine:
         self._binary(ins, lanes, lambda x, y, m: _f32_op("div", m, x, y), None)
 
     def op_sqrt(self, ins, lanes):
-        mode = "rn" if "approx" in ins.opcode else next(m for m in ("rn", "rm", "rp", "rz") if m in ins.opcode)
+        mode = "rn" if "approx" in ins.opcode else next(m for m in _ROUNDING if m in ins.opcode)
         self._unary_f32(ins, lanes, lambda x: _f32_op("sqrt", mode, x))
 
     def op_rcp(self, ins, lanes):
-        mode = "rn" if "approx" in ins.opcode else next(m for m in ("rn", "rm", "rp", "rz") if m in ins.opcode)
+        mode = "rn" if "approx" in ins.opcode else next(m for m in _ROUNDING if m in ins.opcode)
         self._unary_f32(ins, lanes, lambda x: _f32_op("rcp", mode, x))
 
     def op_rsqrt(self, ins, lanes):

@@ -5,7 +5,8 @@ interpreter plays for Triton kernels), and it checks more than numerics: every g
 must fall inside one of the buffers passed to the launch and be aligned to its width, shared
 accesses must stay inside the declared shared memory, ``shfl.sync`` must find every lane of
 its member mask converged, and ``bar.sync`` every live thread of the CTA; a violation raises
-``PtxFault`` naming the instruction, the thread and the address.
+``PtxFault`` naming the instruction, the thread and the address. Shared memory starts poisoned
+(all bits set), so a read of shared memory no thread wrote shows up as NaN / -1.
 
 Execution model: all threads of a batch of CTAs are lanes of numpy arrays (registers hold raw
 bits in uint64). Each step runs the instruction at the lowest program counter among live
@@ -297,12 +298,14 @@ class PtxProgram:
                     break
                 labels[lm.group(1)] = len(instrs)
                 stmt = stmt[lm.end():]
-            if not stmt or stmt.startswith((".reg", ".pragma", ".local")):
-                if stmt.startswith(".local"):
-                    raise PtxFault(f"local memory is not emulated: {stmt}")
+            if not stmt or stmt.startswith((".reg", ".pragma")):
                 continue
+            if stmt.startswith(".local"):
+                raise PtxFault(f"local memory is not emulated: {stmt}")
             if stmt.startswith(".shared"):
                 sm = re.search(r"(?:\.align\s+(\d+)\s+)?\.b8\s+(\w+)\s*\[(\d+)\]", stmt)
+                if sm is None:
+                    raise PtxFault(f"shared declaration not emulated: {stmt}")
                 align, name, size = int(sm.group(1) or 1), sm.group(2), int(sm.group(3))
                 shared_top = -(-shared_top // align) * align
                 static_shared[name] = (shared_top, size)
@@ -440,9 +443,10 @@ class _Machine:
         for axis, (b, g) in zip("xyz", zip(block, grid)):
             self.specials[f"%ntid.{axis}"] = np.full(self.n, b)
             self.specials[f"%nctaid.{axis}"] = np.full(self.n, g)
-        self.shared_base = program.static_shared_bytes
+        self.shared_base = -(-program.static_shared_bytes // 1024) * 1024  # dynamic: .align 1024
         self.shared_size = self.shared_base + dynamic_shared_bytes
-        self.shared = np.zeros((len(ctas), max(self.shared_size, 1)), dtype=np.uint8)
+        # poisoned (NaN as fp32, -1 as int): a read of shared memory nobody wrote shows
+        self.shared = np.full((len(ctas), max(self.shared_size, 1)), 0xFF, dtype=np.uint8)
         self.regs: dict[str, np.ndarray] = {}
         self.pc = np.zeros(self.n, dtype=np.int64)
         self.alive = np.ones(self.n, dtype=bool)

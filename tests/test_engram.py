@@ -139,6 +139,26 @@ def test_cute_ptx_of_each_architecture(monkeypatch, arch, s):
     check_against_oracle(t, run_plans(t, "cute"), torch.bfloat16)
 
 
+def _row_geometries(count: int, seed: int = 2026):
+    """(n, s, d, dtype) drawn with a fixed seed: row widths that are and are not multiples of
+    the CTA's vectors, one to five streams, every dtype."""
+    gen = torch.Generator().manual_seed(seed)
+    draws = []
+    for i in range(count):
+        dtype = DTYPES[i % len(DTYPES)]
+        vec = 16 // torch.empty((), dtype=dtype).element_size()
+        n, s, vectors = (int(torch.randint(lo, hi, (), generator=gen)) for lo, hi in ((1, 10), (1, 6), (1, 400)))
+        draws.append((n, s, vec * vectors, dtype))
+    return draws
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b != "torch"])
+@pytest.mark.parametrize("n,s,d,dtype", _row_geometries(6), ids=lambda v: str(v).removeprefix("torch."))
+def test_drawn_row_geometries(backend, n, s, d, dtype):
+    t = make_inputs(n, s, d, dtype, seed=n * s + d)
+    check_against_oracle(t, run_plans(t, backend), dtype)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("n", [16, 65])
 def test_token_counts_across_backward_blocks(backend, n):
@@ -620,3 +640,32 @@ def test_gpu_auto_selects_triton():
     """auto takes CuTe only where a GPU benchmark showed it faster (docs/backends.md)."""
     t, fwd, bwd, *_ = _compiled_pair("auto")
     assert fwd.selected_backend == bwd.selected_backend == "triton"
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.skipif("cute" not in GPU_BACKENDS, reason="the cute backend does not run on this GPU")
+def test_gpu_cute_kernels_agree_with_their_ptx_emulated(monkeypatch):
+    """The same PTX on the GPU and in the emulator (tests the emulator the CPU runs rely on):
+    equal within one rounding of the outputs (the emulator computes ex2.approx exactly)."""
+    from fusedops.backends.cute import compiler
+    from fusedops.backends.cute.engram import backward_kernel, forward_kernel
+    from fusedops.backends.triton.engram import backward_blocks
+    from fusedops.engram import GateProblem
+    n, s, d, dtype = 5, 4, 5120, torch.bfloat16
+    monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", compiler.arch_of(DEVICE))
+    gpu = run_plans(make_inputs(n, s, d, dtype, seed=21), "cute")
+    t = make_inputs(n, s, d, dtype, seed=21, device=torch.device("cpu"))
+    problem = GateProblem(dtype, n, s, d, EPS, True, False, torch.device("cpu"))
+    out, saved = torch.empty_like(t["x"]), torch.empty(n, s, 4)
+    compiler.make_launcher(forward_kernel(problem), problem.device)(
+        t["x"], t["kv"], t["weight"], t["mask"], out, saved, n, EPS, stream=None)
+    per_block, blocks = backward_blocks(problem)
+    grad_x, grad_kv, partials = torch.empty_like(t["x"]), torch.empty_like(t["kv"]), torch.empty(blocks, s, d)
+    compiler.make_launcher(backward_kernel(problem), problem.device)(
+        t["x"], t["kv"], t["weight"], saved, t["grad_out"], grad_x, grad_kv, partials, n, per_block,
+        blocks, stream=None)
+    emulated = dict(out=out, saved=saved, grad_x=grad_x, grad_kv=grad_kv, grad_weight=partials.sum(0))
+    for name, value in emulated.items():
+        tolerance = TOLERANCES[dtype] if value.dtype == dtype else FP32_REDUCTION
+        assert_close(gpu[name].cpu(), value, tolerance, name)

@@ -48,6 +48,7 @@ def test_ci_runs_the_readme_test_command():
 def _run(*args, timeout=300):
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
+    env.pop("FUSEDOPS_CUTE_EMULATE", None)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -57,7 +58,7 @@ def test_demo_passes():
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "engram gate" in proc.stdout and "FAIL" not in proc.stdout
     if not HAS_CUDA:
-        assert "triton (interpreter)" in proc.stdout
+        assert "triton (interpreter)" in proc.stdout and "cute (PTX emulator)" in proc.stdout
 
 
 def test_check_reports_backends():

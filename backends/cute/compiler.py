@@ -186,9 +186,6 @@ def _emulated_launcher(kernel: CuteKernel, arch: str) -> Callable[..., None]:
                 if not isinstance(value, torch.Tensor):
                     raise PtxFault(f"{arg.name}: the emulator needs a tensor (its extent bounds "
                                    f"the kernel's accesses), got {type(value).__name__}")
-                if value.data_ptr() % arg.alignment:
-                    raise PtxFault(f"{arg.name}: the kernel assumes {arg.alignment}-byte alignment, "
-                                   f"got address {value.data_ptr():#x}")
                 memory.add_tensor(value, arg.name)
                 value = value.data_ptr()
             if not arg.launch_only:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
@@ -259,7 +259,6 @@ class PtxProgram:
     instrs: list[Instr]
     labels: dict[str, int]
     reqntid: tuple[int, int, int] | None
-    static_shared: dict[str, tuple[int, int]] = field(default_factory=dict)  # name -> (offset, bytes)
     dynamic_shared_symbol: str | None = None
 
     @classmethod
@@ -289,7 +288,7 @@ class PtxProgram:
             depth += {"{": 1, "}": -1}.get(text[i], 0)
             i += 1
         body = text[body_start:i - 1]
-        instrs, labels, static_shared, shared_top = [], {}, {}, 0
+        instrs, labels = [], {}
         for raw in body.split(";"):
             stmt = raw.strip()
             while True:
@@ -300,17 +299,8 @@ class PtxProgram:
                 stmt = stmt[lm.end():]
             if not stmt or stmt.startswith((".reg", ".pragma")):
                 continue
-            if stmt.startswith(".local"):
-                raise PtxFault(f"local memory is not emulated: {stmt}")
-            if stmt.startswith(".shared"):
-                sm = re.search(r"(?:\.align\s+(\d+)\s+)?\.b8\s+(\w+)\s*\[(\d+)\]", stmt)
-                if sm is None:
-                    raise PtxFault(f"shared declaration not emulated: {stmt}")
-                align, name, size = int(sm.group(1) or 1), sm.group(2), int(sm.group(3))
-                shared_top = -(-shared_top // align) * align
-                static_shared[name] = (shared_top, size)
-                shared_top += size
-                continue
+            if stmt.startswith((".local", ".shared")):
+                raise PtxFault(f"kernel-scope {stmt.split()[0]} declarations are not emulated: {stmt}")
             guard, negated = None, False
             gm = re.match(r"@(!?)(%\w+)\s+", stmt)
             if gm:
@@ -319,12 +309,7 @@ class PtxProgram:
             op, rest = (re.split(r"\s+", stmt, maxsplit=1) + [""])[:2]
             instrs.append(Instr(" ".join(stmt.split()), guard, negated, tuple(op.split(".")),
                                 tuple(_operand(o) for o in _split_operands(rest))))
-        return cls(m.group(1), params, instrs, labels, reqntid, static_shared,
-                   dyn.group(1) if dyn else None)
-
-    @property
-    def static_shared_bytes(self) -> int:
-        return max((o + s for o, s in self.static_shared.values()), default=0)
+        return cls(m.group(1), params, instrs, labels, reqntid, dyn.group(1) if dyn else None)
 
     def launch(self, grid: Sequence[int], params: Sequence, memory: "Memory",
                dynamic_shared_bytes: int = 0, block: Sequence[int] | None = None) -> None:
@@ -443,8 +428,7 @@ class _Machine:
         for axis, (b, g) in zip("xyz", zip(block, grid)):
             self.specials[f"%ntid.{axis}"] = np.full(self.n, b)
             self.specials[f"%nctaid.{axis}"] = np.full(self.n, g)
-        self.shared_base = -(-program.static_shared_bytes // 1024) * 1024  # dynamic: .align 1024
-        self.shared_size = self.shared_base + dynamic_shared_bytes
+        self.shared_size = dynamic_shared_bytes
         # poisoned (NaN as fp32, -1 as int): a read of shared memory nobody wrote shows
         self.shared = np.full((len(ctas), max(self.shared_size, 1)), 0xFF, dtype=np.uint8)
         self.regs: dict[str, np.ndarray] = {}
@@ -476,16 +460,8 @@ class _Machine:
         raise PtxFault(f"cannot read operand {op}")
 
     def _imm_bits(self, text: str, t: str) -> int:
-        if text[:2] in ("0f", "0F"):
-            bits = int(text[2:], 16)
-            if t == "f64":
-                return int(np.array(bits, np.uint32).view(np.float32).astype(np.float64).view(np.uint64))
-            return bits
-        if text[:2] in ("0d", "0D"):
-            bits = int(text[2:], 16)
-            if t == "f32":
-                return int(np.array(bits, np.uint64).view(np.float64).astype(np.float32).view(np.uint32))
-            return bits
+        if text[:2] in ("0f", "0F", "0d", "0D"):  # the bits of an f32 / f64 value
+            return int(text[2:], 16)
         value = int(text.rstrip("U"), 0)
         if t in _FLOAT_TYPES:
             return int(_to_bits(np.array([value], dtype=np.float64), t)[0])
@@ -493,9 +469,7 @@ class _Machine:
 
     def _symbol_address(self, name: str) -> int:
         if name == self.p.dynamic_shared_symbol:
-            return self.shared_base
-        if name in self.p.static_shared:
-            return self.p.static_shared[name][0]
+            return 0
         raise PtxFault(f"unknown symbol {name}")
 
     def write(self, op, t: str, lanes: np.ndarray, values) -> None:
@@ -601,12 +575,6 @@ class _Machine:
         elif mode == "bfly":
             j = lane ^ bval
             ok = j <= max_lane
-        elif mode == "down":
-            j = lane + bval
-            ok = j <= max_lane
-        elif mode == "up":
-            j = lane - bval
-            ok = j >= max_lane
         else:
             raise PtxFault(f"'{ins.text}': shfl mode {mode} is not emulated")
         j = np.where(ok, j, lane)
@@ -767,18 +735,15 @@ class _Machine:
     def op_or(self, ins, lanes):
         self._bitwise(ins, lanes, np.bitwise_or)
 
-    def op_xor(self, ins, lanes):
-        self._bitwise(ins, lanes, np.bitwise_xor)
+    def op_not(self, ins, lanes):
+        t = self._type(ins)
+        d, a = ins.operands
+        self.write(d, t, lanes, ~self.read(a, t, lanes))
 
     def _bitwise(self, ins, lanes, fn):
         t = self._type(ins)
         d, a, b = ins.operands
         self.write(d, t, lanes, fn(self.read(a, t, lanes), self.read(b, t, lanes)))
-
-    def op_not(self, ins, lanes):
-        t = self._type(ins)
-        d, a = ins.operands
-        self.write(d, t, lanes, ~self.read(a, t, lanes))
 
     def op_mul(self, ins, lanes):
         t = self._type(ins)
@@ -793,10 +758,6 @@ class _Machine:
         elif "lo" in ins.opcode:
             with np.errstate(over="ignore"):
                 self.write(d, t, lanes, (x * y).astype(_INT_TYPES[t]))
-        elif "hi" in ins.opcode and w == 32:
-            wide = t[0].replace("b", "u") + "64"
-            prod = x.astype(_INT_TYPES[wide]) * y.astype(_INT_TYPES[wide])
-            self.write(d, t, lanes, (prod >> 32).astype(_INT_TYPES[t]))
         else:
             raise PtxFault(f"'{ins.text}' is not emulated")
 
@@ -804,16 +765,10 @@ class _Machine:
         t = self._type(ins)
         d, a, b, c = ins.operands
         x, y, z = (self.read(o, t, lanes) for o in (a, b, c))
-        if "lo" in ins.opcode:
-            with np.errstate(over="ignore"):
-                self.write(d, t, lanes, (x * y + z).astype(_INT_TYPES[t]))
-        elif "wide" in ins.opcode:
-            wide = t[0].replace("b", "u") + str(2 * _width(t))
-            z = self.read(c, wide, lanes)
-            with np.errstate(over="ignore"):
-                self.write(d, wide, lanes, x.astype(_INT_TYPES[wide]) * y.astype(_INT_TYPES[wide]) + z)
-        else:
+        if "lo" not in ins.opcode:
             raise PtxFault(f"'{ins.text}' is not emulated")
+        with np.errstate(over="ignore"):
+            self.write(d, t, lanes, (x * y + z).astype(_INT_TYPES[t]))
 
     def op_fma(self, ins, lanes):
         if not any(p.startswith("f32") for p in ins.opcode):
@@ -832,16 +787,10 @@ class _Machine:
             r = np.asarray(fn(x), dtype=np.float32)
         self.write(d, t, lanes, _flush(r) if "ftz" in ins.opcode else r)
 
-    def op_div(self, ins, lanes):
-        t = self._type(ins)
-        if "approx" in ins.opcode or "full" in ins.opcode:
-            d, a, b = ins.operands
-            with np.errstate(all="ignore"):
-                r = (self.read(a, t, lanes).astype(np.float64) / self.read(b, t, lanes)).astype(np.float32)
-            return self.write(d, t, lanes, r)
-        if t in _INT_TYPES:
+    def op_div(self, ins, lanes):  # .approx and .full are computed correctly rounded
+        if not self._type(ins).startswith("f32"):
             raise PtxFault(f"'{ins.text}' is not emulated")
-        self._binary(ins, lanes, lambda x, y, m: _f32_op("div", m, x, y), None)
+        self._float_arith(ins, lanes, lambda mode, x, y: _f32_op("div", mode, x, y))
 
     def op_sqrt(self, ins, lanes):
         mode = "rn" if "approx" in ins.opcode else next(m for m in _ROUNDING if m in ins.opcode)
@@ -851,17 +800,8 @@ class _Machine:
         mode = "rn" if "approx" in ins.opcode else next(m for m in _ROUNDING if m in ins.opcode)
         self._unary_f32(ins, lanes, lambda x: _f32_op("rcp", mode, x))
 
-    def op_rsqrt(self, ins, lanes):
-        self._unary_f32(ins, lanes, lambda x: 1.0 / np.sqrt(x.astype(np.float64)))
-
     def op_ex2(self, ins, lanes):
         self._unary_f32(ins, lanes, lambda x: np.exp2(x.astype(np.float64)))
-
-    def op_lg2(self, ins, lanes):
-        self._unary_f32(ins, lanes, lambda x: np.log2(x.astype(np.float64)))
-
-    def op_tanh(self, ins, lanes):
-        self._unary_f32(ins, lanes, lambda x: np.tanh(x.astype(np.float64)))
 
     def op_neg(self, ins, lanes):
         t = self._type(ins)
@@ -954,24 +894,14 @@ class _Machine:
             x = _bf16_bits_to_f32(self.read(a, "b16", lanes))
         else:
             x = self.read(a, st, lanes)
-        if dt == "bf16":
-            if st != "f32":
-                raise PtxFault(f"'{ins.text}' is not emulated")
-            return self.write(d, "b16", lanes, _f32_to_bf16_bits(x))
-        if dt in _FLOAT_TYPES:
-            r = x.astype(np.float64).astype(_FLOAT_TYPES[dt]) if st in _INT_TYPES else x.astype(_FLOAT_TYPES[dt])
+        if dt in _FLOAT_TYPES and (st in _FLOAT_TYPES or st == "bf16"):
+            r = x.astype(_FLOAT_TYPES[dt])
             if "sat" in ins.opcode:
                 r = np.where(np.isnan(r), 0, np.clip(r, 0, 1)).astype(_FLOAT_TYPES[dt])
             if "ftz" in ins.opcode and dt == "f32":
                 r = _flush(r)
             return self.write(d, dt, lanes, r)
-        if st in _FLOAT_TYPES or st == "bf16":
-            fn = {"rni": np.rint, "rzi": np.trunc, "rmi": np.floor, "rpi": np.ceil}
-            mode = next((m for m in fn if m in ins.opcode), None)
-            if mode is None:
-                raise PtxFault(f"'{ins.text}': float-to-int conversion needs a rounding mode")
-            info = np.iinfo(_INT_TYPES[dt])
-            v = np.clip(np.nan_to_num(fn[mode](x.astype(np.float64)), nan=0.0), info.min, info.max)
-            return self.write(d, dt, lanes, v.astype(_INT_TYPES[dt]))
+        if dt not in _INT_TYPES or st not in _INT_TYPES:
+            raise PtxFault(f"'{ins.text}' is not emulated")
         # integer -> integer: sign- or zero-extend from the source type, then truncate
         self.write(d, dt, lanes, x.astype(np.int64 if st.startswith("s") else np.uint64).astype(_INT_TYPES[dt]))

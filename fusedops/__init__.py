@@ -1,43 +1,32 @@
 """fusedops: fused GPU operators for hybrid LLMs, as plans (validate -> compile -> execute)
-and eager wrappers. See docs/getting_started.md."""
+and eager wrappers. See docs/getting_started.md.
+
+Each operator family is a package (``fusedops.engram``, ``fusedops.mamba2``,
+``fusedops.mamba2_inference``, ``fusedops.attention``, ``fusedops.moe``) whose ``__all__`` (its
+plans and eager functions) is re-exported here.
+"""
 
 from . import errors
-from ._cache import cache_clear, cache_info
-from ._desc import TensorDesc
-from ._tupledict import TupleDict
-from .engram import (EngramGateSavedBackward, EngramGateSavedForward, engram_gate_saved_backward,
-                     engram_gate_saved_forward)
+from .core import TensorDesc, TupleDict, cache_clear, cache_info
+from . import engram
+from .engram import *  # noqa: E402,F401,F403
+# PORT mamba2: from . import mamba2
+# PORT mamba2: from .mamba2 import *  # noqa: E402,F401,F403
+# PORT mamba2_inference: from . import mamba2_inference
+# PORT mamba2_inference: from .mamba2_inference import *  # noqa: E402,F401,F403
+# PORT attention: from . import attention
+# PORT attention: from .attention import *  # noqa: E402,F401,F403
+# PORT moe: from . import moe
+# PORT moe: from .moe import *  # noqa: E402,F401,F403
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "EngramGateSavedBackward", "EngramGateSavedForward", "TensorDesc", "TupleDict",
-    "cache_clear", "cache_info", "engram_gate_saved_backward", "engram_gate_saved_forward",
-    "errors",
-]
-from .mamba2 import (Mamba2ChunkScanBackward, Mamba2ChunkScanForward, mamba2_chunk_scan_backward,
-                     mamba2_chunk_scan_forward)
+__all__ = ["TensorDesc", "TupleDict", "cache_clear", "cache_info", "errors", *engram.__all__]
+# PORT mamba2: __all__ += mamba2.__all__
+# PORT mamba2_inference: __all__ += mamba2_inference.__all__
+# PORT attention: __all__ += attention.__all__
+# PORT moe: __all__ += moe.__all__
 
-__all__ += ["Mamba2ChunkScanBackward", "Mamba2ChunkScanForward", "mamba2_chunk_scan_backward",
-            "mamba2_chunk_scan_forward"]
-from .mamba2_inference import (Mamba2StateRollback, Mamba2StateUpdate, mamba2_replay,
-                               mamba2_rollback, mamba2_state_update)
-
-__all__ += ["Mamba2StateRollback", "Mamba2StateUpdate", "mamba2_replay", "mamba2_rollback",
-            "mamba2_state_update"]
-from .attention import (GQAAttentionBackward, GQAAttentionDecode, GQAAttentionForward,
-                        gqa_attention_backward, gqa_attention_decode, gqa_attention_forward)
-
-__all__ += ["GQAAttentionBackward", "GQAAttentionDecode", "GQAAttentionForward",
-            "gqa_attention_backward", "gqa_attention_decode", "gqa_attention_forward"]
-from .moe import (MoERouter, MoERouterBackward, ReLU2MoEBackward, ReLU2MoEForward, moe_router,
-                  moe_router_backward, relu2_moe_backward, relu2_moe_forward)
-
-__all__ += ["MoERouter", "MoERouterBackward", "ReLU2MoEBackward", "ReLU2MoEForward", "moe_router",
-            "moe_router_backward", "relu2_moe_backward", "relu2_moe_forward"]
-from . import ops  # noqa: E402  (registers torch.ops.fusedops.*: the differentiable torch ops)
-
-__all__ += ["ops"]
-from . import layers  # noqa: E402  (torch.nn layers on fusedops.ops)
-
-__all__ += ["layers"]
+# PORT ops: from . import ops  # noqa: E402  (registers torch.ops.fusedops.*: the differentiable torch ops)
+# PORT ops: from . import layers  # noqa: E402  (torch.nn layers on fusedops.ops)
+# PORT ops: __all__ += ["ops", "layers"]

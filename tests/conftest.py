@@ -27,7 +27,7 @@ def pytest_configure(config):
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     rows = config.stash.get(AOT_FIGURES_KEY, [])
     if rows:
-        terminalreporter.section("Triton AOT resource figures (cuobjdump of the cubin)")
+        terminalreporter.section("AOT resource figures (registers, spills, shared memory)")
         for row in rows:
             terminalreporter.write_line(row)
 

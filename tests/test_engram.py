@@ -1,5 +1,6 @@
-"""Engram saved-state gate (specs/engram_gate.md): reference, kernels, edge cases, validation,
-plan contract, and GPU checks, parametrised over the backends this machine can run."""
+"""Engram saved-state gate (docs/engram_gate.md): reference, kernels, edge cases and GPU checks,
+parametrised over the backends this machine can run. The plan contract (execute checks, no torch
+op in execute, descs, repr, graph capture) is tested for every plan in test_plan_contract.py."""
 
 from __future__ import annotations
 
@@ -7,68 +8,36 @@ import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedops
 from fusedops import EngramGateSavedBackward, EngramGateSavedForward, TensorDesc
-from fusedops.backends.torch.engram import DOT_CLAMP
-from fusedops.errors import PlanStateError, UnsupportedError, ValidationError
+from fusedops.engram import DOT_CLAMP, GateProblem
+from fusedops.engram.info import INFO
+from fusedops.engram.samples import make
+from fusedops.errors import UnsupportedError, ValidationError
+from fusedops.opinfo import FP32_REDUCTION, ROUNDED_ONCE, Case
+from fusedops.testing import assert_close
 
-import oracles
-from helpers import (DEVICE, FP32_REDUCTION, HAS_CUDA, TOLERANCES, assert_close, gpu_backends,
-                     requires_cuda, runnable_backends)
+from helpers import (BACKENDS, DEVICE, GPU_BACKENDS, HAS_CUDA, KERNEL_BACKENDS, dtype_id,
+                     requires_cuda)
 
-BACKENDS = runnable_backends()
-GPU_BACKENDS = gpu_backends()
 EPS = 1e-20
 
 
-def make_inputs(n, s, d, dtype=torch.float32, *, mask="some", seed=0, device=DEVICE):
-    gen = torch.Generator().manual_seed(seed)
-    x = torch.randn(n, s, d, generator=gen)
-    kv = torch.randn(n, (s + 1) * d, generator=gen)
-    weight = 1.0 + 0.2 * torch.randn(s, d, generator=gen)
-    grad_out = torch.randn(n, s, d, generator=gen)
-    if mask == "some":
-        m = torch.rand(n, generator=gen) > 0.3
-        m[0] = True
-    elif mask == "none":
-        m = None
-    else:
-        m = torch.full((n,), mask == "all")
-    wdtype = torch.float64 if dtype == torch.float64 else torch.float32
-    return dict(x=x.to(device, dtype), kv=kv.to(device, dtype), weight=weight.to(device, wdtype),
-                mask=None if m is None else m.to(device), grad_out=grad_out.to(device, dtype))
+def make_inputs(n, s, d, dtype=torch.float32, *, mask="some", seed=0, device=DEVICE) -> dict:
+    """x, kv, weight, mask, grad_out (the family's sample generator), as a mutable dict."""
+    return dict(make(n, s, d, dtype, mask=mask, seed=seed, device=device).tensors)
 
 
-def run_plans(t, backend, eps=EPS, accumulate=False, grad_weight=None):
+def run_plans(t, backend, eps=EPS, **kwargs):
     """Forward + backward through the plan API with caller-allocated buffers."""
-    fwd = EngramGateSavedForward(t["x"], t["kv"], t["weight"], t["mask"], eps=eps, backend=backend)
-    fwd.compile()
-    out = torch.empty_like(t["x"])
-    saved = torch.empty(fwd.saved_desc.shape, dtype=fwd.saved_desc.dtype, device=t["x"].device)
-    fwd.execute(t["x"], t["kv"], t["weight"], t["mask"], out, saved)
-    bwd = EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved, t["grad_out"],
-                                  accumulate=accumulate, backend=backend)
-    bwd.compile()
-    grad_x, grad_kv = torch.empty_like(t["x"]), torch.empty_like(t["kv"])
-    grad_weight = torch.empty_like(t["weight"]) if grad_weight is None else grad_weight
-    bwd.execute(t["x"], t["kv"], t["weight"], saved, t["grad_out"], grad_x, grad_kv, grad_weight,
-                bwd.allocate_workspace())
-    assert fwd.selected_backend == bwd.selected_backend == backend
-    return dict(out=out, saved=saved, grad_x=grad_x, grad_kv=grad_kv, grad_weight=grad_weight)
+    return INFO.run(Case("", t, dict(eps=eps)), backend, **kwargs)
 
 
 def check_against_oracle(t, r, dtype, eps=EPS):
-    out, gate, dot, rx, rk = oracles.engram_gate(t["x"], t["kv"], t["weight"], t["mask"], eps)
-    grads = oracles.engram_gate_grads(t["x"], t["kv"], t["weight"], t["mask"], eps, t["grad_out"])
-    fp = torch.float64 if dtype == torch.float64 else torch.float32
-    assert_close(r["out"], out, dtype, "out")
-    assert_close(r["saved"], torch.stack((gate, dot, rx, rk), -1), fp, "saved")
-    for name, expected in zip(("grad_x", "grad_kv"), grads):
-        assert_close(r[name], expected, dtype, name)
-    assert_close(r["grad_weight"], grads[2],
-                 TOLERANCES[fp] if fp == torch.float64 else FP32_REDUCTION, "grad_weight")
+    expected = INFO.oracle(Case("", t, dict(eps=eps)))
+    for name, value in r.items():
+        assert_close(value, expected[name], INFO.tolerance(name, dtype), name)
 
 
 # -- 1. the reference against independent float64 math -----------------------------------------
@@ -76,7 +45,6 @@ def check_against_oracle(t, r, dtype, eps=EPS):
 def test_reference_float64_matches_oracle(n, s, d):
     t = make_inputs(n, s, d, torch.float64, device=torch.device("cpu"))
     check_against_oracle(t, run_plans(t, "torch"), torch.float64)
-
 
 class _GateThroughPlans(torch.autograd.Function):
     """Forward and backward through the public plans (torch backend, float64) for gradcheck."""
@@ -344,105 +312,6 @@ def test_cuda_declaration_without_cuda():
                                TensorDesc((4, 64), torch.float32))
 
 
-def _compiled_pair(backend="torch", n=8):
-    t = make_inputs(n, 4, 64, torch.bfloat16, seed=2)
-    fwd = EngramGateSavedForward(t["x"], t["kv"], t["weight"], t["mask"], backend=backend).compile()
-    out, saved = torch.empty_like(t["x"]), torch.empty(n, 4, 4, device=DEVICE)
-    bwd = EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved, t["grad_out"], backend=backend).compile()
-    grads = dict(grad_x=torch.empty_like(t["x"]), grad_kv=torch.empty_like(t["kv"]),
-                 grad_weight=torch.empty_like(t["weight"]), workspace=bwd.allocate_workspace())
-    return t, fwd, bwd, out, saved, grads
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_execute_errors(backend):
-    t, fwd, bwd, out, saved, g = _compiled_pair(backend)
-    x, kv, w, mask, go = t["x"], t["kv"], t["weight"], t["mask"], t["grad_out"]
-    saved_in_kv = kv.view(-1).view(torch.float32)[: 8 * 4 * 4].view(8, 4, 4)
-    shared = torch.empty(1024 + 8 * 320, dtype=x.dtype, device=DEVICE)
-    cases = [
-        (lambda: fwd.execute(x, kv, w, mask, x, saved), r"out: must not overlap x"),
-        (lambda: fwd.execute(x, kv, w, mask, out, saved_in_kv), r"saved: must not overlap kv"),
-        (lambda: fwd.execute(x, kv, w, None, out, saved), r"mask: expected a torch.Tensor, got NoneType"),
-        (lambda: fwd.execute(x[:4], kv, w, mask, out, saved),
-         r"x: expected shape \[8, 4, 64\] as planned, got \[4, 4, 64\]"),
-        (lambda: fwd.execute(x.float(), kv, w, mask, out, saved),
-         r"x: expected dtype bfloat16 as planned, got float32"),
-        (lambda: fwd.execute(x, kv, w, mask, out.transpose(1, 2).contiguous().transpose(1, 2), saved),
-         r"out: expected a contiguous tensor"),
-        (lambda: fwd.execute(x, kv, w, mask, _aligned_offset_view(out, 4), saved),
-         r"out: expected a data pointer aligned to 16"),
-        (lambda: fwd.execute(x.to("meta"), kv, w, mask, out, saved),
-         r"x: expected device .* as planned, got meta"),
-        (lambda: bwd.execute(x, kv, w, saved, go, g["grad_x"], g["grad_kv"], g["grad_weight"],
-                             torch.empty(max(bwd.workspace_size - 4, 0), dtype=torch.float32, device=DEVICE)),
-         r"workspace: expected a contiguous uint8 tensor of at least \d+ bytes"),
-        (lambda: bwd.execute(x, kv, w, saved, go, shared[:2048].view(8, 4, 64), shared[1024:].view(8, 320),
-                             g["grad_weight"], g["workspace"]), r"grad_kv: must not overlap grad_x"),
-        (lambda: bwd.execute(x, kv, w, saved, go, g["grad_x"], g["grad_kv"],
-                             x.view(-1).view(torch.float32)[:256].view(4, 64), g["workspace"]),
-         r"grad_weight: must not overlap x"),
-    ]
-    if DEVICE.type == "cpu":
-        cases.append((lambda: fwd.execute(x, kv, w, mask, out, saved, current_stream=7),
-                      r"current_stream: expected None for a plan on cpu, got 7"))
-    if bwd.workspace_size:
-        cases.append((lambda: bwd.execute(x, kv, w, saved, go, g["grad_x"], g["grad_kv"], g["grad_weight"],
-                                          g["workspace"][:-4]),
-                      r"workspace: expected a contiguous uint8 tensor of at least \d+ bytes.*got uint8 of"))
-        cases.append((lambda: bwd.execute(x, kv, w, saved, go, g["grad_x"], g["grad_kv"], g["grad_weight"],
-                                          g["grad_weight"].view(torch.uint8)),
-                      r"workspace: (expected a contiguous uint8|must not overlap grad_weight)"))
-    for call, match in cases:
-        with pytest.raises(ValidationError, match=match):
-            call()
-
-
-def test_execute_before_compile():
-    t = make_inputs(8, 4, 64, torch.bfloat16)
-    fwd = EngramGateSavedForward(t["x"], t["kv"], t["weight"], t["mask"])
-    with pytest.raises(PlanStateError, match=r"EngramGateSavedForward.execute\(\) called before compile\(\)"):
-        fwd.execute(t["x"], t["kv"], t["weight"], t["mask"], torch.empty_like(t["x"]),
-                    torch.empty(8, 4, 4, device=DEVICE))
-
-
-def test_backward_argument_errors():
-    t = make_inputs(8, 4, 64, torch.bfloat16)
-    saved = torch.empty(8, 4, 4, device=DEVICE)
-    with pytest.raises(ValidationError, match=r"saved: expected shape \[N, S, 4\] = \[8, 4, 4\], got \[8, 4, 3\]"):
-        EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved[..., :3].contiguous(), t["grad_out"])
-    with pytest.raises(ValidationError, match=r"grad_out: expected dtype bfloat16, got float32"):
-        EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved, t["grad_out"].float())
-    with pytest.raises(ValidationError, match=r"accumulate: expected a bool, got 1"):
-        EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved, t["grad_out"], accumulate=1)
-
-
-# -- 5. the plan contract ------------------------------------------------------------------------
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_plans_from_tensor_descs_without_storage(backend):
-    n, s, d = 6, 4, 64
-    desc = dict(x=TensorDesc((n, s, d), torch.bfloat16, device=DEVICE),
-                kv=TensorDesc((n, (s + 1) * d), torch.bfloat16, device=DEVICE),
-                weight=TensorDesc((s, d), torch.float32, device=DEVICE))
-    fwd = EngramGateSavedForward(desc["x"], desc["kv"], desc["weight"],
-                                 TensorDesc((n,), torch.bool, device=DEVICE), backend=backend).compile()
-    bwd = EngramGateSavedBackward(desc["x"], desc["kv"], desc["weight"], fwd.saved_desc,
-                                  desc["x"], backend=backend).compile()
-    t = make_inputs(n, s, d, torch.bfloat16, seed=4)
-    out, saved = torch.empty_like(t["x"]), torch.empty(fwd.saved_desc.shape, device=DEVICE)
-    res = fwd.execute(t["x"], t["kv"], t["weight"], t["mask"], out, saved)
-    assert res.keys() == ("out", "saved") and res[0] is out and res["saved"] is saved
-    gx, gkv, gw = torch.empty_like(t["x"]), torch.empty_like(t["kv"]), torch.empty_like(t["weight"])
-    grads = bwd.execute(t["x"], t["kv"], t["weight"], saved, t["grad_out"], gx, gkv, gw,
-                        bwd.allocate_workspace())
-    assert grads.keys() == ("grad_x", "grad_kv", "grad_weight")
-    eager_f = fusedops.engram_gate_saved_forward(t["x"], t["kv"], t["weight"], t["mask"], backend=backend)
-    eager_b = fusedops.engram_gate_saved_backward(t["x"], t["kv"], t["weight"], eager_f["saved"],
-                                                  t["grad_out"], backend=backend)
-    for a, b in zip((*res, *grads), (*eager_f, *eager_b)):
-        assert torch.equal(a, b)
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backward_bitwise_reproducible(backend):
     t = make_inputs(70, 4, 128, torch.bfloat16, seed=10)
@@ -461,30 +330,10 @@ def test_accumulate_adds_into_grad_weight(backend):
     assert torch.equal(acc["grad_x"], base["grad_x"])
 
 
-class _NoTorchOps(TorchDispatchMode):
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        raise AssertionError(f"execute() dispatched {func}")
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_execute_dispatches_no_torch_op(backend):
-    """execute() only checks host facts and calls the launcher: no allocation, conversion or
-    device read can hide in it (the launcher is replaced by a recorder here)."""
-    t, fwd, bwd, out, saved, g = _compiled_pair(backend)
-    calls = []
-    fwd._launch = bwd._launch = lambda *args, stream: calls.append((len(args), stream))
-    with _NoTorchOps():
-        fwd.execute(t["x"], t["kv"], t["weight"], t["mask"], out, saved)
-        bwd.execute(t["x"], t["kv"], t["weight"], saved, t["grad_out"], g["grad_x"], g["grad_kv"],
-                    g["grad_weight"], g["workspace"])
-    assert [c[0] for c in calls] == [6, 9]
-
-
 def test_kernel_specialisation_ignores_token_count():
     """Compile-cache keys hold plan-time values only: a new N reuses the compiled kernels."""
     pytest.importorskip("triton")
     from fusedops.backends.triton import engram as kernels
-    from fusedops.engram import GateProblem
     a = GateProblem(torch.bfloat16, 8, 4, 5120, EPS, True, False, DEVICE)
     b = GateProblem(torch.bfloat16, 8193, 4, 5120, EPS, True, False, DEVICE)
     assert kernels.forward_spec(a) == kernels.forward_spec(b)
@@ -496,28 +345,17 @@ def test_workspace_formula():
     """Backward workspace = 4 * S * D * blocks bytes, blocks = ceil(N / tokens_per_block) with
     at least 4 tokens per block and at most 640 // ((S + 1) * chunks) blocks."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton.engram import backward_blocks, backward_workspace_size
-    from fusedops.engram import GateProblem
+    from fusedops.backends.triton.engram import backward_blocks, backward_workspace
     for n, expected_blocks in ((1, 1), (64, 16), (512, 128), (8192, 128), (100_000, 128)):
         problem = GateProblem(torch.bfloat16, n, 4, 5120, EPS, False, False, DEVICE)
         per_block, blocks = backward_blocks(problem)
         assert blocks == expected_blocks == math.ceil(n / per_block) and per_block >= 4
-        assert backward_workspace_size(problem) == 4 * 4 * 5120 * blocks
+        assert backward_workspace(problem).size == 4 * 4 * 5120 * blocks
     if "triton" in BACKENDS:
         t = make_inputs(64, 4, 64, torch.bfloat16)
         bwd = EngramGateSavedBackward(t["x"], t["kv"], t["weight"], torch.empty(64, 4, 4, device=DEVICE),
                                       t["grad_out"], backend="triton")
         assert bwd.workspace_size == 4 * 4 * 64 * 16 == bwd.allocate_workspace().numel()
-
-
-def test_tupledict_behaves_like_tuple_and_dict():
-    t = make_inputs(3, 1, 64, torch.float32)
-    res = fusedops.engram_gate_saved_forward(t["x"], t["kv"], t["weight"], t["mask"], backend="torch")
-    out, saved = res
-    assert res[0] is out and res["saved"] is saved and len(res) == 2
-    assert list(res.keys()) == ["out", "saved"] and "out" in res
-    with pytest.raises(KeyError, match="grad_x"):
-        res["grad_x"]
 
 
 # -- 6. GPU checks (production shapes, graphs, no sync, no allocation) -------------------------
@@ -565,39 +403,13 @@ def test_gpu_offsets_beyond_2_31_elements(backend):
     assert_close(r["grad_weight"], grad_weight, FP32_REDUCTION, "grad_weight")
 
 
-@requires_cuda
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-def test_gpu_cuda_graph_capture_with_changed_inputs_and_poisoned_outputs(backend):
-    n, s, d = 1024, 4, 5120
-    t = make_inputs(n, s, d, torch.bfloat16, seed=22)
+def _compiled_pair(backend="torch", n=8):
+    t = make_inputs(n, 4, 64, torch.bfloat16, seed=2)
     fwd = EngramGateSavedForward(t["x"], t["kv"], t["weight"], t["mask"], backend=backend).compile()
-    out, saved = torch.empty_like(t["x"]), torch.empty(n, s, 4, device=DEVICE)
-    bwd = EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved, t["grad_out"],
-                                  backend=backend).compile()
-    gx, gkv, gw = torch.empty_like(t["x"]), torch.empty_like(t["kv"]), torch.empty_like(t["weight"])
-    ws = bwd.allocate_workspace()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.stream(stream):
-        fwd.execute(t["x"], t["kv"], t["weight"], t["mask"], out, saved)  # warm-up outside capture
-        with torch.cuda.graph(graph, stream=stream):
-            fwd.execute(t["x"], t["kv"], t["weight"], t["mask"], out, saved)
-            bwd.execute(t["x"], t["kv"], t["weight"], saved, t["grad_out"], gx, gkv, gw, ws)
-    fresh = make_inputs(n, s, d, torch.bfloat16, seed=23)
-    for name in ("x", "kv", "grad_out", "mask"):
-        t[name].copy_(fresh[name])
-    for buf in (out, gx, gkv):
-        buf.fill_(float("nan"))
-    for buf in (saved, gw):
-        buf.fill_(float("nan"))
-    ws.fill_(0xFF)
-    graph.replay()
-    torch.cuda.synchronize()
-    ref = run_plans(fresh, backend)
-    for name, value in dict(out=out, saved=saved, grad_x=gx, grad_kv=gkv, grad_weight=gw).items():
-        assert torch.equal(value, ref[name]), name
+    out, saved = fwd.allocate_outputs().values()
+    bwd = EngramGateSavedBackward(t["x"], t["kv"], t["weight"], saved, t["grad_out"], backend=backend).compile()
+    grads = dict(bwd.allocate_outputs(), workspace=bwd.allocate_workspace())
+    return t, fwd, bwd, out, saved, grads
 
 
 @requires_cuda
@@ -649,9 +461,7 @@ def test_gpu_cute_kernels_agree_with_their_ptx_emulated(monkeypatch):
     """The same PTX on the GPU and in the emulator (tests the emulator the CPU runs rely on):
     equal within one rounding of the outputs (the emulator computes ex2.approx exactly)."""
     from fusedops.backends.cute import compiler
-    from fusedops.backends.cute.engram import backward_kernel, forward_kernel
-    from fusedops.backends.triton.engram import backward_blocks
-    from fusedops.engram import GateProblem
+    from fusedops.backends.cute.engram import backward_blocks, backward_kernel, forward_kernel
     n, s, d, dtype = 5, 4, 5120, torch.bfloat16
     monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", compiler.arch_of(DEVICE))
     gpu = run_plans(make_inputs(n, s, d, dtype, seed=21), "cute")
@@ -667,5 +477,5 @@ def test_gpu_cute_kernels_agree_with_their_ptx_emulated(monkeypatch):
         blocks, stream=None)
     emulated = dict(out=out, saved=saved, grad_x=grad_x, grad_kv=grad_kv, grad_weight=partials.sum(0))
     for name, value in emulated.items():
-        tolerance = TOLERANCES[dtype] if value.dtype == dtype else FP32_REDUCTION
+        tolerance = ROUNDED_ONCE[dtype] if value.dtype == dtype else FP32_REDUCTION
         assert_close(gpu[name].cpu(), value, tolerance, name)

@@ -2,5 +2,73 @@
 
 Kernels are compiled with ``cute.compile(..., options="--gpu-arch ...")`` at plan compile time
 (the same call compiles them to PTX without a GPU in CI), cached process-wide by plan-time values,
-and launched on the caller's stream. Needs nvidia-cutlass-dsl >= 4.7 and cuda-python.
+and launched on the caller's stream. Needs nvidia-cutlass-dsl >= 4.7 and cuda-python. Without a
+GPU, ``FUSEDOPS_CUTE_EMULATE=1`` runs the kernels' PTX on CPU tensors in the project's PTX
+emulator (``ptx_emulator``), checking every memory access.
 """
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import re
+
+import torch
+
+from fusedops.core.device import device_capability
+
+NAME = "cute"
+MIN_VERSION = (4, 7)
+ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
+EMULATE_ENV = "FUSEDOPS_CUTE_EMULATE"
+
+
+def installed_version() -> str | None:
+    """The installed nvidia-cutlass-dsl version, or None."""
+    try:
+        return importlib.metadata.version("nvidia-cutlass-dsl")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def emulated_arch() -> str | None:
+    """The architecture whose PTX the emulator runs for CPU tensors (from FUSEDOPS_CUTE_EMULATE:
+    unset or "0" -> None, "1" -> "sm_90a", or "sm_90a" / "sm_100a")."""
+    value = os.environ.get(EMULATE_ENV, "0")
+    if value in ("", "0"):
+        return None
+    return "sm_90a" if value == "1" else value
+
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in re.findall(r"\d+", version)[:2])
+
+
+def unavailable_reason(device: torch.device) -> str | None:
+    """Why the CuTe backend cannot serve ``device`` (packages, version, capability, emulator
+    setting), or None."""
+    if importlib.util.find_spec("cuda.bindings") is None:
+        return "the cuda-python package is not installed (pip install 'fusedops[cute]')"
+    version = installed_version()
+    if version is None:
+        return "nvidia-cutlass-dsl is not installed (pip install 'fusedops[cute]')"
+    if _version_tuple(version) < MIN_VERSION:
+        return (f"nvidia-cutlass-dsl {version} is installed; the cute backend needs >= "
+                f"{'.'.join(map(str, MIN_VERSION))}")
+    if device.type == "cpu":
+        arch = emulated_arch()
+        if arch is None:
+            return (f"CuTe DSL kernels run on CUDA devices, not on cpu; on cpu only under the PTX "
+                    f"emulator ({EMULATE_ENV}=1)")
+        if arch not in ARCH_BY_CAPABILITY.values():
+            return (f"{EMULATE_ENV}: expected 1, 0, {' or '.join(ARCH_BY_CAPABILITY.values())}, "
+                    f"got {os.environ[EMULATE_ENV]!r}")
+        return None
+    if device.type != "cuda":
+        return f"CuTe DSL kernels run on CUDA devices, not on {device.type}"
+    cap = device_capability(device.index)
+    if cap not in ARCH_BY_CAPABILITY:
+        return (f"the cute kernels are built for sm_90a and sm_100a; {device} has compute "
+                f"capability {cap[0]}.{cap[1]}")
+    return None

@@ -1,9 +1,11 @@
 """Compiling, loading and launching CuTe DSL kernels, and their AOT resource figures.
 
-A ``CuteKernel`` names a ``@cute.jit`` launcher, its compile-time arguments and the types of its
-runtime arguments; ``compile_kernel`` compiles it for an explicit ``--gpu-arch`` (no GPU needed),
-and ``make_launcher`` loads it on a device and returns ``launch(*runtime_args, stream)``. Runtime
-pointer arguments are passed as tensors (or raw addresses) and wrapped per call; token counts are
+A ``CuteKernel`` names a ``@cute.jit`` launcher, its compile-time arguments, the types of its
+runtime arguments and its grid function; ``compile_kernel`` compiles it for an explicit
+``--gpu-arch`` (no GPU needed), and ``make_launcher`` loads it on a device and returns
+``launch(*runtime_args, stream)``. Runtime pointer arguments are passed as tensors (or raw
+addresses) and wrapped per call; an absent optional operand is passed as None, a null pointer
+the kernel never dereferences (its constexpr flag compiles the access out). Token counts are
 ``Int32`` runtime arguments, so one compile serves every N.
 
 Without a GPU, ``FUSEDOPS_CUTE_EMULATE=1`` (or ``=sm_90a`` / ``=sm_100a``) lets the backend
@@ -13,7 +15,6 @@ serve CPU tensors: the kernel is compiled to PTX for that architecture as for a 
 
 from __future__ import annotations
 
-import importlib.metadata
 import os
 import re
 import subprocess
@@ -23,58 +24,11 @@ from typing import Any, Callable
 
 import torch
 
-from fusedops._backend import device_capability
-from fusedops._cache import COMPILE_CACHE
+from fusedops.core.cache import COMPILE_CACHE
+from fusedops.core.device import device_capability
+from fusedops.core.workspace import Region
 
-MIN_VERSION = (4, 7)
-ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
-EMULATE_ENV = "FUSEDOPS_CUTE_EMULATE"
-
-
-def installed_version() -> str | None:
-    try:
-        return importlib.metadata.version("nvidia-cutlass-dsl")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def _version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in re.findall(r"\d+", version)[:2])
-
-
-def emulated_arch() -> str | None:
-    """The architecture whose PTX the emulator runs for CPU tensors (from FUSEDOPS_CUTE_EMULATE:
-    unset or "0" -> None, "1" -> "sm_90a", or "sm_90a" / "sm_100a")."""
-    value = os.environ.get(EMULATE_ENV, "0")
-    if value in ("", "0"):
-        return None
-    return "sm_90a" if value == "1" else value
-
-
-def unsupported_reason(device: torch.device) -> str | None:
-    """Why the CuTe backend cannot serve ``device`` (version of CuTe DSL, capability), or None."""
-    version = installed_version()
-    if version is None:
-        return "nvidia-cutlass-dsl is not installed (pip install 'fusedops[cute]')"
-    if _version_tuple(version) < MIN_VERSION:
-        return (f"nvidia-cutlass-dsl {version} is installed; the cute backend needs >= "
-                f"{'.'.join(map(str, MIN_VERSION))}")
-    if device.type == "cpu":
-        arch = emulated_arch()
-        if arch is None:
-            return (f"CuTe DSL kernels run on CUDA devices, not on cpu; on cpu only under the PTX "
-                    f"emulator ({EMULATE_ENV}=1)")
-        if arch not in ARCH_BY_CAPABILITY.values():
-            return (f"{EMULATE_ENV}: expected 1, 0, {' or '.join(ARCH_BY_CAPABILITY.values())}, "
-                    f"got {os.environ[EMULATE_ENV]!r}")
-        return None
-    if device.type != "cuda":
-        return f"CuTe DSL kernels run on CUDA devices, not on {device.type}"
-    cap = device_capability(device.index)
-    if cap not in ARCH_BY_CAPABILITY:
-        return (f"the cute kernels are built for sm_90a and sm_100a; {device} has compute "
-                f"capability {cap[0]}.{cap[1]}")
-    return None
+from . import ARCH_BY_CAPABILITY, emulated_arch
 
 
 def arch_of(device: torch.device) -> str:
@@ -123,6 +77,13 @@ class CuteKernel:
     grid: Callable[..., Any]
     dynamic_shared_bytes: int = 0
 
+    def runtime_arg_names(self) -> tuple[str, ...]:
+        return tuple(a.name for a in self.args)
+
+    def build_launcher(self, device: torch.device) -> Callable[..., None]:
+        """``launch(*runtime_args, stream)`` on ``device`` (see ``make_launcher``)."""
+        return make_launcher(self, device)
+
     def example_args(self) -> list:
         import cuda.bindings.driver as cuda
         from cutlass import Float32, Int32
@@ -167,14 +128,21 @@ def make_launcher(kernel: CuteKernel, device: torch.device) -> Callable[..., Non
     makers = [(a.dtype, a.alignment) if a.dtype is not None else None for a in kernel.args]
 
     def launch(*runtime_args, stream):
-        args = [pointer(m[0], v if isinstance(v, int) else v.data_ptr(), m[1]) if m else v
-                for m, v in zip(makers, runtime_args)]
+        args = [pointer(m[0], _address(v), m[1]) if m else v for m, v in zip(makers, runtime_args)]
         executor(*args, stream)
     return launch
 
 
+def _address(value) -> int:
+    if value is None:
+        return 0
+    if isinstance(value, Region):
+        return value.address()
+    return value if isinstance(value, int) else value.data_ptr()
+
+
 def _emulated_launcher(kernel: CuteKernel, arch: str) -> Callable[..., None]:
-    from .ptx_emulator import Memory, PtxFault, PtxProgram
+    from fusedops.core.ptx_emulator import Memory, PtxFault, PtxProgram
     program = COMPILE_CACHE.get_or_build(("cute-ptx", kernel, arch),
                                          lambda: PtxProgram.parse(compile_ptx(kernel, arch)))
     constexprs = dict(kernel.constexprs)
@@ -182,7 +150,11 @@ def _emulated_launcher(kernel: CuteKernel, arch: str) -> Callable[..., None]:
     def launch(*runtime_args, stream):
         memory, params = Memory(), []
         for arg, value in zip(kernel.args, runtime_args, strict=True):
-            if arg.dtype is not None:
+            if isinstance(value, Region):
+                value = value.tensor()   # the piece alone bounds the kernel's accesses
+            if arg.dtype is not None and value is None:
+                value = 0       # an absent operand: a null pointer, registered nowhere
+            elif arg.dtype is not None:
                 if not isinstance(value, torch.Tensor):
                     raise PtxFault(f"{arg.name}: the emulator needs a tensor (its extent bounds "
                                    f"the kernel's accesses), got {type(value).__name__}")

@@ -1,4 +1,4 @@
-"""Engram saved-state gate: CuTe DSL kernels for sm_90a/sm_100a (specs/engram_gate.md).
+"""Engram saved-state gate: CuTe DSL kernels for sm_90a/sm_100a (fusedops.engram.contract).
 
 Forward: one CTA per token. Each thread owns ITERS 16-byte vectors of every row; the token's
 shared value stays in registers, all 3*S fp32 partial sums (x·x, k·k, x·w·k per stream) are
@@ -9,8 +9,8 @@ row is too wide to hold).
 Backward: CTAs (stream s, token block). A stream CTA keeps its weight row and its grad_weight
 partial in registers across the block's tokens; per token it issues the g, v, x and k loads
 together, reduces dgate = sum(g·v) across the block, and writes grad_x and grad_k. CTA s == S
-writes grad_v = sum_s gate_s·g_s. The fp32 partials are summed in fixed order by the Triton
-grad_weight reduction (shared with the Triton backend), so results are bitwise reproducible.
+writes grad_v = sum_s gate_s·g_s. A third kernel sums the fp32 partial rows in fixed order
+into grad_weight (``+=`` when accumulating): no float atomics, bitwise reproducible.
 """
 
 import math
@@ -21,10 +21,10 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64
 
-from fusedops._backend import triton_interpreter_active
-from fusedops.backends.torch.engram import DOT_CLAMP
-from fusedops.backends.triton.engram import (backward_blocks, backward_workspace_size,
-                                             reduce_launcher)
+from fusedops.core.dtypes import kernel_dtype_reason
+from fusedops.core.program import Program, Stage, workspace_piece
+from fusedops.core.workspace import Layout
+from fusedops.engram.contract import DOT_CLAMP, token_blocks
 
 from . import compiler
 from .compiler import Arg, CuteKernel
@@ -36,8 +36,10 @@ VECTORS_PER_THREAD = 2      # 16-byte vectors per thread per row before the CTA 
 # output; beyond it x is re-read (from L2). Held: one DRAM pass, more registers (96-130 at
 # S=4, D=5120); re-read: 44-58 registers. Which is faster is for a GPU benchmark to say.
 MAX_HELD_VECTORS = 8
+TARGET_CTAS = 640           # backward: about five CTAs per SM on a 132-SM H100/H200
+REDUCE_THREADS = 128        # grad_weight reduction: one 16-byte fp32 vector per thread
 
-__all__ = ["unsupported_reason", "forward_launcher", "backward_launcher", "backward_workspace_size"]
+__all__ = ["backward_program", "forward_program", "unsupported_reason"]
 
 
 def row_geometry(hidden: int, dtype: torch.dtype) -> tuple[int, int, int]:
@@ -90,6 +92,11 @@ def forward_grid(N, **_):
 def backward_grid(S, BLOCKS, **_):
     """(stream or grad_v, token block) CTAs."""
     return [S + 1, BLOCKS, 1]
+
+
+def reduce_grid(SD, **_):
+    """One CTA per REDUCE_THREADS 16-byte vectors of grad_weight."""
+    return [(SD // 4 + REDUCE_THREADS - 1) // REDUCE_THREADS, 1, 1]
 
 
 @cute.kernel
@@ -300,6 +307,36 @@ def gate_bwd(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer, psaved: cute
         grid=backward_grid(S=S, BLOCKS=BLOCKS), block=[THREADS, 1, 1], stream=stream)
 
 
+@cute.kernel
+def grad_weight_reduce_kernel(ppartial: cute.Pointer, pgw: cute.Pointer, NUM_PARTIALS: Int32,
+                              SD: cutlass.Constexpr, ACCUMULATE: cutlass.Constexpr):
+    tidx, _, _ = cute.arch.thread_idx()
+    bidx, _, _ = cute.arch.block_idx()
+    NV = SD // 4
+    j = bidx * REDUCE_THREADS + tidx
+    gP = cute.make_tensor(ppartial, cute.make_layout((4, NV, NUM_PARTIALS), stride=(1, 4, SD)))
+    gW = cute.make_tensor(pgw, cute.make_layout((4, NV), stride=(1, 4)))
+    atom = copy_atom(Float32)
+    rP = cute.make_rmem_tensor((4,), Float32)
+    acc = cute.make_rmem_tensor((4,), Float32)
+    if j < NV:
+        acc.fill(0.0)
+        for p in cutlass.range(NUM_PARTIALS):   # fixed order: bitwise reproducible
+            cute.copy(atom, gP[None, j, p], rP)
+            acc.store(acc.load() + rP.load())
+        if cutlass.const_expr(ACCUMULATE):
+            cute.copy(atom, gW[None, j], rP)
+            acc.store(acc.load() + rP.load())
+        cute.copy(atom, acc, gW[None, j])
+
+
+@cute.jit
+def grad_weight_reduce(ppartial: cute.Pointer, pgw: cute.Pointer, NUM_PARTIALS: Int32,
+                       stream: cuda.CUstream, SD: cutlass.Constexpr, ACCUMULATE: cutlass.Constexpr):
+    grad_weight_reduce_kernel(ppartial, pgw, NUM_PARTIALS, SD, ACCUMULATE).launch(
+        grid=reduce_grid(SD=SD), block=[REDUCE_THREADS, 1, 1], stream=stream)
+
+
 # -- specialisations ---------------------------------------------------------------------------
 def _constexprs(problem, *extra) -> tuple[tuple[str, object], ...]:
     vec, threads, iters = row_geometry(problem.hidden, problem.dtype)
@@ -331,48 +368,41 @@ def backward_kernel(problem) -> CuteKernel:
                       dynamic_shared_bytes=4 * 2 * (threads // 32))
 
 
+def reduce_kernel(problem) -> CuteKernel:
+    args = (Arg("partials", torch.float32), Arg("grad_weight", torch.float32),
+            Arg("NUM_PARTIALS", scalar="i32"))
+    return CuteKernel("engram_gate_grad_weight_reduce", grad_weight_reduce, args,
+                      (("SD", problem.streams * problem.hidden), ("ACCUMULATE", problem.accumulate)),
+                      reduce_grid)
+
+
+def backward_blocks(problem) -> tuple[int, int]:
+    """(tokens per block, blocks): one CTA per (stream or grad_v, block), about TARGET_CTAS."""
+    return token_blocks(problem.tokens, max(1, TARGET_CTAS // (problem.streams + 1)))
+
+
 # -- the backend surface -----------------------------------------------------------------------
 def unsupported_reason(problem) -> str | None:
-    if problem.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"the cute gate kernels take bf16/fp16/fp32, not {problem.dtype} (use backend='torch')"
-    if problem.device.type == "cpu" and not triton_interpreter_active():
-        return ("the cute gate backward sums grad_weight with the Triton reduction kernel, which "
-                "runs on cpu only under the Triton interpreter (TRITON_INTERPRET=1)")
-    return None
+    return kernel_dtype_reason("cute gate kernels", problem.dtype)
 
 
-def forward_launcher(problem):
-    launch_fwd = compiler.make_launcher(forward_kernel(problem), problem.device)
-    n, eps = problem.tokens, problem.eps
-
-    def launch(x, kv, weight, mask, out, saved, *, stream):
-        launch_fwd(x, kv, weight, mask if mask is not None else x, out, saved, n, eps,
-                   stream=stream)
-    return launch
+def backward_workspace(problem) -> Layout:
+    """One fp32 grad_weight partial row [S, D] per token block: 4·S·D·blocks bytes."""
+    blocks = backward_blocks(problem)[1]
+    return Layout([("partials", torch.float32, blocks * problem.streams * problem.hidden)])
 
 
-def backward_launcher(problem):
+def forward_program(problem) -> Program:
+    mask = "mask" if problem.has_mask else None     # absent: a null pointer, never read
+    return Program(stages=(Stage(forward_kernel(problem),
+                                 dict(mask=mask, N=problem.tokens, eps=problem.eps)),))
+
+
+def backward_program(problem) -> Program:
     per_block, blocks = backward_blocks(problem)
-    launch_main = compiler.make_launcher(backward_kernel(problem), problem.device)
-    launch_reduce = reduce_launcher(problem)
-    n = problem.tokens
-
-    def launch(x, kv, weight, saved, grad_out, grad_x, grad_kv, grad_weight, workspace, *, stream):
-        launch_main(x, kv, weight, saved, grad_out, grad_x, grad_kv, workspace, n, per_block,
-                    blocks, stream=stream)
-        launch_reduce(workspace, grad_weight, blocks, stream=stream)
-    return launch
-
-
-def aot_kernels():
-    """(label, CuteKernel) at the production shape (S=4, D=5120, bf16) and a small one."""
-    from fusedops.engram import GateProblem
-    cpu = torch.device("cpu")
-    shapes = (("S4 D5120 bf16", torch.bfloat16, 4, 5120), ("S1 D64 fp32", torch.float32, 1, 64),
-              ("S2 D200 fp16", torch.float16, 2, 200))
-    for label, dtype, streams, hidden in shapes:
-        for has_mask in (True, False):
-            problem = GateProblem(dtype, 8192, streams, hidden, 1e-20, has_mask, False, cpu)
-            yield f"gate fwd {label}{' mask' if has_mask else ''}", forward_kernel(problem)
-        yield f"gate bwd {label}", backward_kernel(
-            GateProblem(dtype, 8192, streams, hidden, 1e-20, False, False, cpu))
+    partials = workspace_piece("partials")
+    return Program(workspace=backward_workspace(problem), stages=(
+        Stage(backward_kernel(problem), dict(partials=partials, N=problem.tokens,
+                                             TOKENS_PER_BLOCK=per_block, BLOCKS=blocks)),
+        Stage(reduce_kernel(problem), dict(partials=partials, NUM_PARTIALS=blocks)),
+    ))

@@ -1,4 +1,4 @@
-"""Engram saved-state gate in plain torch (the reference math of specs/engram_gate.md)."""
+"""Engram saved-state gate in plain torch (the reference math of fusedops.engram.contract)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,13 @@ import math
 
 import torch
 
-# The clamp of the signed square root, as the fp32 value the kernels compare against.
-DOT_CLAMP = float(torch.tensor(1e-6, dtype=torch.float32))
+from fusedops.core.dtypes import accumulator_dtype
+from fusedops.engram.contract import DOT_CLAMP
+
+from .common import direct_program, unsupported_reason
+
+__all__ = ["backward_program", "forward_program", "gate_backward", "gate_forward",
+           "unsupported_reason"]
 
 
 def gate_forward(x, kv, weight, mask, eps: float, compute_dtype=torch.float32):
@@ -54,37 +59,25 @@ def gate_backward(x, kv, weight, saved, grad_out, compute_dtype=torch.float32):
     return grad_x.to(x.dtype), grad_kv.to(x.dtype), grad_weight
 
 
-def unsupported_reason(problem) -> str | None:
-    return None
+def forward_program(problem):
+    compute = accumulator_dtype(problem.dtype)
+
+    def run(b):
+        out, saved = gate_forward(b["x"], b["kv"], b["weight"], b.get("mask"), problem.eps, compute)
+        b["out"].copy_(out)
+        b["saved"].copy_(saved)
+    return direct_program(run)
 
 
-def backward_workspace_size(problem) -> int:
-    return 0
+def backward_program(problem):
+    compute = accumulator_dtype(problem.dtype)
 
-
-def _compute_dtype(problem) -> torch.dtype:
-    return torch.float64 if problem.dtype == torch.float64 else torch.float32
-
-
-def forward_launcher(problem):
-    compute_dtype = _compute_dtype(problem)
-
-    def launch(x, kv, weight, mask, out, saved, *, stream):
-        o, sv = gate_forward(x, kv, weight, mask, problem.eps, compute_dtype)
-        out.copy_(o)
-        saved.copy_(sv)
-    return launch
-
-
-def backward_launcher(problem):
-    compute_dtype = _compute_dtype(problem)
-
-    def launch(x, kv, weight, saved, grad_out, grad_x, grad_kv, grad_weight, workspace, *, stream):
-        gx, gkv, gw = gate_backward(x, kv, weight, saved, grad_out, compute_dtype)
-        grad_x.copy_(gx)
-        grad_kv.copy_(gkv)
+    def run(b):
+        gx, gkv, gw = gate_backward(b["x"], b["kv"], b["weight"], b["saved"], b["grad_out"], compute)
+        b["grad_x"].copy_(gx)
+        b["grad_kv"].copy_(gkv)
         if problem.accumulate:
-            grad_weight.add_(gw)
+            b["grad_weight"].add_(gw)
         else:
-            grad_weight.copy_(gw)
-    return launch
+            b["grad_weight"].copy_(gw)
+    return direct_program(run)

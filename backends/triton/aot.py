@@ -1,50 +1,53 @@
-"""Ahead-of-time compiles of every Triton kernel at its production specialisations, no GPU
-needed: ``python -m fusedops.backends.triton.aot --arch 90 100`` prints registers, local (spill)
-and shared memory per kernel from the cubin, ``--json`` for machines. Runs in a process without
-``TRITON_INTERPRET`` (the test suite calls it as a subprocess)."""
+"""Ahead-of-time compiles of Triton kernel specs for a GPU architecture, and their resource
+figures from the cubin. No GPU needed, but not in a process running the interpreter."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import importlib
-import json
-import sys
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
 
-from fusedops._backend import triton_interpreter_active
-
-from .compiler import resource_usage
-
-# Every Triton operator module lists its production specialisations in ``aot_specs()``.
-OPERATOR_MODULES = ("fusedops.backends.triton.engram", "fusedops.backends.triton.mamba2",
-                    "fusedops.backends.triton.mamba2_inference", "fusedops.backends.triton.attention",
-                    "fusedops.backends.triton.moe_router", "fusedops.backends.triton.moe")
+from .runtime import KernelSpec, compile_spec
 
 
-def all_specs():
-    for module in OPERATOR_MODULES:
-        yield from importlib.import_module(module).aot_specs()
+@dataclass(frozen=True)
+class ResourceUsage:
+    kernel: str
+    arch: int
+    registers: int
+    local_bytes: int      # per-thread local memory: register spills or stack arrays
+    shared_bytes: int
+    num_warps: int
+
+    def row(self) -> str:
+        return (f"{self.kernel:<40} sm_{self.arch:<4} regs {self.registers:>3}  local "
+                f"{self.local_bytes:>4} B  shared {self.shared_bytes:>6} B  warps {self.num_warps}")
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--arch", type=int, nargs="+", default=[90, 100])
-    parser.add_argument("--json", action="store_true", help="one JSON object per line")
-    parser.add_argument("--only", default="", help="substring of the labels to compile")
-    args = parser.parse_args(argv)
-    if triton_interpreter_active():
-        parser.error("unset TRITON_INTERPRET: AOT compiles need Triton's JIT, not the interpreter")
-    for label, spec in all_specs():
-        if args.only not in label:
-            continue
-        for arch in args.arch:
-            usage = resource_usage(spec, arch)
-            if args.json:
-                print(json.dumps(dict(label=label, **dataclasses.asdict(usage))), flush=True)
-            else:
-                print(f"{label:<44} {usage.row()}", flush=True)
-    return 0
+def gpu_target(arch: int):
+    """Triton's GPUTarget for sm_``arch`` (90, 100...)."""
+    from triton.backends.compiler import GPUTarget
+    return GPUTarget("cuda", arch, 32)
 
 
-if __name__ == "__main__":
-    sys.exit(main())
+def cuobjdump_path() -> str:
+    """The cuobjdump shipped inside the triton wheel."""
+    import triton
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def resource_usage(spec: KernelSpec, arch: int) -> ResourceUsage:
+    """AOT-compiles ``spec`` for sm_``arch`` and reads registers, local (spill) and shared
+    memory from the cubin with cuobjdump."""
+    compiled = compile_spec(spec, gpu_target(arch))
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(compiled.asm["cubin"])
+        f.flush()
+        text = subprocess.run([cuobjdump_path(), "--dump-resource-usage", f.name], check=True,
+                              capture_output=True, text=True).stdout
+    fields = dict(re.findall(r"(REG|LOCAL|SHARED|STACK):(\d+)", text))
+    return ResourceUsage(spec.name, arch, int(fields["REG"]),
+                         int(fields["LOCAL"]) + int(fields.get("STACK", 0)),
+                         max(int(fields["SHARED"]), int(compiled.metadata.shared)), spec.num_warps)

@@ -1,4 +1,4 @@
-"""Engram saved-state gate: Triton kernels and their launchers (specs/engram_gate.md).
+"""Engram saved-state gate: Triton kernels and their launchers (fusedops.engram.contract).
 
 Forward: one program per token; the token's shared value stays in registers while the S streams
 are processed, each stream's x/key/weight row loaded once (D <= MAX_BLOCK_D) and reused for the
@@ -21,12 +21,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedops.backends.torch.engram import DOT_CLAMP
+from fusedops.core.dtypes import kernel_dtype_reason
+from fusedops.core.program import Program, Stage, workspace_piece
+from fusedops.core.workspace import Layout
+from fusedops.engram.contract import DOT_CLAMP, token_blocks
 
-from .compiler import KernelSpec, make_launcher, pointer_type
+from .runtime import KernelSpec, pointer_type
 
 MAX_BLOCK_D = 8192          # widest D row held in registers; wider rows are processed in chunks
-MIN_TOKENS_PER_BLOCK = 4    # backward: fewer tokens per program would make the partials dominate
 TARGET_PROGRAMS = 640       # backward: about five programs per SM on a 132-SM H100/H200
 REDUCE_TILE = 8192          # fp32 elements one grad_weight-reduce program loads at once
 
@@ -51,32 +53,32 @@ def _store_saved(p_saved, gate, dot, rx, rk):
 
 
 @triton.jit
-def engram_gate_fwd_kernel(x_ptr, kv_ptr, w_ptr, mask_ptr, out_ptr, saved_ptr, eps,
+def engram_gate_fwd_kernel(x, kv, weight, mask, out, saved, eps,
                            S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                            NUM_CHUNKS: tl.constexpr, HAS_MASK: tl.constexpr,
                            SQRT_D: tl.constexpr, DOT_MIN: tl.constexpr):
     i_n = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
-    p_x = x_ptr + i_n * (S * D)
-    p_kv = kv_ptr + i_n * ((S + 1) * D)
-    p_out = out_ptr + i_n * (S * D)
+    p_x = x + i_n * (S * D)
+    p_kv = kv + i_n * ((S + 1) * D)
+    p_out = out + i_n * (S * D)
     if HAS_MASK:
-        keep = tl.load(mask_ptr + i_n) != 0
+        keep = tl.load(mask + i_n) != 0
     if NUM_CHUNKS == 1:
         m_d = o_d < D
         b_v = tl.load(p_kv + S * D + o_d, mask=m_d, other=0.0).to(tl.float32)
         for i_s in tl.static_range(S):
             b_x = tl.load(p_x + i_s * D + o_d, mask=m_d, other=0.0).to(tl.float32)
             b_k = tl.load(p_kv + i_s * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-            b_w = tl.load(w_ptr + i_s * D + o_d, mask=m_d, other=0.0)
+            b_w = tl.load(weight + i_s * D + o_d, mask=m_d, other=0.0)
             gate, dot, rx, rk = _gate_from_sums(tl.sum(b_x * b_x), tl.sum(b_k * b_k),
                                                 tl.sum(b_x * b_w * b_k), eps, D, SQRT_D, DOT_MIN)
             b_o = b_x + gate * b_v
             if HAS_MASK:
                 gate = tl.where(keep, gate, 0.0)
                 b_o = tl.where(keep, b_o, b_x)
-            tl.store(p_out + i_s * D + o_d, b_o.to(out_ptr.dtype.element_ty), mask=m_d)
-            _store_saved(saved_ptr + (i_n * S + i_s) * 4, gate, dot, rx, rk)
+            tl.store(p_out + i_s * D + o_d, b_o.to(out.dtype.element_ty), mask=m_d)
+            _store_saved(saved + (i_n * S + i_s) * 4, gate, dot, rx, rk)
     else:
         for i_s in tl.static_range(S):
             b_xx = tl.zeros([BLOCK_D], dtype=tl.float32)
@@ -87,7 +89,7 @@ def engram_gate_fwd_kernel(x_ptr, kv_ptr, w_ptr, mask_ptr, out_ptr, saved_ptr, e
                 m_c = o_c < D
                 b_x = tl.load(p_x + i_s * D + o_c, mask=m_c, other=0.0).to(tl.float32)
                 b_k = tl.load(p_kv + i_s * D + o_c, mask=m_c, other=0.0).to(tl.float32)
-                b_w = tl.load(w_ptr + i_s * D + o_c, mask=m_c, other=0.0)
+                b_w = tl.load(weight + i_s * D + o_c, mask=m_c, other=0.0)
                 b_xx += b_x * b_x
                 b_kk += b_k * b_k
                 b_xwk += b_x * b_w * b_k
@@ -103,12 +105,12 @@ def engram_gate_fwd_kernel(x_ptr, kv_ptr, w_ptr, mask_ptr, out_ptr, saved_ptr, e
                 b_o = b_x + gate * b_v
                 if HAS_MASK:
                     b_o = tl.where(keep, b_o, b_x)
-                tl.store(p_out + i_s * D + o_c, b_o.to(out_ptr.dtype.element_ty), mask=m_c)
-            _store_saved(saved_ptr + (i_n * S + i_s) * 4, gate, dot, rx, rk)
+                tl.store(p_out + i_s * D + o_c, b_o.to(out.dtype.element_ty), mask=m_c)
+            _store_saved(saved + (i_n * S + i_s) * 4, gate, dot, rx, rk)
 
 
 @triton.jit
-def engram_gate_bwd_kernel(x_ptr, kv_ptr, w_ptr, saved_ptr, g_ptr, gx_ptr, gkv_ptr, partial_ptr,
+def engram_gate_bwd_kernel(x, kv, weight, saved, grad_out, grad_x, grad_kv, partials,
                            N, TOKENS_PER_BLOCK,
                            S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
                            NUM_CHUNKS: tl.constexpr, SQRT_D: tl.constexpr,
@@ -128,18 +130,18 @@ def engram_gate_bwd_kernel(x_ptr, kv_ptr, w_ptr, saved_ptr, g_ptr, gx_ptr, gkv_p
             i_n = n_start + j
             b_gv = tl.zeros([BLOCK_D], dtype=tl.float32)
             for j_s in tl.static_range(S):
-                gate = tl.load(saved_ptr + (i_n * S + j_s) * 4)
-                b_g = tl.load(g_ptr + i_n * (S * D) + j_s * D + o_c, mask=m_c, other=0.0)
+                gate = tl.load(saved + (i_n * S + j_s) * 4)
+                b_g = tl.load(grad_out + i_n * (S * D) + j_s * D + o_c, mask=m_c, other=0.0)
                 b_gv += gate * b_g.to(tl.float32)
-            tl.store(gkv_ptr + i_n * ((S + 1) * D) + S * D + o_c,
-                     b_gv.to(gkv_ptr.dtype.element_ty), mask=m_c)
+            tl.store(grad_kv + i_n * ((S + 1) * D) + S * D + o_c,
+                     b_gv.to(grad_kv.dtype.element_ty), mask=m_c)
     else:
-        b_w = tl.load(w_ptr + i_s * D + o_c, mask=m_c, other=0.0)
+        b_w = tl.load(weight + i_s * D + o_c, mask=m_c, other=0.0)
         b_acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for j in range(0, n_count):
             i_n = n_start + j
-            p_g = g_ptr + i_n * (S * D) + i_s * D
-            p_v = kv_ptr + i_n * ((S + 1) * D) + S * D
+            p_g = grad_out + i_n * (S * D) + i_s * D
+            p_v = kv + i_n * ((S + 1) * D) + S * D
             if NUM_CHUNKS == 1:
                 b_g = tl.load(p_g + o_c, mask=m_c, other=0.0).to(tl.float32)
                 b_v = tl.load(p_v + o_c, mask=m_c, other=0.0).to(tl.float32)
@@ -154,7 +156,7 @@ def engram_gate_bwd_kernel(x_ptr, kv_ptr, w_ptr, saved_ptr, g_ptr, gx_ptr, gkv_p
                     b_gv += b_gj * b_vj
                 dgate = tl.sum(b_gv)
                 b_g = tl.load(p_g + o_c, mask=m_c, other=0.0).to(tl.float32)
-            p_saved = saved_ptr + (i_n * S + i_s) * 4
+            p_saved = saved + (i_n * S + i_s) * 4
             gate = tl.load(p_saved)
             dot = tl.load(p_saved + 1)
             rx = tl.load(p_saved + 2)
@@ -166,21 +168,21 @@ def engram_gate_bwd_kernel(x_ptr, kv_ptr, w_ptr, saved_ptr, g_ptr, gx_ptr, gkv_p
             coef = ddot * rx * rk / SQRT_D
             c_x = ddot * dot * rx * rx / D
             c_k = ddot * dot * rk * rk / D
-            b_x = tl.load(x_ptr + i_n * (S * D) + i_s * D + o_c, mask=m_c, other=0.0).to(tl.float32)
-            b_k = tl.load(kv_ptr + i_n * ((S + 1) * D) + i_s * D + o_c, mask=m_c,
+            b_x = tl.load(x + i_n * (S * D) + i_s * D + o_c, mask=m_c, other=0.0).to(tl.float32)
+            b_k = tl.load(kv + i_n * ((S + 1) * D) + i_s * D + o_c, mask=m_c,
                           other=0.0).to(tl.float32)
             b_gx = b_g + coef * b_w * b_k - c_x * b_x
             b_gk = coef * b_w * b_x - c_k * b_k
-            tl.store(gx_ptr + i_n * (S * D) + i_s * D + o_c, b_gx.to(gx_ptr.dtype.element_ty),
+            tl.store(grad_x + i_n * (S * D) + i_s * D + o_c, b_gx.to(grad_x.dtype.element_ty),
                      mask=m_c)
-            tl.store(gkv_ptr + i_n * ((S + 1) * D) + i_s * D + o_c,
-                     b_gk.to(gkv_ptr.dtype.element_ty), mask=m_c)
+            tl.store(grad_kv + i_n * ((S + 1) * D) + i_s * D + o_c,
+                     b_gk.to(grad_kv.dtype.element_ty), mask=m_c)
             b_acc += coef * b_x * b_k
-        tl.store(partial_ptr + (i_b.to(tl.int64) * S + i_s) * D + o_c, b_acc, mask=m_c)
+        tl.store(partials + (i_b.to(tl.int64) * S + i_s) * D + o_c, b_acc, mask=m_c)
 
 
 @triton.jit
-def engram_gate_weight_reduce_kernel(partial_ptr, gw_ptr, NUM_PARTIALS,
+def engram_gate_weight_reduce_kernel(partials, grad_weight, NUM_PARTIALS,
                                      SD: tl.constexpr, BLOCK_P: tl.constexpr,
                                      BLOCK_C: tl.constexpr, ACCUMULATE: tl.constexpr):
     # every partial row of a column tile is loaded at once (BLOCK_P >= NUM_PARTIALS), so the
@@ -189,12 +191,12 @@ def engram_gate_weight_reduce_kernel(partial_ptr, gw_ptr, NUM_PARTIALS,
     o_p = tl.arange(0, BLOCK_P)
     o_c = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
     m_c = o_c < SD
-    p_partial = partial_ptr + o_p[:, None].to(tl.int64) * SD + o_c[None, :]
+    p_partial = partials + o_p[:, None].to(tl.int64) * SD + o_c[None, :]
     b_partial = tl.load(p_partial, mask=(o_p[:, None] < NUM_PARTIALS) & m_c[None, :], other=0.0)
     b_acc = tl.sum(b_partial, axis=0)
     if ACCUMULATE:
-        b_acc += tl.load(gw_ptr + o_c, mask=m_c, other=0.0)
-    tl.store(gw_ptr + o_c, b_acc, mask=m_c)
+        b_acc += tl.load(grad_weight + o_c, mask=m_c, other=0.0)
+    tl.store(grad_weight + o_c, b_acc, mask=m_c)
 
 
 # -- specialisations ---------------------------------------------------------------------------
@@ -212,35 +214,20 @@ def row_warps(block: int) -> int:
     return max(1, min(16, block // 512))
 
 
-def _common_constexprs(problem, kernel: str) -> tuple[tuple[str, object], ...]:
+def _row_constexprs(problem, kernel: str) -> dict:
     bd = block_d(problem.hidden, kernel)
-    return (("S", problem.streams), ("D", problem.hidden), ("BLOCK_D", bd),
-            ("NUM_CHUNKS", triton.cdiv(problem.hidden, bd)), ("SQRT_D", math.sqrt(problem.hidden)),
-            ("DOT_MIN", DOT_CLAMP))
+    return dict(S=problem.streams, D=problem.hidden, BLOCK_D=bd,
+                NUM_CHUNKS=triton.cdiv(problem.hidden, bd), SQRT_D=math.sqrt(problem.hidden),
+                DOT_MIN=DOT_CLAMP)
 
 
 def forward_spec(problem) -> KernelSpec:
     t = pointer_type(problem.dtype)
-    constexprs = dict(_common_constexprs(problem, "fwd"), HAS_MASK=problem.has_mask)
-    signature = (("x_ptr", t), ("kv_ptr", t), ("w_ptr", "*fp32"), ("mask_ptr", "*i1"),
-                 ("out_ptr", t), ("saved_ptr", "*fp32"), ("eps", "fp32"))
-    order = ("S", "D", "BLOCK_D", "NUM_CHUNKS", "HAS_MASK", "SQRT_D", "DOT_MIN")
-    return KernelSpec(engram_gate_fwd_kernel, signature + tuple((n, "constexpr") for n in order),
-                      tuple((n, constexprs[n]) for n in order),
-                      aligned=("x_ptr", "kv_ptr", "w_ptr", "out_ptr", "saved_ptr"),
-                      num_warps=row_warps(block_d(problem.hidden)))
-
-
-def backward_spec(problem) -> KernelSpec:
-    t = pointer_type(problem.dtype)
-    signature = (("x_ptr", t), ("kv_ptr", t), ("w_ptr", "*fp32"), ("saved_ptr", "*fp32"),
-                 ("g_ptr", t), ("gx_ptr", t), ("gkv_ptr", t), ("partial_ptr", "*fp32"),
-                 ("N", "i32"), ("TOKENS_PER_BLOCK", "i32"))
-    constexprs = _common_constexprs(problem, "bwd")
-    return KernelSpec(engram_gate_bwd_kernel,
-                      signature + tuple((n, "constexpr") for n, _ in constexprs), constexprs,
-                      aligned=tuple(n for n, ty in signature if ty.startswith("*")),
-                      num_warps=row_warps(block_d(problem.hidden, "bwd")))
+    args = (("x", t), ("kv", t), ("weight", "*fp32"), ("mask", "*i1" if problem.has_mask else None),
+            ("out", t), ("saved", "*fp32"), ("eps", "fp32"))
+    constexprs = dict(_row_constexprs(problem, "fwd"), HAS_MASK=problem.has_mask)
+    return KernelSpec.make(engram_gate_fwd_kernel, args, constexprs, (problem.tokens,),
+                           num_warps=row_warps(block_d(problem.hidden)))
 
 
 def max_backward_blocks(streams: int, hidden: int) -> int:
@@ -251,81 +238,52 @@ def max_backward_blocks(streams: int, hidden: int) -> int:
 
 def backward_blocks(problem) -> tuple[int, int]:
     """(tokens per block, number of blocks) of the backward kernel for ``problem.tokens``."""
-    max_blocks = max_backward_blocks(problem.streams, problem.hidden)
-    per_block = max(MIN_TOKENS_PER_BLOCK, triton.cdiv(problem.tokens, max_blocks))
-    return per_block, triton.cdiv(problem.tokens, per_block)
+    return token_blocks(problem.tokens, max_backward_blocks(problem.streams, problem.hidden))
+
+
+def backward_spec(problem) -> KernelSpec:
+    t = pointer_type(problem.dtype)
+    args = (("x", t), ("kv", t), ("weight", "*fp32"), ("saved", "*fp32"), ("grad_out", t),
+            ("grad_x", t), ("grad_kv", t), ("partials", "*fp32"), ("N", "i32"),
+            ("TOKENS_PER_BLOCK", "i32"))
+    chunks = triton.cdiv(problem.hidden, block_d(problem.hidden, "bwd"))
+    grid = (problem.streams + 1, backward_blocks(problem)[1], chunks)
+    return KernelSpec.make(engram_gate_bwd_kernel, args, _row_constexprs(problem, "bwd"), grid,
+                           num_warps=row_warps(block_d(problem.hidden, "bwd")))
 
 
 def reduce_spec(problem) -> KernelSpec:
     """grad_weight (+)= the sum of the partial rows; specialised on the most rows any N gives."""
     block_p = triton.next_power_of_2(max_backward_blocks(problem.streams, problem.hidden))
     block_c = max(16, REDUCE_TILE // block_p)
-    return KernelSpec(engram_gate_weight_reduce_kernel,
-                      (("partial_ptr", "*fp32"), ("gw_ptr", "*fp32"), ("NUM_PARTIALS", "i32"),
-                       ("SD", "constexpr"), ("BLOCK_P", "constexpr"), ("BLOCK_C", "constexpr"),
-                       ("ACCUMULATE", "constexpr")),
-                      (("SD", problem.streams * problem.hidden), ("BLOCK_P", block_p),
-                       ("BLOCK_C", block_c), ("ACCUMULATE", problem.accumulate)),
-                      aligned=("partial_ptr", "gw_ptr"), num_warps=8)
-
-
-def reduce_launcher(problem):
-    """launch(partials, grad_weight, num_partials, stream=...): the deterministic grad_weight
-    reduction, shared with the CuTe backend."""
-    spec = reduce_spec(problem)
-    block_c = dict(spec.constexprs)["BLOCK_C"]
-    return make_launcher(spec, (triton.cdiv(problem.streams * problem.hidden, block_c), 1, 1),
-                         problem.device)
+    sd = problem.streams * problem.hidden
+    return KernelSpec.make(engram_gate_weight_reduce_kernel,
+                           (("partials", "*fp32"), ("grad_weight", "*fp32"), ("NUM_PARTIALS", "i32")),
+                           dict(SD=sd, BLOCK_P=block_p, BLOCK_C=block_c,
+                                ACCUMULATE=problem.accumulate),
+                           (triton.cdiv(sd, block_c),), num_warps=8)
 
 
 # -- the backend surface -----------------------------------------------------------------------
 def unsupported_reason(problem) -> str | None:
-    if problem.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"the Triton gate kernels take bf16/fp16/fp32, not {problem.dtype} (use backend='torch')"
-    return None
+    return kernel_dtype_reason("Triton gate kernels", problem.dtype)
 
 
-def backward_workspace_size(problem) -> int:
-    """4 * S * D * num_blocks bytes: one fp32 grad_weight partial row per token block."""
-    _, blocks = backward_blocks(problem)
-    return 4 * problem.streams * problem.hidden * blocks
+def backward_workspace(problem) -> Layout:
+    """One fp32 grad_weight partial row [S, D] per token block: 4·S·D·blocks bytes."""
+    blocks = backward_blocks(problem)[1]
+    return Layout([("partials", torch.float32, blocks * problem.streams * problem.hidden)])
 
 
-def forward_launcher(problem):
-    launch_fwd = make_launcher(forward_spec(problem), (problem.tokens, 1, 1), problem.device)
-    eps = problem.eps
-
-    def launch(x, kv, weight, mask, out, saved, *, stream):
-        launch_fwd(x, kv, weight, mask if mask is not None else x, out, saved, eps, stream=stream)
-    return launch
+def forward_program(problem) -> Program:
+    return Program(stages=(Stage(forward_spec(problem), dict(eps=problem.eps)),))
 
 
-def backward_launcher(problem):
+def backward_program(problem) -> Program:
     per_block, blocks = backward_blocks(problem)
-    chunks = triton.cdiv(problem.hidden, block_d(problem.hidden, "bwd"))
-    launch_main = make_launcher(backward_spec(problem), (problem.streams + 1, blocks, chunks),
-                                problem.device)
-    launch_reduce = reduce_launcher(problem)
-    tokens = problem.tokens
-
-    def launch(x, kv, weight, saved, grad_out, grad_x, grad_kv, grad_weight, workspace, *, stream):
-        # the fp32 partials occupy the first backward_workspace_size bytes of the workspace
-        launch_main(x, kv, weight, saved, grad_out, grad_x, grad_kv, workspace, tokens, per_block,
-                    stream=stream)
-        launch_reduce(workspace, grad_weight, blocks, stream=stream)
-    return launch
-
-
-def aot_specs():
-    """(label, KernelSpec) at the production shape (S=4, D=5120, bf16), a chunked D and fp32."""
-    from fusedops.engram import GateProblem
-    cpu = torch.device("cpu")
-    shapes = (("S4 D5120 bf16", torch.bfloat16, 4, 5120), ("S4 D12288 bf16", torch.bfloat16, 4, 12288),
-              ("S1 D256 fp32", torch.float32, 1, 256))
-    for label, dtype, streams, hidden in shapes:
-        for has_mask in (True, False):
-            problem = GateProblem(dtype, 8192, streams, hidden, 1e-20, has_mask, False, cpu)
-            yield f"gate fwd {label}{' mask' if has_mask else ''}", forward_spec(problem)
-        problem = GateProblem(dtype, 8192, streams, hidden, 1e-20, False, True, cpu)
-        yield f"gate bwd {label}", backward_spec(problem)
-        yield f"gate grad_weight reduce {label} accumulate", reduce_spec(problem)
+    partials = workspace_piece("partials")
+    return Program(workspace=backward_workspace(problem), stages=(
+        Stage(backward_spec(problem), dict(partials=partials, N=problem.tokens,
+                                           TOKENS_PER_BLOCK=per_block)),
+        Stage(reduce_spec(problem), dict(partials=partials, NUM_PARTIALS=blocks)),
+    ))

@@ -7,19 +7,15 @@ cheap host facts of the tensors handed to execute(): no device reads and no torc
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
-from ._desc import TensorDesc
-from .errors import ValidationError
+from ..errors import ValidationError
+from .desc import TensorDesc
+from .dtypes import dtype_name
 
 ALIGNMENT = 16  # bytes: every floating tensor and workspace must start on a 16-byte boundary
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _names(dtypes: Iterable[torch.dtype]) -> str:
@@ -55,17 +51,6 @@ def expect_aligned(name: str, tensor: torch.Tensor, alignment: int = ALIGNMENT) 
         raise ValidationError(
             f"{name}: expected a data pointer aligned to {alignment} bytes, got address "
             f"{tensor.data_ptr():#x} (offset {tensor.data_ptr() % alignment})")
-
-
-def expect_positive_finite(name: str, value: float, minimum: float = 0.0) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise ValidationError(f"{name}: expected a finite float > 0, got {value!r}") from None
-    if not math.isfinite(value) or value <= 0 or value < minimum:
-        bound = f">= {minimum:g}" if minimum > 0 else "> 0"
-        raise ValidationError(f"{name}: expected a finite float {bound}, got {value!r}")
-    return value
 
 
 def check_execute_tensor(name: str, tensor, desc: TensorDesc, alignment: int) -> None:

@@ -11,11 +11,9 @@ from typing import NamedTuple
 
 import torch
 
+from .dtypes import element_size as _element_size
+
 PIECE_ALIGNMENT = 128
-
-
-def _element_size(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype, device="meta").element_size()
 
 
 class Region(NamedTuple):
@@ -53,5 +51,15 @@ class Layout:
         return name in self.offsets
 
     def carve(self, buffer: torch.Tensor, name: str) -> Region:
+        """The piece ``name`` of ``buffer`` (which holds at least ``size`` bytes)."""
         offset, dtype, numel = self.offsets[name]
         return Region(buffer, offset, dtype, numel)
+
+    def __repr__(self) -> str:
+        pieces = ", ".join(f"{n}: {numel} x {str(d).removeprefix('torch.')} @ {o}"
+                           for n, (o, d, numel) in self.offsets.items())
+        return f"Layout({self.size} bytes; {pieces})"
+
+
+EMPTY = Layout(())
+"""The layout of a buffer a program does not need."""

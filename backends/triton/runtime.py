@@ -1,47 +1,55 @@
 """Compiling and launching Triton kernels from an explicit specialisation.
 
 A ``KernelSpec`` names a kernel, the Triton type of every argument (``constexpr`` for
-compile-time ones), the constexpr values, which pointers are 16-byte aligned, and the launch
-options. The GPU launcher and the AOT compile for sm_90/sm_100 both go through ``compile_spec``,
-so what CI compiles without a GPU is exactly what runs on one. Runtime sizes (token counts) are
-plain ``i32`` arguments: one compile serves every size.
+compile-time ones), the constexpr values, which pointers are 16-byte aligned, the launch options
+and the launch grid. The GPU launcher and the AOT compile for sm_90/sm_100 both go through
+``compile_spec``, so what CI compiles without a GPU is exactly what runs on one. Runtime sizes
+(token counts) are plain ``i32`` arguments: one compile serves every size, and the grid is not
+part of the specialisation (two specs that differ only in grid compare equal).
 """
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-import tempfile
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
-from fusedops._backend import triton_interpreter_active
-from fusedops._cache import COMPILE_CACHE
-from fusedops._workspace import Region
+from fusedops.core.cache import COMPILE_CACHE
+from fusedops.core.workspace import Region
+
+from . import interpreter_active
 
 TRITON_POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
                         torch.bool: "*i1", torch.uint8: "*u8", torch.int32: "*i32",
                         torch.int64: "*i64", torch.float8_e4m3fn: "*fp8e4nv"}
-
-
 _POINTER_DTYPES = {t: d for d, t in TRITON_POINTER_TYPES.items()}
+_FLOAT_POINTERS = ("*bf16", "*fp16", "*fp32", "*fp8e4nv")
 
 
 def pointer_type(dtype: torch.dtype) -> str:
+    """The Triton pointer type of a tensor of ``dtype`` (``*bf16``...)."""
     return TRITON_POINTER_TYPES[dtype]
+
+
+def numerics(dtype: torch.dtype) -> dict[str, bool]:
+    """The dot-product constexprs every tensor-core kernel takes. UPCAST: the CPU interpreter
+    multiplies bf16 bit patterns, so dot operands go to fp32 there; IEEE: fp32 inputs get exact
+    fp32 products rather than tf32."""
+    return dict(UPCAST=interpreter_active() and dtype == torch.bfloat16,
+                IEEE=dtype == torch.float32)
 
 
 @dataclass(frozen=True)
 class KernelSpec:
-    """One compiled specialisation of a ``@triton.jit`` kernel.
+    """One compiled specialisation of a ``@triton.jit`` kernel and its launch grid.
 
     ``signature`` lists (argument name, Triton type) in the kernel's argument order, with type
-    ``"constexpr"`` for compile-time arguments whose values are in ``constexprs``; ``aligned``
-    names the pointer arguments guaranteed 16-byte aligned (the plans check it at execute).
+    ``"constexpr"`` for compile-time arguments whose values are in ``constexprs`` (an absent
+    optional operand is a constexpr None: compiled out, never aliased); ``aligned`` names the
+    pointer arguments guaranteed 16-byte aligned (the plans check it at execute). ``grid`` is
+    not part of the specialisation.
     """
 
     kernel: Any
@@ -51,6 +59,7 @@ class KernelSpec:
     num_warps: int = 4
     num_stages: int = 1
     maxnreg: int | None = None      # a register budget for ptxas where its own choice spills
+    grid: tuple[int, int, int] = field(default=(1, 1, 1), compare=False)
 
     def __post_init__(self) -> None:
         # arguments are passed by position: put the signature in the kernel's parameter order
@@ -61,10 +70,31 @@ class KernelSpec:
             raise ValueError(f"KernelSpec of {self.name}: signature does not match the kernel's "
                              f"parameters (missing {sorted(missing)}, unknown {sorted(extra)})")
         object.__setattr__(self, "signature", tuple((n, given[n]) for n in params))
+        object.__setattr__(self, "grid", tuple(int(g) for g in self.grid))
+
+    @classmethod
+    def make(cls, kernel, args: Sequence[tuple[str, str | None]], constexprs: Mapping[str, Any],
+             grid: Sequence[int], *, num_warps: int = 4, num_stages: int = 1,
+             maxnreg: int | None = None) -> KernelSpec:
+        """A spec from runtime ``args`` (name, Triton type; type None: an absent optional operand,
+        compiled out as a constexpr None) and ``constexprs``. Floating-point pointers are
+        16-byte aligned (plans check it; workspace pieces are 128-byte aligned); integer and
+        bool pointers are not assumed aligned."""
+        present = tuple((n, t) for n, t in args if t is not None)
+        absent = tuple((n, None) for n, t in args if t is None)
+        values = tuple(constexprs.items()) + absent
+        return cls(kernel, present + tuple((n, "constexpr") for n, _ in values), values,
+                   aligned=tuple(n for n, t in present if t in _FLOAT_POINTERS),
+                   num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,
+                   grid=tuple(grid) + (1,) * (3 - len(grid)))
 
     @property
     def name(self) -> str:
         return self.kernel.__name__ if hasattr(self.kernel, "__name__") else self.kernel.fn.__name__
+
+    def constexpr(self, name: str) -> Any:
+        """The value of constexpr ``name``."""
+        return dict(self.constexprs)[name]
 
     def runtime_arg_names(self) -> tuple[str, ...]:
         return tuple(n for n, t in self.signature if t != "constexpr")
@@ -75,12 +105,16 @@ class KernelSpec:
         it = iter(runtime_args)
         return [constexprs[n] if t == "constexpr" else next(it) for n, t in self.signature]
 
+    def build_launcher(self, device: torch.device) -> Callable[..., None]:
+        """``launch(*runtime_args, stream)`` on ``device`` (see ``make_launcher``)."""
+        return make_launcher(self, device)
+
 
 def compile_spec(spec: KernelSpec, target) -> Any:
     """``triton.compile`` of ``spec`` for ``target`` (a ``GPUTarget``); returns the
     CompiledKernel. Works without a GPU for any target Triton knows, but not in a process running
-    the interpreter (there ``@triton.jit`` makes interpreted functions): AOT tests use a
-    subprocess (``python -m fusedops.backends.triton.aot``)."""
+    the interpreter (there ``@triton.jit`` makes interpreted functions): AOT compiles run in a
+    subprocess (``python -m fusedops.aot``)."""
     import triton
     from triton.compiler import ASTSource
 
@@ -94,16 +128,16 @@ def compile_spec(spec: KernelSpec, target) -> Any:
     return triton.compile(source, target=target, options=options)
 
 
-def make_launcher(spec: KernelSpec, grid: tuple[int, int, int],
-                  device: torch.device) -> Callable[..., None]:
-    """Returns ``launch(*runtime_args, stream)`` for ``spec`` on ``grid``.
+def make_launcher(spec: KernelSpec, device: torch.device) -> Callable[..., None]:
+    """Returns ``launch(*runtime_args, stream)`` for ``spec`` on its grid.
 
     On CUDA the kernel is compiled for the device's target (cached process-wide by spec and
     device) and its module loaded now; launching is then a single driver call. On CPU (the
     Triton interpreter, tests only) the interpreted kernel runs on the CPU tensors.
     """
+    grid = spec.grid
     if device.type == "cpu":
-        if not triton_interpreter_active():
+        if not interpreter_active():
             raise RuntimeError("Triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
 
         pointer_dtypes = {n: _POINTER_DTYPES[t] for n, t in spec.signature if t in _POINTER_DTYPES}
@@ -111,7 +145,7 @@ def make_launcher(spec: KernelSpec, grid: tuple[int, int, int],
 
         def interpret(*runtime_args, stream):
             # the interpreter reads memory through the tensor's dtype: reinterpret buffers handed
-            # as raw bytes (workspace) or as placeholders for absent optional inputs
+            # as raw bytes (workspace and saved pieces)
             args = [a.tensor() if isinstance(a, Region) else a for a in runtime_args]
             args = [_reinterpret(a, pointer_dtypes[n]) if n in pointer_dtypes else a
                     for n, a in zip(names, args)]
@@ -154,43 +188,3 @@ def _compile_for_device(spec: KernelSpec, device: torch.device):
         raise RuntimeError(f"{spec.name} needs Triton global scratch memory, which would make "
                            "execute() allocate; the kernel must be restructured")
     return compiled
-
-
-# -- ahead-of-time compiles and their resource figures ---------------------------------------
-@dataclass(frozen=True)
-class ResourceUsage:
-    kernel: str
-    arch: int
-    registers: int
-    local_bytes: int      # per-thread local memory: register spills or stack arrays
-    shared_bytes: int
-    num_warps: int
-
-    def row(self) -> str:
-        return (f"{self.kernel:<40} sm_{self.arch:<4} regs {self.registers:>3}  local "
-                f"{self.local_bytes:>4} B  shared {self.shared_bytes:>6} B  warps {self.num_warps}")
-
-
-def gpu_target(arch: int):
-    from triton.backends.compiler import GPUTarget
-    return GPUTarget("cuda", arch, 32)
-
-
-def cuobjdump_path() -> str:
-    import triton
-    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-
-
-def resource_usage(spec: KernelSpec, arch: int) -> ResourceUsage:
-    """AOT-compiles ``spec`` for sm_``arch`` and reads registers, local (spill) and shared
-    memory from the cubin with cuobjdump."""
-    compiled = compile_spec(spec, gpu_target(arch))
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(compiled.asm["cubin"])
-        f.flush()
-        text = subprocess.run([cuobjdump_path(), "--dump-resource-usage", f.name], check=True,
-                              capture_output=True, text=True).stdout
-    fields = dict(re.findall(r"(REG|LOCAL|SHARED|STACK):(\d+)", text))
-    return ResourceUsage(spec.name, arch, int(fields["REG"]),
-                         int(fields["LOCAL"]) + int(fields.get("STACK", 0)),
-                         max(int(fields["SHARED"]), int(compiled.metadata.shared)), spec.num_warps)

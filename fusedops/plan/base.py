@@ -1,0 +1,288 @@
+"""The plan lifecycle every operator follows, derived from each plan's declarations.
+
+construct (validate everything, select the backend, ask it for its program) -> compile() (build
+the program's launchers, cached process-wide) -> execute(...) many times (host checks of the
+handed buffers, then launch; no allocation, conversion, compilation, synchronisation or device
+read).
+
+A plan class declares, once:
+
+    op_name          the operator's name in messages
+    backend_module   the family's module name in each backend package
+    program          which program of that module serves the plan ("forward" ->
+                     ``forward_program(problem)``)
+    backends         the backends that implement it; ``auto_order``: auto's order on CUDA
+    operands         its tensors (``fusedops.plan.operands``), in execute()'s order
+    options          its scalar options (``fusedops.core.options.Option``)
+    returns          the operands execute() returns, as a TupleDict
+
+and implements ``_validate(descs, **options) -> problem``: the contract checks of its inputs,
+the outputs it declares, and the plan-time facts (a frozen dataclass) the backend gets. The
+base class derives the rest: execute()'s binding and checks, the result, the eager path and its
+plan-cache key, allocation helpers and the repr.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any, Callable, ClassVar
+
+import torch
+
+from ..core.checks import check_execute_tensor, check_no_overlap, check_workspace, expect_aligned
+from ..core.desc import TensorDesc
+from ..core.device import bind_device
+from ..core.options import Option
+from ..core.program import Program
+from ..core.stream import allocation_stream, resolve_stream
+from ..core.tupledict import TupleDict
+from ..errors import PlanStateError, ValidationError
+from .cache import EAGER_PLANS
+from .operands import Operand
+from .selection import select_backend
+
+
+class Plan:
+    """Base class of every operator plan (see the module docstring for what a subclass
+    declares). Public surface: ``compile()``, ``execute(...)``, ``selected_backend``,
+    ``device``, ``desc(name)``, ``workspace_size``/``allocate_workspace()``,
+    ``saved_size``/``allocate_saved()``, ``allocate_outputs()``, ``program``, ``problem`` and
+    one attribute per declared option."""
+
+    op_name: ClassVar[str]
+    backend_module: ClassVar[str]
+    program_name: ClassVar[str] = "forward"
+    backends: ClassVar[tuple[str, ...]] = ("torch", "triton")
+    auto_order: ClassVar[tuple[str, ...]] = ("triton", "torch")
+    operands: ClassVar[tuple[Operand, ...]] = ()
+    options: ClassVar[tuple[Option, ...]] = ()
+    returns: ClassVar[tuple[str, ...]] = ()
+
+    _constructor_tensors: ClassVar[frozenset[str]] = frozenset()
+
+    def __init_subclass__(cls, **kwargs) -> None:
+        super().__init_subclass__(**kwargs)
+        params = inspect.signature(cls.__init__).parameters
+        cls._constructor_tensors = frozenset(o.name for o in cls.operands if o.name in params)
+
+    def __init__(self, tensors: Mapping[str, Any], options: Mapping[str, Any],
+                 backend: str = "auto") -> None:
+        self._requested_backend = backend
+        self._descs: dict[str, TensorDesc] = {}
+        self._first_declared: str | None = None
+        self._device: torch.device | None = None
+        self._launch: Callable[..., None] | None = None
+        self.option_values = self.normalise_options(options)
+        for name, value in self.option_values.items():
+            setattr(self, name, value)
+        for operand in self.operands:
+            if operand.name in tensors and tensors[operand.name] is not None:
+                self._declare(operand.name, tensors[operand.name], operand.alignment)
+        if self._device is None:
+            raise ValidationError(f"{type(self).__name__}: expected at least one tensor")
+        self.problem = self._validate(dict(self._descs), **self.option_values)
+        self._backend, self._impl = select_backend(
+            self.op_name, backend, self._device, self.problem, self.backend_module, self.backends,
+            self.auto_order)
+        self._program: Program = getattr(self._impl, f"{self.program_name}_program")(self.problem)
+        self._declare_program_buffers()
+
+    # -- what a subclass implements ----------------------------------------------------------
+    def _validate(self, descs: dict[str, TensorDesc], **options) -> Any:
+        """Checks the declared inputs against the contract, declares the outputs
+        (``_plan_tensor``) and returns the problem (plan-time facts) for the backend."""
+        raise NotImplementedError
+
+    def _declare_program_buffers(self) -> None:
+        """Declares the opaque saved buffer, sized by the selected backend's program."""
+        for operand in self.operands:
+            if operand.saved_buffer:
+                self._descs[operand.name] = TensorDesc((self._program.saved.size,), torch.uint8,
+                                                       device=self._device)
+
+    # -- declarations --------------------------------------------------------------------------
+    @classmethod
+    def normalise_options(cls, options: Mapping[str, Any]) -> dict[str, Any]:
+        """The validated, normalised option values (missing ones take their defaults)."""
+        return {o.name: o.normalise(options.get(o.name, o.default)) for o in cls.options}
+
+    def _declare(self, name: str, value, alignment: int) -> TensorDesc:
+        """Records a tensor given as a tensor or a TensorDesc, bound to the plan's device."""
+        if isinstance(value, torch.Tensor):
+            expect_aligned(name, value, alignment)
+            desc = TensorDesc.from_tensor(value)
+        elif isinstance(value, TensorDesc):
+            desc = value
+        else:
+            raise ValidationError(
+                f"{name}: expected a torch.Tensor or fusedops.TensorDesc, got {type(value).__name__}")
+        device = bind_device(name, desc.device)
+        if self._device is None:
+            self._device, self._first_declared = device, name
+        elif device != self._device:
+            raise ValidationError(
+                f"{name}: expected device {self._device} (the device of {self._first_declared}), "
+                f"got {device}")
+        desc = desc.bound(device)
+        self._descs[name] = desc
+        return desc
+
+    def _plan_tensor(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> TensorDesc:
+        """Declares a tensor the plan itself sizes (an output, or an input such as an rng seed
+        whose shape follows from the others)."""
+        desc = TensorDesc(tuple(shape), dtype, device=self._device)
+        self._descs[name] = desc
+        return desc
+
+    # -- public surface -----------------------------------------------------------------------
+    @property
+    def selected_backend(self) -> str:
+        """The backend that serves this plan: ``torch``, ``triton`` or ``cute``."""
+        return self._backend
+
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    @property
+    def program(self) -> Program:
+        """What the selected backend runs: buffer layouts and kernel stages."""
+        return self._program
+
+    def kernel_program(self, backend: str) -> Program:
+        """The program ``backend`` would run for this plan's problem, without selecting it (no
+        availability check): for ahead-of-time compiles, the kernel report and benchmarks."""
+        import importlib
+        module = importlib.import_module(f"fusedops.backends.{backend}.{self.backend_module}")
+        return getattr(module, f"{self.program_name}_program")(self.problem)
+
+    @property
+    def workspace_size(self) -> int:
+        """Bytes of caller workspace execute() needs (0 when it needs none)."""
+        return self._program.workspace.size
+
+    def allocate_workspace(self) -> torch.Tensor:
+        """A uint8 tensor of ``workspace_size`` bytes on the plan's device (allocate before
+        CUDA Graph capture; execute only binds it)."""
+        return torch.empty(self.workspace_size, dtype=torch.uint8, device=self._device)
+
+    @property
+    def saved_size(self) -> int:
+        """Bytes of the opaque ``saved`` buffer a forward writes and its backward reads (0 for a
+        backend that recomputes, or a plan without one)."""
+        return self._program.saved.size
+
+    def allocate_saved(self) -> torch.Tensor:
+        """A uint8 tensor of ``saved_size`` bytes on the plan's device."""
+        return torch.empty(self.saved_size, dtype=torch.uint8, device=self._device)
+
+    def desc(self, name: str) -> TensorDesc:
+        """The planned TensorDesc of an input, output or saved tensor, by argument name."""
+        try:
+            return self._descs[name]
+        except KeyError:
+            raise KeyError(f"{name!r}: this plan declares {sorted(self._descs)}") from None
+
+    def allocate_outputs(self, exclude=()) -> dict[str, torch.Tensor]:
+        """Allocates (torch.empty) every output execute() writes, by name, except ``exclude``."""
+        return {o.name: self._empty(o.name) for o in self.operands
+                if o.role == "out" and o.name in self._descs and o.name not in exclude}
+
+    def _empty(self, name: str) -> torch.Tensor:
+        d = self._descs[name]
+        return torch.empty(d.shape, dtype=d.dtype, device=self._device)
+
+    def compile(self) -> Plan:
+        """Builds every launcher execute() will use (compiled artifacts are cached process-wide
+        by plan-time values). Allocates no device memory. Returns the plan."""
+        if self._launch is None:
+            names = frozenset(self._descs) | {"workspace"}
+            self._launch = self._program.build(self._device, names)
+        return self
+
+    @property
+    def is_compiled(self) -> bool:
+        return self._launch is not None
+
+    # -- execute ------------------------------------------------------------------------------
+    def _execute(self, args: Mapping[str, Any]) -> Any:
+        """execute()'s body: checks the handed buffers (host facts only), launches, returns."""
+        if self._launch is None:
+            raise PlanStateError(f"{type(self).__name__}.execute() called before compile()")
+        binding: dict[str, Any] = {}
+        read: dict[str, torch.Tensor] = {}
+        written: dict[str, torch.Tensor] = {}
+        for operand in self.operands:
+            name = operand.name
+            value = args.get(name)
+            desc = self._descs.get(name)
+            if desc is None:
+                if value is not None:
+                    raise ValidationError(f"{name}: this plan was built without {name}; expected "
+                                          f"None, got {type(value).__name__}")
+                continue
+            check_execute_tensor(name, value, desc, operand.alignment)
+            binding[name] = value
+            (written if operand.is_written else read)[name] = value
+        workspace = args.get("workspace")
+        check_workspace(workspace, self.workspace_size, self._device)
+        if self.workspace_size:
+            written["workspace"] = workspace
+        check_no_overlap(read, written)
+        stream = resolve_stream(args.get("current_stream"), self._device)
+        binding["workspace"] = workspace
+        self._run(binding, stream)
+        return self._result(binding)
+
+    def _result(self, binding: Mapping[str, Any]) -> Any:
+        """The TupleDict of the declared ``returns`` the plan has."""
+        return TupleDict(**{name: binding[name] for name in self.returns if name in binding})
+
+    def _run(self, binding: Mapping[str, Any], stream) -> None:
+        device = self._device
+        if device.type == "cuda" and torch.cuda.current_device() != device.index:
+            with torch.cuda.device(device):
+                self._launch(binding, stream)
+        else:
+            self._launch(binding, stream)
+
+    # -- eager ----------------------------------------------------------------------------------
+    @classmethod
+    def cached(cls, tensors: Mapping[str, Any], *, backend: str = "auto", **options) -> Plan:
+        """The compiled plan for these tensors (tensors or TensorDescs) and options, from the
+        process-wide eager plan cache. Options are validated before the lookup."""
+        values = cls.normalise_options(options)
+        descs = {name: _describe(name, value) for name, value in tensors.items()
+                 if name in cls._constructor_tensors}
+        key = (cls, tuple(sorted(descs.items())), tuple(values.items()), backend)
+        return EAGER_PLANS.get(key, lambda: cls(**descs, **values, backend=backend).compile())
+
+    @classmethod
+    def eager(cls, tensors: Mapping[str, Any], *, backend: str = "auto", current_stream=None,
+              **options) -> Any:
+        """Builds (cached) the plan, allocates its outputs, saved buffer and workspace on the
+        launch stream and executes; returns execute()'s result."""
+        plan = cls.cached(tensors, backend=backend, **options)
+        given = {n for n, v in tensors.items() if isinstance(v, torch.Tensor)}
+        with allocation_stream(current_stream, plan.device):
+            buffers = plan.allocate_outputs(exclude=given)
+            workspace = plan.allocate_workspace() if plan.workspace_size else None
+        return plan._execute({**tensors, **buffers, "workspace": workspace,
+                              "current_stream": current_stream})
+
+    # -- repr ----------------------------------------------------------------------------------
+    def __repr__(self) -> str:
+        state = "compiled" if self.is_compiled else "not compiled"
+        tensors = ", ".join(f"{k}={list(d.shape)}:{str(d.dtype).removeprefix('torch.')}"
+                            for k, d in self._descs.items())
+        options = "".join(f", {k}={v!r}" for k, v in self.option_values.items())
+        return f"{type(self).__name__}({tensors}{options}, backend={self._backend}, {state})"
+
+
+def _describe(name: str, value) -> TensorDesc | None:
+    if value is None or isinstance(value, TensorDesc):
+        return value
+    if isinstance(value, torch.Tensor):
+        return TensorDesc.from_tensor(value)
+    raise ValidationError(f"{name}: expected a torch.Tensor, got {type(value).__name__}")

@@ -1,0 +1,204 @@
+"""The plan contract, once for every (plan, backend) of the registry: validation messages,
+refused executes that touch nothing, execute dispatching no torch op, the eager plan cache, the
+repr, TensorDesc construction, and CUDA Graph capture (GPU). Per-family files keep the math."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from fusedops import TensorDesc
+from fusedops.errors import PlanStateError, ValidationError
+from fusedops.plan import EAGER_PLANS
+from fusedops.registry import FAMILIES
+from fusedops.testing import NoTorchOps
+
+from helpers import BACKENDS, DEVICE, GPU_BACKENDS, requires_cuda
+
+PLANS = [(info, index, plan) for info in FAMILIES for index, plan in enumerate(info.plans)]
+
+
+def _params(backends):
+    return [pytest.param(info, index, backend, id=f"{plan.__name__}-{backend}")
+            for info, index, plan in PLANS for backend in backends if backend in plan.backends]
+
+
+def _call(info, index, backend):
+    """The PlanCall of plan ``index`` for the family's first small case, on ``backend``."""
+    case = info.cases("small", dtype=torch.float32, device=DEVICE, backend=backend)[0]
+    return info.plan_calls(case, backend)[index]
+
+
+def _ready(info, index, backend):
+    """(plan compiled, every execute() argument by name)."""
+    call = _call(info, index, backend)
+    plan = call.build(backend).compile()
+    args = {o.name: call.tensors.get(o.name) for o in plan.operands if o.is_read}
+    args.update(plan.allocate_outputs())
+    args.update({o.name: call.tensors[o.name] for o in plan.operands if o.role == "inout"})
+    args["workspace"] = plan.allocate_workspace() if plan.workspace_size else None
+    return plan, args
+
+
+def _snapshot(args):
+    return {k: v.clone() for k, v in args.items() if isinstance(v, torch.Tensor)}
+
+
+def _unchanged(args, snapshot) -> list[str]:
+    return [k for k, v in snapshot.items()
+            if not torch.equal(args[k].view(torch.uint8) if args[k].numel() else args[k],
+                               v.view(torch.uint8) if v.numel() else v)]
+
+
+@pytest.mark.parametrize("info,index,backend", _params(BACKENDS))
+def test_execute_signature_names_every_operand(info, index, backend):
+    plan_cls = info.plans[index]
+    params = inspect.signature(plan_cls.execute).parameters
+    missing = [o.name for o in plan_cls.operands if o.name not in params]
+    assert not missing, f"{plan_cls.__name__}.execute lacks {missing}"
+    assert "current_stream" in params
+
+
+@pytest.mark.parametrize("info,index,backend", _params(BACKENDS))
+def test_execute_returns_declared_results_and_dispatches_no_torch_op(info, index, backend):
+    """execute() only checks host facts and calls the launcher: with the launcher replaced by a
+    recorder, it dispatches no torch operator (no allocation, conversion or device read)."""
+    plan, args = _ready(info, index, backend)
+    assert plan.selected_backend == backend
+    result = plan.execute(**args)
+    expected = [n for n in plan.returns if plan._descs.get(n) is not None]
+    if hasattr(result, "keys"):
+        assert list(result.keys())[:len(expected)] == expected
+    calls = []
+    plan._launch = lambda binding, stream: calls.append(sorted(binding))
+    with NoTorchOps():
+        plan.execute(**args)
+    assert len(calls) == 1 and "workspace" in calls[0]
+
+
+@pytest.mark.parametrize("info,index,backend", _params(BACKENDS))
+def test_refused_execute_touches_nothing(info, index, backend):
+    """A wrong dtype, a wrong shape, an output overlapping an input, a short workspace: each
+    refused with a ValidationError naming the argument, before anything is written."""
+    plan, args = _ready(info, index, backend)
+    written = [o.name for o in plan.operands if o.is_written and args.get(o.name) is not None]
+    read = [o.name for o in plan.operands if o.role == "in" and args.get(o.name) is not None]
+    snapshot = _snapshot(args)
+    target = written[0]
+    bad = args[target]
+    variants = [(bad.to(torch.float64 if bad.dtype != torch.float64 else torch.float32),
+                 rf"{target}: expected dtype"),
+                (torch.empty(bad.numel() + 1, dtype=bad.dtype, device=bad.device),
+                 rf"{target}: expected shape")]
+    floating_input = next((n for n in read if args[n].dtype == bad.dtype and
+                           args[n].numel() * args[n].element_size() >= bad.numel() * bad.element_size()), None)
+    if floating_input is not None and bad.numel():
+        alias = args[floating_input].reshape(-1).view(torch.uint8)[:bad.numel() * bad.element_size()]
+        variants.append((alias.view(bad.dtype).view(bad.shape), rf"{target}: must not overlap"))
+    for value, match in variants:
+        with pytest.raises(ValidationError, match=match):
+            plan.execute(**{**args, target: value})
+    if plan.workspace_size:
+        with pytest.raises(ValidationError, match=r"workspace: expected a contiguous uint8 tensor"):
+            plan.execute(**{**args, "workspace": args["workspace"][:-1]})
+    assert _unchanged(args, snapshot) == []
+
+
+@pytest.mark.parametrize("info,index,backend", _params(["torch"]))
+def test_construction_errors_name_the_argument(info, index, backend):
+    call = _call(info, index, backend)
+    plan_cls = call.plan
+    tensors = {k: v for k, v in call.tensors.items() if k in plan_cls._constructor_tensors}
+    first = next(o.name for o in plan_cls.operands if tensors.get(o.name) is not None)
+    with pytest.raises(ValidationError, match=rf"^{first}: expected a torch.Tensor or fusedops.TensorDesc, got list"):
+        plan_cls(**{**tensors, first: [1, 2]}, **call.options)
+    wrong = tensors[first].to(torch.int16)
+    with pytest.raises(ValidationError, match=rf"^{first}: expected"):
+        plan_cls(**{**tensors, first: wrong}, **call.options)
+    with pytest.raises(ValidationError, match=r"^backend: expected one of auto, torch, triton, cute, got 'cudnn'"):
+        plan_cls(**tensors, **call.options, backend="cudnn")
+    for option in plan_cls.options:
+        with pytest.raises(ValidationError, match=rf"^{option.name}: expected"):
+            plan_cls(**tensors, **{**call.options, option.name: object()})
+
+
+@pytest.mark.parametrize("info,index,backend", _params(["torch"]))
+def test_execute_before_compile(info, index, backend):
+    call = _call(info, index, backend)
+    plan = call.build(backend)
+    with pytest.raises(PlanStateError, match=rf"{type(plan).__name__}.execute\(\) called before compile\(\)"):
+        plan._execute({})
+
+
+@pytest.mark.parametrize("info,index,backend", _params(BACKENDS))
+def test_eager_plan_cache_keys_on_normalised_options(info, index, backend):
+    """Equal tensors and options hit one cached plan; a refused option never reaches the cache
+    (a later valid call still works)."""
+    call = _call(info, index, backend)
+    plan_cls = call.plan
+    first = plan_cls.cached(call.tensors, backend=backend, **call.options)
+    assert plan_cls.cached(call.tensors, backend=backend, **call.options) is first
+    size = len(EAGER_PLANS)
+    for option in plan_cls.options:
+        with pytest.raises(ValidationError, match=rf"^{option.name}:"):
+            plan_cls.cached(call.tensors, backend=backend, **{**call.options, option.name: object()})
+    assert len(EAGER_PLANS) == size
+    assert plan_cls.cached(call.tensors, backend=backend, **call.options) is first
+
+
+@pytest.mark.parametrize("info,index,backend", _params(BACKENDS))
+def test_repr_and_construction_from_descs(info, index, backend):
+    call = _call(info, index, backend)
+    plan = call.build(backend)
+    text = repr(plan)
+    assert text.startswith(type(plan).__name__ + "(") and f"backend={backend}" in text
+    assert "not compiled" in text and "not compiled" not in repr(plan.compile())
+    descs = {k: (TensorDesc.from_tensor(v) if isinstance(v, torch.Tensor) else v)
+             for k, v in call.tensors.items()}
+    from_descs = type(plan)(**{k: v for k, v in descs.items() if k in plan._constructor_tensors},
+                            **call.options, backend=backend)
+    assert from_descs.workspace_size == plan.workspace_size
+    assert from_descs.saved_size == plan.saved_size
+    assert {k: d for k, d in from_descs._descs.items()} == plan._descs
+
+
+@requires_cuda
+@pytest.mark.gpu
+@pytest.mark.parametrize("info,index,backend", _params(GPU_BACKENDS))
+def test_gpu_graph_replay_with_changed_inputs_and_poisoned_outputs(info, index, backend):
+    """Captured once, replayed after new data is copied into the same input buffers and the
+    outputs and workspace are poisoned: equal to an execute outside the graph."""
+    plan, args = _ready(info, index, backend)
+    read = [o.name for o in plan.operands if o.role == "in" and args.get(o.name) is not None
+            and args[o.name].is_floating_point()]
+    written = [o.name for o in plan.operands if o.is_written and args.get(o.name) is not None]
+    inout = {o.name: args[o.name].clone() for o in plan.operands if o.role == "inout"}
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        plan.execute(**args)
+        with torch.cuda.graph(graph, stream=stream):
+            plan.execute(**args)
+    torch.cuda.synchronize()
+    gen = torch.Generator(device=DEVICE).manual_seed(7)
+    for name in read:
+        args[name].copy_(torch.randn(args[name].shape, generator=gen, device=DEVICE))
+    for name, value in inout.items():
+        args[name].copy_(value)
+    for name in written:
+        if args[name].is_floating_point() and name not in inout:
+            args[name].fill_(float("nan"))
+    if args["workspace"] is not None:
+        args["workspace"].fill_(0xFF)
+    graph.replay()
+    torch.cuda.synchronize()
+    replayed = {n: args[n].clone() for n in written}
+    for name, value in inout.items():
+        args[name].copy_(value)
+    plan.execute(**args)
+    torch.cuda.synchronize()
+    for name in written:
+        assert torch.equal(replayed[name], args[name]), name

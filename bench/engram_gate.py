@@ -1,6 +1,6 @@
-"""Engram saved-state gate benchmark: fusedops (the auto backend) against torch.compile of the
-reference math and eager torch, with achieved GB/s against the copy bandwidth measured in the
-same run.
+"""Engram saved-state gate benchmark: fusedops' kernel backends against the torch backend's
+reference math, eager and under torch.compile, with achieved GB/s against the copy bandwidth
+measured in the same run.
 
     python bench/engram_gate.py [--tokens 4096 8192 16384] [--json out.json] [--png out.png]
 """
@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import harness  # noqa: E402
 
 import fusedops  # noqa: E402
-from fusedops.backends.torch import engram as reference  # noqa: E402
+from fusedops.testing import runnable_backends  # noqa: E402
 
 
 def forward_bytes(n, s, d, e):
@@ -29,23 +29,25 @@ def backward_bytes(n, s, d, e, workspace):
 
 
 def kernel_backends(device) -> list[str]:
-    """Every fusedops backend that serves the gate here (torch on a CPU-only machine)."""
-    from fusedops._backend import toolchain_unavailable_reason
-    found = [b for b in ("triton", "cute") if device.type == "cuda"
-             and toolchain_unavailable_reason(b, device) is None]
+    """Every fusedops kernel backend that serves the gate here (torch on a CPU-only machine)."""
+    found = [b for b in runnable_backends(device) if b != "torch"] if device.type == "cuda" else []
     return found or ["torch"]
 
 
 def plan_runners(backend, x, kv, w, mask, g):
-    """(forward, backward, workspace bytes) closures over compiled plans and their buffers."""
+    """(forward, backward, workspace bytes, (fwd plan, fwd binding), (bwd plan, bwd binding))
+    over compiled plans and their buffers."""
     fwd = fusedops.EngramGateSavedForward(x, kv, w, mask, backend=backend).compile()
-    out, saved = torch.empty_like(x), torch.empty(fwd.saved_desc.shape, device=x.device)
+    out, saved = fwd.allocate_outputs().values()
     bwd = fusedops.EngramGateSavedBackward(x, kv, w, saved, g, backend=backend).compile()
-    gx, gkv, gw = torch.empty_like(x), torch.empty_like(kv), torch.empty_like(w)
+    grads = bwd.allocate_outputs()
     ws = bwd.allocate_workspace()
     fwd.execute(x, kv, w, mask, out, saved)
+    f_binding = dict(x=x, kv=kv, weight=w, mask=mask, out=out, saved=saved, workspace=None)
+    b_binding = dict(x=x, kv=kv, weight=w, saved=saved, grad_out=g, **grads, workspace=ws)
     return (lambda: fwd.execute(x, kv, w, mask, out, saved),
-            lambda: bwd.execute(x, kv, w, saved, g, gx, gkv, gw, ws), bwd.workspace_size)
+            lambda: bwd.execute(x, kv, w, saved, g, **grads, workspace=ws), bwd.workspace_size,
+            (fwd, f_binding), (bwd, b_binding))
 
 
 def main(argv=None) -> None:
@@ -62,8 +64,6 @@ def main(argv=None) -> None:
     copy_gbs = harness.copy_bandwidth_gbs(device)
     report = harness.Report("Engram saved-state gate", harness.device_name(device),
                             {"copy GB/s": copy_gbs}, versions=harness.versions())
-    compiled_fwd = None if args.no_compile else torch.compile(reference.gate_forward)
-    compiled_bwd = None if args.no_compile else torch.compile(reference.gate_backward)
     for n in args.tokens:
         gen = torch.Generator(device=device).manual_seed(n)
         x = torch.randn(n, s, d, device=device, dtype=dtype, generator=gen)
@@ -71,22 +71,21 @@ def main(argv=None) -> None:
         w = 1 + 0.1 * torch.randn(s, d, device=device, generator=gen)
         mask = torch.rand(n, device=device, generator=gen) > 0.1
         g = torch.randn_like(x)
-        saved = torch.empty(n, s, 4, device=device)
-        fusedops.EngramGateSavedForward(x, kv, w, mask, backend="torch").compile().execute(
-            x, kv, w, mask, torch.empty_like(x), saved)
         candidates, overheads = [], {}
         for backend in kernel_backends(device):
-            run_fwd, run_bwd, workspace = plan_runners(backend, x, kv, w, mask, g)
+            run_fwd, run_bwd, workspace, _, _ = plan_runners(backend, x, kv, w, mask, g)
             candidates.append((f"fusedops {backend}", run_fwd, run_bwd))
             overheads[backend] = harness.host_overhead_us(run_fwd, device,
                                                           calls=200 if args.quick else 2000)
         fb = forward_bytes(n, s, d, x.element_size())
         bb = backward_bytes(n, s, d, x.element_size(), workspace)
-        candidates.append(("torch eager", lambda: reference.gate_forward(x, kv, w, mask, 1e-20),
-                           lambda: reference.gate_backward(x, kv, w, saved, g)))
-        if compiled_fwd is not None:
-            candidates.append(("torch.compile", lambda: compiled_fwd(x, kv, w, mask, 1e-20),
-                               lambda: compiled_bwd(x, kv, w, saved, g)))
+        # the peers: the torch backend's reference math, eager and under torch.compile
+        eager_f, eager_b, _, (ref_f, f_bind), (ref_b, b_bind) = plan_runners("torch", x, kv, w, mask, g)
+        candidates.append(("torch eager", eager_f, eager_b))
+        if not args.no_compile:
+            compiled_f = torch.compile(lambda: ref_f.program.run(f_bind, None))
+            compiled_b = torch.compile(lambda: ref_b.program.run(b_bind, None))
+            candidates.append(("torch.compile", compiled_f, compiled_b))
         times = {(name, direction): harness.time_ms(fn, device, reps=5 if args.quick else 20)
                  for name, f_fn, b_fn in candidates
                  for direction, fn in (("fwd", f_fn), ("bwd", b_fn))}

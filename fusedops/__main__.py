@@ -7,7 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-BENCHMARKS = ("engram_gate", "mamba2_scan", "mamba2_decode", "mamba2_state_storage", "attention", "moe")
+def benchmarks() -> list[str]:
+    """The bench/ scripts of every registry family, in registry order."""
+    from .registry import FAMILIES
+    return [name for info in FAMILIES for name in info.bench]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -21,7 +24,7 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="run the benchmarks of a source checkout's bench/ and "
                                          "write their JSON and PNG plots")
     bench.add_argument("names", nargs="*", metavar="NAME",
-                       help=f"which of {', '.join(BENCHMARKS)} (default: all)")
+                       help="which of the registry's benchmarks (default: all)")
     bench.add_argument("--out", default="bench_out", help="directory for logs, JSON and plots")
     bench.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
     memory = sub.add_parser("memory", help="decode state / KV cache and training saved/workspace "
@@ -37,10 +40,11 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "bench":
-        unknown = [n for n in args.names if n not in BENCHMARKS]
+        known = benchmarks()
+        unknown = [n for n in args.names if n not in known]
         if unknown:
-            raise SystemExit(f"fusedops bench: names: expected some of {', '.join(BENCHMARKS)}, got {unknown}")
-        return run_benchmarks(args.names or list(BENCHMARKS), Path(args.out), args.quick)
+            raise SystemExit(f"fusedops bench: names: expected some of {', '.join(known)}, got {unknown}")
+        return run_benchmarks(args.names or known, Path(args.out), args.quick)
     if args.command == "memory":
         return run_memory(args)
     import torch

@@ -33,9 +33,9 @@ def test_docs_examples_run(path):
 
 
 def test_api_reference_is_current():
-    from fusedops._apidoc import render
+    from fusedops.apidoc import render
     assert (ROOT / "docs" / "api.md").read_text() == render(), \
-        "docs/api.md is stale: python -m fusedops._apidoc > docs/api.md"
+        "docs/api.md is stale: python -m fusedops.apidoc > docs/api.md"
 
 
 def test_ci_runs_the_readme_test_command():
@@ -56,14 +56,17 @@ def _run(*args, timeout=300):
 def test_demo_passes():
     proc = _run("-m", "fusedops", "demo")
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "engram gate" in proc.stdout and "FAIL" not in proc.stdout
+    from fusedops.registry import FAMILIES
+    for info in FAMILIES:
+        assert info.title in proc.stdout, info.title
+    assert "FAIL" not in proc.stdout
     if not HAS_CUDA:
         assert "triton (interpreter)" in proc.stdout and "cute (PTX emulator)" in proc.stdout
 
 
 def test_check_reports_backends():
     proc = _run("-m", "fusedops", "check")
-    assert proc.returncode == 0 and "torch   serves: engram gate" in proc.stdout, proc.stderr
+    assert proc.returncode == 0 and "torch   serves: engram_gate_saved_forward" in proc.stdout, proc.stderr
 
 
 def test_console_script_is_installed():

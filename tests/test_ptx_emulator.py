@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusedops.backends.cute.ptx_emulator import Memory, PtxFault, PtxProgram
+from fusedops.core.ptx_emulator import Memory, PtxFault, PtxProgram
 
 def kernel(body: str, threads: int = 32, params: str = ".param .u64 out", arch: str = "sm_90a") -> str:
     """A one-entry PTX module; ``%rd1`` holds ``out`` and ``%rd3`` = out + 4 * thread index."""

@@ -1,43 +1,43 @@
-"""Ahead-of-time compiles of every CuTe DSL kernel at its production specialisations, no GPU
-needed: ``python -m fusedops.backends.cute.aot --arch sm_90a sm_100a`` keeps the PTX, assembles
-it with ``ptxas -v`` and prints registers, spills and shared memory per kernel (``--json`` for
-machines)."""
+"""Ahead-of-time compiles of CuTe DSL kernels for a GPU architecture, and their resource figures
+from ``ptxas -v``. No GPU needed."""
 
 from __future__ import annotations
 
-import argparse
-import dataclasses
-import importlib
-import json
-import sys
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass
 
-from .compiler import ptxas_usage
-
-# Every CuTe operator module lists its production specialisations in ``aot_kernels()``.
-OPERATOR_MODULES = ("fusedops.backends.cute.engram",)
+from .compiler import CuteKernel, compile_ptx
 
 
-def all_kernels():
-    for module in OPERATOR_MODULES:
-        yield from importlib.import_module(module).aot_kernels()
+@dataclass(frozen=True)
+class PtxasUsage:
+    kernel: str
+    arch: str
+    registers: int
+    spill_bytes: int
+    stack_bytes: int
+    shared_bytes: int
+    barriers: int
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--arch", nargs="+", default=["sm_90a", "sm_100a"])
-    parser.add_argument("--json", action="store_true", help="one JSON object per line")
-    args = parser.parse_args(argv)
-    for label, kernel in all_kernels():
-        for arch in args.arch:
-            usage = ptxas_usage(kernel, arch)
-            if args.json:
-                print(json.dumps(dict(label=label, **dataclasses.asdict(usage))), flush=True)
-            else:
-                print(f"{label:<28} {usage.kernel:<18} {arch:<8} regs {usage.registers:>3}  spills "
-                      f"{usage.spill_bytes:>4} B  stack {usage.stack_bytes:>3} B  shared "
-                      f"{usage.shared_bytes:>5} B", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def ptxas_usage(kernel: CuteKernel, arch: str) -> PtxasUsage:
+    """Compiles ``kernel`` for ``arch`` keeping its PTX, assembles it with ``ptxas -v`` and
+    reads registers, spills and stack; shared memory is the static amount plus the kernel's
+    declared dynamic shared memory."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path = os.path.join(tmp, "kernel.ptx")
+        with open(ptx_path, "w") as f:
+            f.write(compile_ptx(kernel, arch))
+        proc = subprocess.run(["ptxas", f"-arch={arch}", "-v", ptx_path, "-o", ptx_path + ".cubin"],
+                              capture_output=True, text=True, check=True)
+    text = proc.stdout + proc.stderr
+    used = re.findall(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?", text)
+    spills = sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text))
+    stack = sum(int(s) for s in re.findall(r"(\d+) bytes stack frame", text))
+    registers = max(int(u[0]) for u in used)
+    barriers = max(int(u[1] or 0) for u in used)
+    shared = max(int(u[2] or 0) for u in used) + kernel.dynamic_shared_bytes
+    return PtxasUsage(kernel.name, arch, registers, spills, stack, shared, barriers)

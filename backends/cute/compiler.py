@@ -16,8 +16,6 @@ serve CPU tensors: the kernel is compiled to PTX for that architecture as for a 
 from __future__ import annotations
 
 import os
-import re
-import subprocess
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -165,35 +163,3 @@ def _emulated_launcher(kernel: CuteKernel, arch: str) -> Callable[..., None]:
         named = dict(zip((a.name for a in kernel.args), runtime_args)) | constexprs
         program.launch(kernel.grid(**named), params, memory, kernel.dynamic_shared_bytes)
     return launch
-
-
-# -- ahead-of-time compiles and their resource figures ---------------------------------------
-@dataclass(frozen=True)
-class PtxasUsage:
-    kernel: str
-    arch: str
-    registers: int
-    spill_bytes: int
-    stack_bytes: int
-    shared_bytes: int
-    barriers: int
-
-
-def ptxas_usage(kernel: CuteKernel, arch: str) -> PtxasUsage:
-    """Compiles ``kernel`` for ``arch`` keeping its PTX, assembles it with ``ptxas -v`` and
-    reads registers, spills and stack; shared memory is the static amount plus the kernel's
-    declared dynamic shared memory."""
-    with tempfile.TemporaryDirectory() as tmp:
-        ptx_path = os.path.join(tmp, "kernel.ptx")
-        with open(ptx_path, "w") as f:
-            f.write(compile_ptx(kernel, arch))
-        proc = subprocess.run(["ptxas", f"-arch={arch}", "-v", ptx_path, "-o", ptx_path + ".cubin"],
-                              capture_output=True, text=True, check=True)
-    text = proc.stdout + proc.stderr
-    used = re.findall(r"Used (\d+) registers(?:, used (\d+) barriers)?(?:, (\d+) bytes smem)?", text)
-    spills = sum(int(a) + int(b) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text))
-    stack = sum(int(s) for s in re.findall(r"(\d+) bytes stack frame", text))
-    registers = max(int(u[0]) for u in used)
-    barriers = max(int(u[1] or 0) for u in used)
-    shared = max(int(u[2] or 0) for u in used) + kernel.dynamic_shared_bytes
-    return PtxasUsage(kernel.name, arch, registers, spills, stack, shared, barriers)

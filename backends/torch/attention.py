@@ -1,4 +1,5 @@
-"""GQA attention in plain torch (specs/attention.md): the reference and the CPU path.
+"""GQA attention in plain torch (the math of fusedops.attention.contract): the reference and the
+CPU path.
 
 Masks follow FlashAttention: with offset = s_k - s_q (per sequence when packed), query i may see
 key j when j <= i + offset (causal, bottom-right aligned) and, with a window (left, right),
@@ -13,12 +14,14 @@ import math
 
 import torch
 
-from ._autograd import autograd_recording
-from ._surface import (  # noqa: F401  (re-exported: the backend surface)
-    backward_workspace_size, forward_workspace_size, unsupported_reason)
+from fusedops.attention.contract import FP8, FP8_MAX
+from fusedops.core.dtypes import accumulator_dtype
 
-FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
+from ._autograd import autograd_recording
+from .common import direct_program, unsupported_reason
+
+__all__ = ["attention_backward", "attention_forward", "backward_program", "decode",
+           "decode_program", "forward_program", "unsupported_reason"]
 
 
 def key_mask(cu_q, cu_k, total_q: int, total_k: int, causal: bool, window):
@@ -130,8 +133,8 @@ def decode(q, k_new, v_new, k_cache, v_cache, cache_seqlens, *, block_table=None
            softmax_scale=None, k_scale=None, v_scale=None, compute_dtype=torch.float32):
     """Appends k_new, v_new [b, T, h_kv, d] at cache_seqlens (in place, quantized for an fp8
     cache) and attends q [b, T, h_q, d] to the cache, causally among the new tokens. Returns
-    (o [b, T, h_q, d] in q's dtype, lse [b, h_q, T] fp32). Positions past the cache are not
-    written."""
+    (o [b, T, h_q, d] in q's dtype, lse [b, h_q, T] in compute_dtype). Positions past the cache
+    are not written."""
     b, T = q.shape[:2]
     paged = block_table is not None
     page_size = k_cache.shape[1]
@@ -162,46 +165,38 @@ def decode(q, k_new, v_new, k_cache, v_cache, cache_seqlens, *, block_table=None
     visible &= j[None, None, :] < lengths[:, None, None]
     p, lse = masked_softmax(scores, visible[:, None])
     o = torch.einsum("bhqk,bhkd->bhqd", p, vf).permute(0, 2, 1, 3)
-    return o.to(q.dtype), lse.float()
+    return o.to(q.dtype), lse
 
 
 # -- the backend surface -----------------------------------------------------------------------
-def _compute_dtype(problem):
-    return torch.float64 if problem.dtype == torch.float64 else torch.float32
-
-
-def _options(problem, t):
+def _options(problem, b):
     return dict(causal=problem.causal, softmax_scale=problem.scale, window=problem.window,
-                cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"],
-                compute_dtype=_compute_dtype(problem))
+                cu_seqlens_q=b.get("cu_seqlens_q"), cu_seqlens_k=b.get("cu_seqlens_k"),
+                compute_dtype=accumulator_dtype(problem.dtype))
 
 
-def forward_launcher(problem):
-    def launch(t, *, stream):
-        o, lse = attention_forward(t["q"], t["k"], t["v"], **_options(problem, t))
-        t["o"].copy_(o)
-        t["lse"].copy_(lse)
-    return launch
+def forward_program(problem):
+    def run(b):
+        o, lse = attention_forward(b["q"], b["k"], b["v"], **_options(problem, b))
+        b["o"].copy_(o)
+        b["lse"].copy_(lse)
+    return direct_program(run)
 
 
-def backward_launcher(problem):
-    def launch(t, *, stream):
-        grads = attention_backward(t["q"], t["k"], t["v"], t["do"], **_options(problem, t))
+def backward_program(problem):
+    def run(b):
+        grads = attention_backward(b["q"], b["k"], b["v"], b["do"], **_options(problem, b))
         for name, value in zip(("dq", "dk", "dv"), grads):
-            t[name].copy_(value)
-    return launch
+            b[name].copy_(value)
+    return direct_program(run)
 
 
-def decode_workspace_size(problem) -> int:
-    return 0
-
-
-def decode_launcher(problem):
-    def launch(t, *, stream):
-        o, lse = decode(t["q"], t["k_new"], t["v_new"], t["k_cache"], t["v_cache"], t["cache_seqlens"],
-                        block_table=t["block_table"], softmax_scale=problem.scale,
-                        k_scale=t["k_scale"], v_scale=t["v_scale"],
-                        compute_dtype=torch.float64 if problem.dtype == torch.float64 else torch.float32)
-        t["o"].copy_(o)
-        t["lse"].copy_(lse)
-    return launch
+def decode_program(problem):
+    def run(b):
+        o, lse = decode(b["q"], b["k_new"], b["v_new"], b["k_cache"], b["v_cache"],
+                        b["cache_seqlens"], block_table=b.get("block_table"),
+                        softmax_scale=problem.scale, k_scale=b.get("k_scale"),
+                        v_scale=b.get("v_scale"), compute_dtype=accumulator_dtype(problem.dtype))
+        b["o"].copy_(o)
+        b["lse"].copy_(lse)
+    return direct_program(run)

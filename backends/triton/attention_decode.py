@@ -7,7 +7,8 @@ ranges; its queries are the T new tokens of all the head's query heads (T·G row
 read once per KV head), causal among the new tokens; it writes a normalised partial output and
 its lse. combine: the partials are merged in fp32 with their lse weights.
 Nothing depends on host-side lengths: split ranges are fixed by the cache capacity, empty ones
-write lse = -inf.
+write lse = -inf. Absent operands are compiled out as None and read only under their flags:
+block_table under PAGED, k_scale and v_scale under FP8.
 """
 
 import triton
@@ -19,11 +20,11 @@ from .rounding import nearest_even_on_grid
 
 
 @triton.jit
-def cache_row(i_b, pos, table_ptr, CAPACITY, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr,
+def cache_row(i_b, pos, block_table_ptr, CAPACITY, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr,
               PAGED: tl.constexpr):
     """Row of the cache (in units of HKV·D elements) holding position pos of row i_b."""
     if PAGED:
-        page = tl.load(table_ptr + i_b * MAX_PAGES + pos // PAGE).to(tl.int64)
+        page = tl.load(block_table_ptr + i_b * MAX_PAGES + pos // PAGE).to(tl.int64)
         return page * PAGE + pos % PAGE
     else:
         return i_b.to(tl.int64) * CAPACITY + pos
@@ -31,44 +32,44 @@ def cache_row(i_b, pos, table_ptr, CAPACITY, PAGE: tl.constexpr, MAX_PAGES: tl.c
 
 @triton.jit
 def append_one(new_ptr, cache_ptr, scale_ptr, src, dst, o, m, D: tl.constexpr, FP8: tl.constexpr,
-               SCALE_PER_HEAD: tl.constexpr, EXACT_NEAREST: tl.constexpr):
+               SCALE_PER_HEAD: tl.constexpr, FP8_MAX: tl.constexpr, EXACT_NEAREST: tl.constexpr):
     b_x = tl.load(new_ptr + src, mask=m, other=0.0)
     if FP8:
         if SCALE_PER_HEAD:
             b_scale = tl.load(scale_ptr + o // D, mask=m, other=1.0)
         else:
             b_scale = tl.load(scale_ptr)
-        b_x = tl.minimum(tl.maximum(b_x.to(tl.float32) / b_scale, -448.0), 448.0)
+        b_x = tl.minimum(tl.maximum(b_x.to(tl.float32) / b_scale, -FP8_MAX), FP8_MAX)
         if EXACT_NEAREST:       # e4m3: 3 mantissa bits, smallest normal exponent -6
             b_x = nearest_even_on_grid(b_x, 3, -6)
     tl.store(cache_ptr + dst, b_x.to(cache_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
-def decode_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, table_ptr,
-                         k_scale_ptr, v_scale_ptr, T, CAPACITY,
+def decode_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, cache_seqlens_ptr,
+                         block_table_ptr, k_scale_ptr, v_scale_ptr, T, CAPACITY,
                          HKV: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                          PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, PAGED: tl.constexpr,
-                         FP8: tl.constexpr, SCALE_PER_HEAD: tl.constexpr,
+                         FP8: tl.constexpr, SCALE_PER_HEAD: tl.constexpr, FP8_MAX: tl.constexpr,
                          EXACT_NEAREST: tl.constexpr):
     i_b, i_t, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    pos = tl.load(seqlens_ptr + i_b).to(tl.int64) + i_t
+    pos = tl.load(cache_seqlens_ptr + i_b).to(tl.int64) + i_t
     if pos >= CAPACITY:
         return
-    row = cache_row(i_b, pos, table_ptr, CAPACITY, PAGE, MAX_PAGES, PAGED)
+    row = cache_row(i_b, pos, block_table_ptr, CAPACITY, PAGE, MAX_PAGES, PAGED)
     o = i_c * BLOCK + tl.arange(0, BLOCK)
     m = o < HKV * D
     src = (i_b.to(tl.int64) * T + i_t) * (HKV * D) + o
     dst = row * (HKV * D) + o
     append_one(k_new_ptr, k_cache_ptr, k_scale_ptr, src, dst, o, m, D, FP8, SCALE_PER_HEAD,
-               EXACT_NEAREST)
+               FP8_MAX, EXACT_NEAREST)
     append_one(v_new_ptr, v_cache_ptr, v_scale_ptr, src, dst, o, m, D, FP8, SCALE_PER_HEAD,
-               EXACT_NEAREST)
+               FP8_MAX, EXACT_NEAREST)
 
 
 @triton.jit
-def decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, table_ptr, k_scale_ptr,
-                        v_scale_ptr, o_part_ptr, lse_part_ptr, T, CAPACITY, scale,
+def decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cache_seqlens_ptr, block_table_ptr,
+                        k_scale_ptr, v_scale_ptr, o_part_ptr, lse_part_ptr, T, CAPACITY, scale,
                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr,
                         SPLIT_LEN: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr,
@@ -77,7 +78,7 @@ def decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, table_ptr,
     i_bk, i_s = tl.program_id(0), tl.program_id(1)
     i_b, i_kh = i_bk // HKV, i_bk % HKV
     G: tl.constexpr = HQ // HKV
-    length = tl.load(seqlens_ptr + i_b).to(tl.int64)
+    length = tl.load(cache_seqlens_ptr + i_b).to(tl.int64)
     total = tl.minimum(length + T, CAPACITY)
     start = i_s * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, total)
@@ -104,7 +105,7 @@ def decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, seqlens_ptr, table_ptr,
     for n0 in range(start, end, BN):
         o_n = n0 + tl.arange(0, BN)
         m_n = o_n < end
-        row0 = cache_row(i_b, n0, table_ptr, CAPACITY, PAGE, MAX_PAGES, PAGED)   # BN divides PAGE
+        row0 = cache_row(i_b, n0, block_table_ptr, CAPACITY, PAGE, MAX_PAGES, PAGED)   # BN divides PAGE
         p_kv = (row0 + tl.arange(0, BN))[:, None] * (HKV * D) + i_kh * D + o_d[None, :]
         b_k = tl.load(k_cache_ptr + p_kv, mask=m_n[:, None] & m_d[None, :], other=0.0)
         b_v = tl.load(v_cache_ptr + p_kv, mask=m_n[:, None] & m_d[None, :], other=0.0)

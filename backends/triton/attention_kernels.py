@@ -3,7 +3,8 @@
 Scores are kept in the log2 domain (scale·log2(e) folded into one factor) with an online softmax
 in fp32; the probabilities enter the P·V and dS·K products in the input dtype, as in
 FlashAttention. Every program computes one query head against its KV head (h // (h_q / h_kv)).
-Sequences: dense [b, s, h, d] (PACKED = False) or packed [total, h, d] with cu_seqlens.
+Sequences: dense [b, s, h, d] (PACKED = False: the cu_seqlens pointers are compiled out as
+None and never touched) or packed [total, h, d] with cu_seqlens.
 """
 
 import triton
@@ -17,7 +18,7 @@ LOG2E = tl.constexpr(1.4426950408889634)
 
 @triton.jit
 def sequence_span(i_b, cu_ptr, SEQ, PACKED: tl.constexpr):
-    """(first token, length) of sequence i_b."""
+    """(first token, length) of sequence i_b (cu_ptr is read only when PACKED)."""
     if PACKED:
         start = tl.load(cu_ptr + i_b)
         length = tl.load(cu_ptr + i_b + 1) - start
@@ -84,8 +85,8 @@ def lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ: tl.constexpr, PACKED
 
 
 @triton.jit
-def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, SEQ_Q, SEQ_K,
-                    TOTAL_Q, scale,
+def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
+                    SEQ_Q, SEQ_K, TOTAL_Q, scale,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, BD: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr,
                     RIGHT: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr,
@@ -93,8 +94,8 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, SEQ
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HQ, i_bh % HQ
     i_kh = i_h // (HQ // HKV)
-    q_start, len_q = sequence_span(i_b, cu_q_ptr, SEQ_Q, PACKED)
-    k_start, len_k = sequence_span(i_b, cu_k_ptr, SEQ_K, PACKED)
+    q_start, len_q = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
+    k_start, len_k = sequence_span(i_b, cu_seqlens_k_ptr, SEQ_K, PACKED)
     if i_m * BM >= len_q:
         return
     o_m = i_m * BM + tl.arange(0, BM)
@@ -132,13 +133,13 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_q_ptr, cu_k_ptr, SEQ
 
 
 @triton.jit
-def attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, cu_q_ptr, SEQ_Q, TOTAL_Q,
+def attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, cu_seqlens_q_ptr, SEQ_Q, TOTAL_Q,
                           HQ: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
                           PACKED: tl.constexpr):
     """delta = rowsum(do ∘ o), laid out like lse."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HQ, i_bh % HQ
-    q_start, len_q = sequence_span(i_b, cu_q_ptr, SEQ_Q, PACKED)
+    q_start, len_q = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
     if i_m * BM >= len_q:
         return
     o_m = i_m * BM + tl.arange(0, BM)
@@ -163,8 +164,8 @@ def probabilities(b_q, b_kt, b_lse, o_m, o_n, len_q, len_k, qk_scale, CAUSAL: tl
 
 
 @triton.jit
-def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr,
-                         dk_ptr, dv_ptr, SEQ_Q, SEQ_K, TOTAL_Q, scale,
+def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seqlens_q_ptr,
+                         cu_seqlens_k_ptr, dk_ptr, dv_ptr, SEQ_Q, SEQ_K, TOTAL_Q, scale,
                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, BD: tl.constexpr, CAUSAL: tl.constexpr,
                          LEFT: tl.constexpr, RIGHT: tl.constexpr, PACKED: tl.constexpr,
@@ -172,8 +173,8 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_q_p
     """dk, dv of one key block of one KV head, summed over the group's query heads in fp32."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_kh = i_bh // HKV, i_bh % HKV
-    q_start, len_q = sequence_span(i_b, cu_q_ptr, SEQ_Q, PACKED)
-    k_start, len_k = sequence_span(i_b, cu_k_ptr, SEQ_K, PACKED)
+    q_start, len_q = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
+    k_start, len_k = sequence_span(i_b, cu_seqlens_k_ptr, SEQ_K, PACKED)
     if i_n * BN >= len_k:
         return
     G: tl.constexpr = HQ // HKV
@@ -212,8 +213,8 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_q_p
 
 
 @triton.jit
-def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_q_ptr, cu_k_ptr, dq_ptr,
-                       SEQ_Q, SEQ_K, TOTAL_Q, scale,
+def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seqlens_q_ptr,
+                       cu_seqlens_k_ptr, dq_ptr, SEQ_Q, SEQ_K, TOTAL_Q, scale,
                        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                        BN: tl.constexpr, BD: tl.constexpr, CAUSAL: tl.constexpr,
                        LEFT: tl.constexpr, RIGHT: tl.constexpr, PACKED: tl.constexpr,
@@ -222,8 +223,8 @@ def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_q_ptr
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HQ, i_bh % HQ
     i_kh = i_h // (HQ // HKV)
-    q_start, len_q = sequence_span(i_b, cu_q_ptr, SEQ_Q, PACKED)
-    k_start, len_k = sequence_span(i_b, cu_k_ptr, SEQ_K, PACKED)
+    q_start, len_q = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
+    k_start, len_k = sequence_span(i_b, cu_seqlens_k_ptr, SEQ_K, PACKED)
     if i_m * BM >= len_q:
         return
     o_m = i_m * BM + tl.arange(0, BM)

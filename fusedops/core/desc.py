@@ -35,7 +35,7 @@ def _ints(field: str, values, minimum: int | None) -> tuple[int, ...]:
         except TypeError:
             raise ValidationError(f"TensorDesc.{field}: expected ints, got {value!r} in {items}") from None
         if minimum is not None and value < minimum:
-            raise ValidationError(f"TensorDesc.{field}: expected sizes >= {minimum}, got {items}")
+            raise ValidationError(f"TensorDesc.{field}: expected non-negative sizes, got {items}")
         out.append(value)
     return tuple(out)
 

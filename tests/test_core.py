@@ -1,0 +1,243 @@
+"""The core and plan machinery: TensorDesc, TupleDict, checks, option validators, streams,
+caches, the staged program, backend choice."""
+
+import math
+
+import pytest
+import torch
+
+import fusedops
+from fusedops import TensorDesc, TupleDict
+from fusedops.core import options
+from fusedops.core.cache import CompileCache
+from fusedops.core.checks import byte_range, check_no_overlap, check_workspace
+from fusedops.core.program import Program, Stage, workspace_piece
+from fusedops.core.stream import HandleKind, handle_kind, resolve_stream
+from fusedops.core.workspace import Layout
+from fusedops.errors import FusedOpsError, PlanStateError, UnsupportedError, ValidationError
+from fusedops.plan import PlanCache, backend_unavailable_reason, select_backend
+
+from helpers import HAS_CUDA, requires_cuda
+
+
+def test_error_hierarchy():
+    assert issubclass(UnsupportedError, ValidationError) and issubclass(ValidationError, ValueError)
+    assert issubclass(PlanStateError, RuntimeError)
+    assert all(issubclass(e, FusedOpsError) for e in (UnsupportedError, ValidationError, PlanStateError))
+
+
+def test_tensor_desc_defaults_and_contiguity():
+    d = TensorDesc((2, 3, 4), torch.bfloat16)
+    assert d.stride == (12, 4, 1) and d.is_contiguous() and d.device == torch.device("cuda")
+    assert d.numel == 24 and d.element_size == 2 and d.nbytes == 48 and d.ndim == 3
+    assert not TensorDesc((2, 3), torch.float32, stride=(1, 2), device="cpu").is_contiguous()
+    assert TensorDesc((1, 3), torch.float32, stride=(99, 1), device="cpu").is_contiguous()
+    t = torch.zeros(4, 6)[:, ::2]
+    assert TensorDesc.from_tensor(t) == TensorDesc((4, 3), torch.float32, (6, 2), "cpu")
+    assert hash(TensorDesc((2,), torch.bool, device="cpu")) == hash(TensorDesc([2], torch.bool, device="cpu"))
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(shape=(2, -1), dtype=torch.float32), r"TensorDesc.shape: expected non-negative sizes, got \(2, -1\)"),
+    (dict(shape=(2, 3), dtype="float32"), r"TensorDesc.dtype: expected a torch.dtype, got 'float32'"),
+    (dict(shape=(2, 3), dtype=torch.float32, stride=(1,)), r"TensorDesc.stride: expected 2 strides"),
+    (dict(shape=(2.0, 3), dtype=torch.float32), r"TensorDesc.shape: expected ints, got 2.0"),
+    (dict(shape=(True, 3), dtype=torch.float32), r"TensorDesc.shape: expected ints, got True"),
+    (dict(shape=(2, 3), dtype=torch.float32, stride=(3, 1.5)), r"TensorDesc.stride: expected ints"),
+])
+def test_tensor_desc_errors(kwargs, match):
+    with pytest.raises(ValidationError, match=match):
+        TensorDesc(**kwargs)
+
+
+def test_tupledict():
+    r = TupleDict(a=1, b=2)
+    a, b = r
+    assert (a, b) == (1, 2) and r[1] == 2 and r["a"] == 1 and r[-1] == 2 and r[:1] == (1,)
+    assert r.keys() == ("a", "b") and r.values() == (1, 2) and r.items() == (("a", 1), ("b", 2))
+    assert "a" in r and "c" not in r and r.get("c", 5) == 5 and len(r) == 2
+    assert repr(TupleDict(t=torch.zeros(2, 3))) == "TupleDict(t=Tensor[2, 3]:float32)"
+
+
+def test_byte_ranges_and_overlap():
+    base = torch.zeros(64)
+    a, b, c = base[:16], base[16:32], base[8:24]
+    assert byte_range(a) == (base.data_ptr(), base.data_ptr() + 64)
+    assert byte_range(torch.zeros(0)) == (0, 0)
+    check_no_overlap({"a": a}, {"b": b})            # adjacent ranges do not overlap
+    check_no_overlap({"a": a}, {"e": torch.zeros(0), "n": None})
+    with pytest.raises(ValidationError, match=r"c: must not overlap a"):
+        check_no_overlap({"a": a}, {"c": c})
+    with pytest.raises(ValidationError, match=r"c: must not overlap b"):
+        check_no_overlap({}, {"b": b, "c": c})
+    strided = base.view(8, 8)[:, :2]               # touches bytes up to the last row's start + 2
+    assert byte_range(strided) == (base.data_ptr(), base.data_ptr() + (7 * 8 + 2) * 4)
+
+
+def test_workspace_check():
+    check_workspace(None, 0, torch.device("cpu"))
+    check_workspace(torch.empty(64, dtype=torch.uint8), 64, torch.device("cpu"))
+    with pytest.raises(ValidationError, match=r"workspace: expected a uint8 tensor of at least 64 bytes"):
+        check_workspace(None, 64, torch.device("cpu"))
+    with pytest.raises(ValidationError, match=r"got uint8 of 32 bytes on cpu"):
+        check_workspace(torch.empty(32, dtype=torch.uint8), 64, torch.device("cpu"))
+    with pytest.raises(ValidationError, match=r"data pointer aligned to 16"):
+        check_workspace(torch.empty(80, dtype=torch.uint8)[1:], 64, torch.device("cpu"))
+
+
+def test_stream_handle_kinds():
+    """CUDA's special handles: 0 (NULL) and 1 (cudaStreamLegacy) are the legacy default stream,
+    2 (cudaStreamPerThread) the per-thread default stream; anything else a created stream."""
+    assert handle_kind(0) is HandleKind.DEFAULT and handle_kind(1) is HandleKind.DEFAULT
+    assert handle_kind(2) is HandleKind.PER_THREAD
+    assert handle_kind(0x7F3A_0000_1234) is HandleKind.CREATED
+    with pytest.raises(ValidationError, match=r"current_stream: expected a non-negative stream handle, got -1"):
+        handle_kind(-1)
+
+
+@requires_cuda
+def test_special_stream_handles_on_gpu():
+    """Eager wrappers allocate on the stream the handle names: 0/1 map to torch's default
+    stream (not an ExternalStream wrapping a null handle), 2 to the per-thread stream."""
+    from fusedops.core.stream import torch_stream
+    device = torch.device("cuda", torch.cuda.current_device())
+    assert torch_stream(0, device) == torch.cuda.default_stream(device)
+    assert torch_stream(1, device) == torch.cuda.default_stream(device)
+    assert torch_stream(2, device).cuda_stream == 2
+    x = torch.randn(16, 4, 64, device=device, dtype=torch.bfloat16)
+    kv = torch.randn(16, 320, device=device, dtype=torch.bfloat16)
+    w = torch.ones(4, 64, device=device)
+    for handle in (0, 1, 2):
+        out = fusedops.engram_gate_saved_forward(x, kv, w, current_stream=handle)["out"]
+        torch.cuda.synchronize()
+        assert torch.isfinite(out.float()).all()
+
+
+def test_cpu_stream_must_be_none():
+    assert resolve_stream(None, torch.device("cpu")) is None
+    with pytest.raises(ValidationError, match=r"current_stream: expected None for a plan on cpu, got 5"):
+        resolve_stream(5, torch.device("cpu"))
+
+
+@requires_cuda
+def test_cuda_stream_forms():
+    device = torch.device("cuda", torch.cuda.current_device())
+    s = torch.cuda.Stream()
+    assert resolve_stream(None, device) == torch.cuda.current_stream().cuda_stream
+    assert resolve_stream(s, device) == s.cuda_stream == resolve_stream(s.cuda_stream, device)
+    with pytest.raises(ValidationError, match=r"current_stream: expected None, an int handle"):
+        resolve_stream("stream", device)
+
+
+def test_compile_cache_counts_and_clears():
+    cache, builds = CompileCache(), []
+    assert cache.get_or_build("k", lambda: builds.append(1) or "v") == "v"
+    assert cache.get_or_build("k", lambda: builds.append(1) or "w") == "v"
+    assert builds == [1] and cache.info() == (1, 1, 1)
+    cache.clear()
+    assert cache.info() == (0, 0, 0)
+    assert isinstance(fusedops.cache_info().size, int)
+
+
+def test_plan_cache_is_lru():
+    made = []
+
+    def build(key):
+        return lambda: made.append(key) or object()
+    cache = PlanCache(capacity=2)
+    a = cache.get(1, build(1))
+    assert cache.get(1, build(1)) is a and made == [1]
+    cache.get(2, build(2))
+    cache.get(3, build(3))                  # evicts 1
+    assert cache.get(1, build(1)) is not a and made == [1, 2, 3, 1]
+
+
+def test_a_failed_build_is_not_cached():
+    cache = PlanCache()
+
+    def fail():
+        raise ValidationError("x: bad")
+    with pytest.raises(ValidationError):
+        cache.get("k", fail)
+    assert len(cache) == 0 and cache.get("k", lambda: "plan") == "plan"
+
+
+@pytest.mark.parametrize("check,value,match", [
+    (lambda v: options.expect_int("top_k", v, 1), True, r"top_k: expected an int >= 1, got True"),
+    (lambda v: options.expect_int("top_k", v, 1), 2.0, r"top_k: expected an int >= 1, got 2.0"),
+    (lambda v: options.expect_int("top_k", v, 1, 8), 9, r"top_k: expected an int in \[1, 8\], got 9"),
+    (lambda v: options.expect_int_choice("chunk_size", v, (64, 128)), 64.0,
+     r"chunk_size: expected an int, one of \(64, 128\), got 64.0"),
+    (lambda v: options.expect_bool("causal", v), 1, r"causal: expected a bool, got 1"),
+    (lambda v: options.expect_float("softmax_scale", v, positive=True), True,
+     r"softmax_scale: expected a finite float > 0, got True"),
+    (lambda v: options.expect_float("softmax_scale", v, positive=True), math.inf,
+     r"softmax_scale: expected a finite float > 0, got inf"),
+    (lambda v: options.expect_float("eps", v, minimum=1e-30), "tiny", r"eps: expected a finite float >= 1e-30"),
+    (lambda v: options.expect_int_pair("window_size", v, -1), (4.0, 0),
+     r"window_size: expected a pair \(left, right\) of ints >= -1"),
+    (lambda v: options.expect_float_range("dt_limit", v), (1.0, 0.0), r"dt_limit: expected lo <= hi"),
+    (lambda v: options.expect_choice("rounding", v), "up", r"rounding: expected one of"),
+])
+def test_option_validators_refuse_and_name_the_argument(check, value, match):
+    if "rounding" in match:
+        check = lambda v: options.expect_choice("rounding", v, ("nearest", "stochastic"))  # noqa: E731
+    with pytest.raises(ValidationError, match=match):
+        check(value)
+
+
+def test_option_validators_normalise():
+    assert options.expect_int("n", 3) == 3 and options.expect_float("f", 2) == 2.0
+    assert options.expect_int_pair("w", [3, -1], -1) == (3, -1)
+    assert options.expect_float_range("r", [0, math.inf]) == (0.0, math.inf)
+    assert options.optional(options.expect_bool)("b", None) is None
+
+
+def test_staged_program_binds_by_name_and_checks_at_build():
+    """Arguments take the plan tensor of their name (a trailing _ptr dropped), a workspace piece,
+    or a scalar; an argument nobody provides fails when the program is built."""
+    class Kernel:
+        name = "k"
+
+        def __init__(self, args):
+            self.args = args
+
+        def runtime_arg_names(self):
+            return self.args
+
+        def build_launcher(self, device):
+            return lambda *args, stream: calls.append((args, stream))
+    calls = []
+    layout = Layout([("partials", torch.float32, 8)])
+    program = Program(workspace=layout, stages=(
+        Stage(Kernel(("x_ptr", "out", "partials", "N")), dict(partials=workspace_piece("partials"), N=5)),))
+    launch = program.build(torch.device("cpu"), frozenset({"x", "out", "workspace"}))
+    ws = torch.empty(layout.size, dtype=torch.uint8)
+    x, out = torch.zeros(2), torch.zeros(2)
+    launch(dict(x=x, out=out, workspace=ws), None)
+    (args, stream), = calls
+    assert args[0] is x and args[1] is out and args[2].offset == 0 and args[2].numel == 8 and args[3] == 5
+    with pytest.raises(ValueError, match=r"argument out takes tensor 'out', which the plan does not bind"):
+        program.build(torch.device("cpu"), frozenset({"x", "workspace"}))
+    with pytest.raises(ValueError, match=r"bind names \['y'\], which are not runtime arguments"):
+        Program(stages=(Stage(Kernel(("x",)), dict(y=1)),)).build(torch.device("cpu"), frozenset({"x"}))
+
+
+def test_backend_selection_reasons(monkeypatch):
+    cpu = torch.device("cpu")
+    assert select_backend("op", "auto", cpu, None, "engram", ("torch",), ("triton", "torch"))[0] == "torch"
+    with pytest.raises(UnsupportedError, match=r"backend='triton' cannot serve op on cpu: triton: op has no "
+                                               r"triton implementation \(implemented by: torch\)"):
+        select_backend("op", "triton", cpu, None, "engram", ("torch",), ("triton", "torch"))
+    monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", "0")
+    reason = backend_unavailable_reason("cute", cpu)
+    assert "CuTe DSL kernels run on CUDA devices" in reason or "nvidia-cutlass-dsl" in reason
+    monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", "sm_100a")
+    assert backend_unavailable_reason("cute", cpu) in (None, "nvidia-cutlass-dsl is not installed "
+                                                             "(pip install 'fusedops[cute]')")
+    with pytest.raises(ValidationError, match=r"backend: expected one of auto, torch, triton, cute, got 'x'"):
+        backend_unavailable_reason("x", cpu)
+    with pytest.raises(ValidationError, match=r"backend: expected a string, got int"):
+        select_backend("op", 3, cpu, None, "engram", ("torch",), ("torch",))
+    if not HAS_CUDA:
+        assert backend_unavailable_reason("torch", cpu) is None

@@ -37,12 +37,12 @@ def sdpa_runner(backend_name, q, k, v, do, causal):
 
 def fusedops_runner(q, k, v, do, causal):
     fwd = fusedops.GQAAttentionForward(q, k, v, causal=causal).compile()
-    o, lse = torch.empty_like(q), torch.empty(fwd.desc("lse").shape, device=q.device)
+    o, lse = fwd.allocate_outputs().values()
     bwd = fusedops.GQAAttentionBackward(q, k, v, o, lse, do, causal=causal).compile()
-    dq, dk, dv, ws = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v), bwd.allocate_workspace()
+    grads, ws = bwd.allocate_outputs(), bwd.allocate_workspace()
     run_f = lambda: fwd.execute(q, k, v, o, lse)  # noqa: E731
     run_f()
-    return run_f, lambda: bwd.execute(q, k, v, o, lse, do, dq, dk, dv, workspace=ws)
+    return run_f, lambda: bwd.execute(q, k, v, o, lse, do, **grads, workspace=ws)
 
 
 def main(argv=None):
@@ -99,8 +99,8 @@ def decode_rows(report, device, dtype, hq, d, quick):
                  k_cache=rnd(b, ctx + 1, hkv, d), v_cache=rnd(b, ctx + 1, hkv, d),
                  cache_seqlens=torch.full((b,), ctx, dtype=torch.int32, device=device))
         plan = fusedops.GQAAttentionDecode(**t).compile()
-        o, lse, ws = torch.empty_like(t["q"]), torch.empty(b, hq, 1, device=device), plan.allocate_workspace()
-        ms = harness.time_ms(lambda: plan.execute(*t.values(), o, lse, workspace=ws), device, reps=20)
+        out, ws = plan.allocate_outputs(), plan.allocate_workspace()
+        ms = harness.time_ms(lambda: plan.execute(**t, **out, workspace=ws), device, reps=20)
         moved = 2 * b * (ctx + 1) * hkv * d * t["k_cache"].element_size()
         gbs = moved / ms / 1e6
         report.add(case=f"decode ctx={ctx} b={b}", impl=f"fusedops ({plan.problem.num_splits} splits)",

@@ -11,7 +11,6 @@ measured in a fresh process).
 
 from __future__ import annotations
 
-import math
 import os
 import resource
 import sys
@@ -22,7 +21,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 import harness  # noqa: E402
 
 import fusedops  # noqa: E402
-from fusedops.backends.torch import mamba2 as reference  # noqa: E402
 
 
 def inputs(b, l, h, p, g, n, device, dtype, seed=0):
@@ -51,6 +49,23 @@ def fusedops_runners(t, dy, chunk, backend):
     return run_f, run_b
 
 
+def compiled_reference_runners(t, dy, chunk):
+    """torch.compile of the torch backend's forward and backward programs, reached through the
+    plans (backend="torch"): the reference math, compiled."""
+    opts = dict(chunk_size=chunk, D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True, backend="torch")
+    core = {k: t[k] for k in ("x", "dt", "A", "B", "C")}
+    fwd = fusedops.Mamba2ChunkScanForward(**core, **opts)
+    bwd = fusedops.Mamba2ChunkScanBackward(**core, dy=dy, **opts)
+    run_fwd, run_bwd = torch.compile(fwd.program.run), torch.compile(bwd.program.run)
+    extra = dict(D=t["D"], dt_bias=t["dt_bias"], workspace=None)
+    f_binding = dict(core, **extra, **fwd.allocate_outputs())
+    b_binding = dict(core, **extra, dy=dy, saved=f_binding["saved"], **bwd.allocate_outputs())
+    run_f = lambda: run_fwd(f_binding, None)  # noqa: E731
+    run_b = lambda: run_bwd(b_binding, None)  # noqa: E731
+    run_f()
+    return run_f, run_b
+
+
 def autograd_runners(fn, t, dy):
     """(forward, backward) of an autograd-differentiable fn(x, dt, A, B, C, D, dt_bias) -> y."""
     leaves = {k: v.detach().requires_grad_() for k, v in t.items()}
@@ -66,12 +81,11 @@ def autograd_runners(fn, t, dy):
 
 
 def peers(device, chunk):
-    """name -> fn(x, dt, A, B, C, D, dt_bias) -> y for the installed peers."""
+    """name -> fn(x, dt, A, B, C, D, dt_bias) -> y for the installed peers (differentiated by
+    autograd), or name -> runners(t, dy) -> (forward, backward) for the compiled reference."""
     found = {}
     if device.type == "cuda":
-        found["torch.compile(torch backend)"] = torch.compile(
-            lambda x, dt, A, B, C, D, dt_bias: reference.chunk_scan_forward(
-                x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias, dt_softplus=True)[0])
+        found["torch.compile(torch backend)"] = lambda t, dy: compiled_reference_runners(t, dy, chunk)
         try:
             from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
             found["mamba_ssm"] = lambda x, dt, A, B, C, D, dt_bias: mamba_chunk_scan_combined(
@@ -107,6 +121,8 @@ def measure(name, shape, chunk, device, dtype, reps):
     t, dy = inputs(b, l, h, p, g, n, device, dtype)
     if name.startswith("fusedops"):
         run_f, run_b = fusedops_runners(t, dy, chunk, name.split()[1])
+    elif name.startswith("torch.compile"):
+        run_f, run_b = peers(device, chunk)[name](t, dy)
     else:
         run_f, run_b = autograd_runners(peers(device, chunk)[name], t, dy)
     fwd_ms = harness.time_ms(run_f, device, reps=reps)

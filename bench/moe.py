@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import harness  # noqa: E402
 
 import fusedops  # noqa: E402
+from fusedops.core.program import Program  # noqa: E402
 
 MODELS = {"nano": dict(H=2688, E=128, k=6, I=1856, shared=3712),
           "super": dict(H=1024, E=512, k=22, I=2688, shared=0)}
@@ -140,26 +141,24 @@ def main(argv=None):
 def gemm_rows(report, models, t, device, dtype, reps):
     """The routed up GEMM alone (x gathered in its prologue, relu² and u in its epilogue) against
     grouped_mm on pre-gathered rows and against the dense matmul rate."""
-    from fusedops.backends.triton import moe as tm
     model, m = next(iter(models.items()))
     case = inputs(m, t, device, dtype, seed=1)
     _, _, fwd = fusedops_runner(case, "auto")
     if fwd.selected_backend != "triton":
         return
     pr = fwd.problem
-    run = tm._Launchers(pr, {"up": tm.forward_specs(pr)["up"]})
-    saved = fwd.allocate_saved()
     names = ("x", "w_up", "w_down", "topk_ids", "topk_weights")
     shared = {n: case.get(n) for n in ("shared_w_up", "shared_w_down")}
-    fwd.execute(*(case[n] for n in names), torch.empty_like(case["x"]), saved, **shared,
-                workspace=fwd.allocate_workspace())
-    sl = tm.saved_layout(pr)
-    s = {n: sl.carve(saved, n) for n in sl.offsets}
-    act = torch.empty(tm.max_rows(pr) * pr.intermediate, dtype=dtype, device=device)
-    w = case["topk_weights"]
-    launch = lambda: run.gemm("up", case["x"], case["w_up"], s["sorted"], s["offsets"],  # noqa: E731
-                              s["counts"], w, s["u"], act, w, pr.tokens, stream=None if device.type == "cpu"
-                              else torch.cuda.current_stream().cuda_stream)
+    binding = dict({n: case[n] for n in names}, **{n: v for n, v in shared.items() if v is not None},
+                   out=torch.empty_like(case["x"]), saved=fwd.allocate_saved(),
+                   workspace=fwd.allocate_workspace())
+    fwd.execute(**binding)                  # the dispatch the up GEMM reads
+    program = fwd.program
+    up = next(s for s in program.stages if s.bind.get("b_ptr") == "w_up")
+    launch_up = Program(workspace=program.workspace, saved=program.saved,
+                        stages=(up,)).build(device, frozenset(binding))
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+    launch = lambda: launch_up(binding, stream)  # noqa: E731
     f = 2 * pr.assignments * pr.hidden * pr.intermediate
     ms = harness.time_ms(launch, device, reps=reps)
     label = f"{model} t={t} up GEMM alone"

@@ -10,23 +10,23 @@ from . import errors
 from .core import TensorDesc, TupleDict, cache_clear, cache_info
 from . import engram
 from .engram import *  # noqa: E402,F401,F403
-# PORT mamba2: from . import mamba2
-# PORT mamba2: from .mamba2 import *  # noqa: E402,F401,F403
-# PORT mamba2_inference: from . import mamba2_inference
-# PORT mamba2_inference: from .mamba2_inference import *  # noqa: E402,F401,F403
-# PORT attention: from . import attention
-# PORT attention: from .attention import *  # noqa: E402,F401,F403
-# PORT moe: from . import moe
-# PORT moe: from .moe import *  # noqa: E402,F401,F403
+from . import mamba2
+from .mamba2 import *  # noqa: E402,F401,F403
+from . import mamba2_inference
+from .mamba2_inference import *  # noqa: E402,F401,F403
+from . import attention
+from .attention import *  # noqa: E402,F401,F403
+from . import moe
+from .moe import *  # noqa: E402,F401,F403
 
 __version__ = "0.1.0"
 
 __all__ = ["TensorDesc", "TupleDict", "cache_clear", "cache_info", "errors", *engram.__all__]
-# PORT mamba2: __all__ += mamba2.__all__
-# PORT mamba2_inference: __all__ += mamba2_inference.__all__
-# PORT attention: __all__ += attention.__all__
-# PORT moe: __all__ += moe.__all__
+__all__ += mamba2.__all__
+__all__ += mamba2_inference.__all__
+__all__ += attention.__all__
+__all__ += moe.__all__
 
-# PORT ops: from . import ops  # noqa: E402  (registers torch.ops.fusedops.*: the differentiable torch ops)
-# PORT ops: from . import layers  # noqa: E402  (torch.nn layers on fusedops.ops)
-# PORT ops: __all__ += ["ops", "layers"]
+from . import ops  # noqa: E402  (registers torch.ops.fusedops.*: the differentiable torch ops)
+from . import layers  # noqa: E402  (torch.nn layers on fusedops.ops)
+__all__ += ["ops", "layers"]

@@ -60,7 +60,7 @@ def _padding_mask(states: torch.Tensor, attention_mask) -> torch.Tensor:
 
 
 class EngramGate(nn.Module):
-    """The Engram saved-state gate (specs/engram_gate.md) with its weight [S, D] (the product of
+    """The Engram saved-state gate (docs/engram_gate.md) with its weight [S, D] (the product of
     the source q/k RMSNorm weights; initialised to ones). forward(x [N, S, D], kv [N, (S+1)·D],
     mask [N] bool or None) -> out [N, S, D]."""
 

@@ -1,6 +1,7 @@
 """Cache-size arithmetic for hybrid models: recurrent Mamba2 state against the attention KV
-cache (seeds/004: Nemotron 3 Ultra's 48 Mamba blocks of [256, 64, 128] hold 384 MiB of fp32 state
-per sequence, reached by 12 FP8 attention layers with 2 KV heads of width 128 at 65,536 tokens).
+cache (Nemotron 3 Ultra's 48 Mamba blocks of [256, 64, 128] hold 384 MiB of fp32 state per
+sequence, reached by 12 FP8 attention layers with 2 KV heads of width 128 at 65,536 tokens), and
+the training-time saved and workspace bytes of the plans, from the plans themselves.
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ import math
 from dataclasses import dataclass
 
 import torch
+
+from .core.desc import TensorDesc
 
 MIB = 2 ** 20
 
@@ -90,17 +93,48 @@ def _count(kinds, name) -> int:
     return sum(1 for k in kinds if k == name)
 
 
+def _desc(*shape, dtype=torch.bfloat16) -> TensorDesc:
+    return TensorDesc(shape, dtype, device="cpu")
+
+
+def _scan_bytes(config, tokens: int, sequences: int, dtype) -> tuple[int, int]:
+    """(saved, workspace) of the Triton scan plans for one step, from the plans' programs."""
+    from .mamba2 import CHUNK_SIZES, Mamba2ChunkScanBackward, Mamba2ChunkScanForward
+    h, p, n, g = config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size, config.n_groups
+    if config.chunk_size not in CHUNK_SIZES:
+        raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {config.chunk_size!r}")
+    x, dt, B = _desc(1, tokens, h, p, dtype=dtype), _desc(1, tokens, h, dtype=dtype), _desc(1, tokens, g, n, dtype=dtype)
+    options = dict(chunk_size=config.chunk_size, D=_desc(h, dtype=torch.float32),
+                   dt_bias=_desc(h, dtype=torch.float32), dt_softplus=True,
+                   cu_seqlens=_desc(sequences + 1, dtype=torch.int32) if sequences > 1 else None,
+                   backend="torch")
+    A = _desc(h, dtype=torch.float32)
+    fwd = Mamba2ChunkScanForward(x, dt, A, B, B, **options).kernel_program("triton")
+    bwd = Mamba2ChunkScanBackward(x, dt, A, B, B, x, **options).kernel_program("triton")
+    return fwd.saved.size, max(fwd.workspace.size, bwd.workspace.size)
+
+
+def _moe_bytes(config, tokens: int, dtype) -> tuple[int, int]:
+    """(saved, workspace) of the Triton expert plans for one step."""
+    from .moe import ReLU2MoEBackward, ReLU2MoEForward
+    dim = getattr(config, "moe_latent_size", None) or config.hidden_size
+    E, I, k = config.n_routed_experts, config.moe_intermediate_size, config.num_experts_per_tok
+    S = 0 if getattr(config, "moe_latent_size", None) else config.moe_shared_expert_intermediate_size
+    experts = (_desc(tokens, dim, dtype=dtype), _desc(E, I, dim, dtype=dtype), _desc(E, dim, I, dtype=dtype),
+               _desc(tokens, k, dtype=torch.int32), _desc(tokens, k, dtype=torch.float32))
+    shared = dict(shared_w_up=_desc(S, dim, dtype=dtype) if S else None,
+                  shared_w_down=_desc(dim, S, dtype=dtype) if S else None, backend="torch")
+    fwd = ReLU2MoEForward(*experts, **shared).kernel_program("triton")
+    bwd = ReLU2MoEBackward(*experts, _desc(tokens, dim, dtype=dtype), **shared).kernel_program("triton")
+    return fwd.saved.size, max(fwd.workspace.size, bwd.workspace.size)
+
+
 def model_bytes(config, *, tokens: int, context: int, sequences: int = 1,
                 dtype=torch.bfloat16, state_dtype=torch.float32, kv_dtype=torch.bfloat16) -> list[LayerBytes]:
     """Per layer kind of a transformers NemotronHConfig (or any object with its attributes):
     decode-time state for one sequence at ``context`` tokens, and the training-time bytes the
     Triton backend's plans save and use as workspace for a step of ``tokens`` tokens packed in
-    ``sequences`` sequences. Pure arithmetic from the plans' layout formulas; needs no GPU."""
-    from fusedops.backends.triton import mamba2 as scan_kernels
-    from fusedops.backends.triton import moe as moe_kernels
-    from .mamba2 import CHUNK_SIZES, ScanProblem
-    from .moe import MoEProblem
-    cpu = torch.device("cpu")
+    ``sequences`` sequences (asked of the plans, built from TensorDescs: needs no GPU)."""
     kinds = list(config.layers_block_type)
     rows = []
     elt = dtype_bytes(dtype)
@@ -109,15 +143,7 @@ def model_bytes(config, *, tokens: int, context: int, sequences: int = 1,
         h, p, n, g = config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size, config.n_groups
         conv_dim = h * p + 2 * g * n
         state = h * p * n * dtype_bytes(state_dtype) + conv_dim * (config.conv_kernel - 1) * elt
-        packed = sequences > 1
-        if config.chunk_size not in CHUNK_SIZES:
-            raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {config.chunk_size!r}")
-        pr = ScanProblem(dtype, dtype, 1, tokens, h, p, g, n, config.chunk_size,
-                         sequences if packed else None, True, False,
-                         False, True, True, (0.0, math.inf), False, False, False, False, cpu)
-        rows.append(LayerBytes("mamba2", n_mamba, state, scan_kernels.saved_size(pr),
-                               max(scan_kernels.forward_workspace_size(pr),
-                                   scan_kernels.backward_workspace_size(pr))))
+        rows.append(LayerBytes("mamba2", n_mamba, state, *_scan_bytes(config, tokens, sequences, dtype)))
     n_attn = _count(kinds, "full_attention")
     if n_attn:
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -126,14 +152,7 @@ def model_bytes(config, *, tokens: int, context: int, sequences: int = 1,
         rows.append(LayerBytes("attention", n_attn, kv, lse, lse))
     n_moe = _count(kinds, "moe")
     if n_moe:
-        dim = getattr(config, "moe_latent_size", None) or config.hidden_size
-        pr = MoEProblem(dtype, tokens, dim, config.n_routed_experts, config.moe_intermediate_size,
-                        config.num_experts_per_tok, config.moe_shared_expert_intermediate_size
-                        if not getattr(config, "moe_latent_size", None) else 0, False, False,
-                        torch.float32, cpu)
-        rows.append(LayerBytes("moe", n_moe, 0, moe_kernels.saved_size(pr),
-                               max(moe_kernels.forward_workspace_size(pr),
-                                   moe_kernels.backward_workspace_size(pr))))
+        rows.append(LayerBytes("moe", n_moe, 0, *_moe_bytes(config, tokens, dtype)))
     return rows
 
 

@@ -84,7 +84,9 @@ class OpInfo:
     through the plans; every output and gradient by name. ``oracle(case)``: the same names from
     independent float64 math. ``tolerance(name, dtype)``: the allowed error of result ``name``.
     ``demo_limit``: the demonstration's allowed relative L2 error (bf16 inputs) against the
-    float64 reference backend. ``bench``: the scripts in bench/ that measure the family.
+    float64 reference: ``demo_reference`` "torch" (the torch backend on the case in float64, the
+    cheap reference at large shapes) or "oracle" (``oracle(case)``, for families whose plans
+    take no float64). ``bench``: the scripts in bench/ that measure the family.
     """
 
     name: str
@@ -101,6 +103,7 @@ class OpInfo:
     tolerance: Callable[[str, torch.dtype], Tolerance]
     demo_limit: float
     bench: Sequence[str] = ()
+    demo_reference: str = "torch"
 
     @property
     def backends(self) -> tuple[str, ...]:

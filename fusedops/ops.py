@@ -12,11 +12,11 @@ come back in the inputs' dtypes. Each family defines its ops in ``fusedops/<fami
 """
 
 from .engram.ops import engram_gate
-# PORT mamba2: from .mamba2.ops import mamba2_chunk_scan
-# PORT attention: from .attention.ops import gqa_attention
-# PORT moe: from .moe.ops import moe_router, relu2_moe
+from .mamba2.ops import mamba2_chunk_scan
+from .attention.ops import gqa_attention
+from .moe.ops import moe_router, relu2_moe
 
 __all__ = ["engram_gate"]
-# PORT mamba2: __all__ += ["mamba2_chunk_scan"]
-# PORT attention: __all__ += ["gqa_attention"]
-# PORT moe: __all__ += ["moe_router", "relu2_moe"]
+__all__ += ["mamba2_chunk_scan"]
+__all__ += ["gqa_attention"]
+__all__ += ["moe_router", "relu2_moe"]

@@ -7,18 +7,18 @@ reference and the benchmarks iterate ``FAMILIES``; adding an operator family add
 from __future__ import annotations
 
 from .engram.info import INFO as ENGRAM_GATE
-# PORT mamba2: from .mamba2.info import INFO as MAMBA2_SCAN
-# PORT mamba2_inference: from .mamba2_inference.info import INFO as MAMBA2_INFERENCE
-# PORT attention: from .attention.info import INFO as GQA_ATTENTION
-# PORT moe: from .moe.info import INFO as RELU2_MOE
+from .mamba2.info import INFO as MAMBA2_SCAN
+from .mamba2_inference.info import INFO as MAMBA2_INFERENCE
+from .attention.info import INFO as GQA_ATTENTION
+from .moe.info import INFO as RELU2_MOE
 from .opinfo import OpInfo
 
 FAMILIES: tuple[OpInfo, ...] = (
     ENGRAM_GATE,
-    # PORT mamba2: MAMBA2_SCAN,
-    # PORT mamba2_inference: MAMBA2_INFERENCE,
-    # PORT attention: GQA_ATTENTION,
-    # PORT moe: RELU2_MOE,
+    MAMBA2_SCAN,
+    MAMBA2_INFERENCE,
+    GQA_ATTENTION,
+    RELU2_MOE,
 )
 
 

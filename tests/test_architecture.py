@@ -11,7 +11,7 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BACKENDS = ("torch", "triton", "cute")
 MAX_LINES = 600
-CITATIONS = ("spec" + "s/", ".." + "/shared")   # the design inputs, outside the repository
+CITATIONS = ("spec" + "s/", "seed" + "s/", ".." + "/shared")   # the design inputs, outside the repository
 
 
 def module_name(path: pathlib.Path) -> str:
@@ -145,3 +145,12 @@ def test_repository_is_self_contained():
             if any(marker in text for marker in CITATIONS):
                 cited.append(f"{path.relative_to(ROOT)}:{i}")
     assert not cited, f"citations of files outside the repository: {cited}"
+
+
+def test_every_package_is_installed():
+    """pyproject.toml lists every package (a non-editable install would miss one it does not)."""
+    import tomllib
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {module_name(p) for p in sources() if p.name == "__init__.py"}
+    assert packages - listed == set(), f"missing from pyproject.toml packages: {sorted(packages - listed)}"
+    assert listed - packages == set(), f"listed but not packages: {sorted(listed - packages)}"

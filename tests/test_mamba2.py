@@ -1,27 +1,30 @@
-"""Mamba2 chunked scan (specs/mamba2.md): the reference against float64 recurrence, gradcheck and
-transformers; every backend against the reference; conventions at the kinks; the plan contract;
-GPU checks."""
+"""Mamba2 chunked scan (docs/mamba2.md): the reference against the float64 recurrence, gradcheck
+and transformers; every backend against the reference and the oracle; conventions at the kinks;
+validation; GPU checks. The plan contract (execute checks, no torch op in execute, descs, repr,
+graph capture) is tested for every plan in test_plan_contract.py."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedops
 from fusedops import Mamba2ChunkScanBackward, Mamba2ChunkScanForward, TensorDesc
 from fusedops.errors import ValidationError
+from fusedops.mamba2 import samples
+from fusedops.mamba2.info import INFO
+from fusedops.mamba2.oracle import scan_with_gradients
+from fusedops.opinfo import Case, Tolerance
+from fusedops.testing import assert_close
 
-import oracles
-from helpers import (DEVICE, HAS_CUDA, Tolerance, assert_close, gpu_backends, requires_cuda,
-                     runnable_backends)
+from helpers import BACKENDS, DEVICE, GPU_BACKENDS, KERNEL_BACKENDS, dtype_id, requires_cuda
 
-BACKENDS = runnable_backends()
-KERNEL_BACKENDS = [b for b in BACKENDS if b not in ("torch", "cute")]
+SCAN_BACKENDS = [b for b in BACKENDS if b in Mamba2ChunkScanForward.backends]
+SCAN_KERNEL_BACKENDS = [b for b in KERNEL_BACKENDS if b in Mamba2ChunkScanForward.backends]
 CPU = torch.device("cpu")
 GRADS = ("dx", "ddt", "dA", "dB", "dC", "dD", "dz", "ddt_bias", "dinitial_states")
+FLOAT64 = INFO.tolerance("y", torch.float64)
 
 # Kernel backends against the fp32 torch reference. The Triton kernels, like mamba_ssm's, round
 # the operands of their tensor-core products to the input dtype (decay-weighted C·B, dt-scaled B,
@@ -33,76 +36,13 @@ KERNEL_TOLERANCE = {
 }
 
 
-def make_inputs(b, l, h, p, g, n, dtype=torch.float32, *, seed=0, device=DEVICE, D=None, z=False,
-                dt_bias=False, initial_states=False, lengths=None, dfinal=False):
-    """Inputs, forward options and backward extras of one problem (lengths: varlen, b = 1)."""
-    gen = torch.Generator().manual_seed(seed)
-    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
-    wdt = torch.float64 if dtype == torch.float64 else torch.float32
-    t = dict(x=rnd(b, l, h, p).to(device, dtype), dt=rnd(b, l, h).to(device, dtype),
-             A=(-0.5 - torch.rand(h, generator=gen)).to(device, wdt),
-             B=rnd(b, l, g, n).to(device, dtype), C=rnd(b, l, g, n).to(device, dtype))
-    opts = {}
-    nseq = b
-    if lengths is not None:
-        assert b == 1 and sum(lengths) == l
-        cu = [0]
-        for length in lengths:
-            cu.append(cu[-1] + length)
-        opts["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=device)
-        nseq = len(lengths)
-    if D is not None:
-        opts["D"] = rnd(*((h,) if D == "h" else (h, p))).to(device, wdt)
-    if z:
-        opts["z"] = rnd(b, l, h, p).to(device, dtype)
-    if dt_bias:
-        opts["dt_bias"] = (0.5 * rnd(h)).to(device, wdt)
-    if initial_states:
-        opts["initial_states"] = rnd(nseq, h, p, n).to(device, wdt)
-    extra = dict(dy=rnd(b, l, h, p).to(device, dtype))
-    if dfinal:
-        extra["dfinal_states"] = rnd(nseq, h, p, n).to(device, wdt)
-    return t, opts, extra
+def with_options(case: Case, **options) -> Case:
+    return Case(case.label, case.tensors, {**case.options, **options})
 
 
-def run(backend, t, opts, extra, chunk, dt_softplus=True, dt_limit=(0.0, math.inf), **plan_options):
-    """Forward and backward through the plans with caller buffers; returns all outputs."""
-    fwd = Mamba2ChunkScanForward(*t.values(), chunk_size=chunk, dt_softplus=dt_softplus,
-                                 dt_limit=dt_limit, backend=backend, **opts, **plan_options).compile()
-    y = torch.empty(fwd.desc("y").shape, dtype=fwd.desc("y").dtype, device=t["x"].device)
-    fin = torch.empty(fwd.desc("final_states").shape, dtype=fwd.desc("final_states").dtype,
-                      device=t["x"].device)
-    saved = fwd.allocate_saved()
-    fwd.execute(*t.values(), y, fin, saved, **opts, workspace=fwd.allocate_workspace())
-    bwd_opts = dict(opts)
-    if "dfinal_states" in extra:
-        bwd_opts["dfinal_states"] = extra["dfinal_states"]
-    bwd = Mamba2ChunkScanBackward(*t.values(), extra["dy"], chunk_size=chunk, dt_softplus=dt_softplus,
-                                  dt_limit=dt_limit, backend=backend, **bwd_opts,
-                                  **plan_options).compile()
-    grads = {k: torch.empty(bwd.desc(k).shape, dtype=bwd.desc(k).dtype, device=t["x"].device)
-             for k in bwd.gradient_names}
-    bwd.execute(*t.values(), extra["dy"], saved, **grads, **bwd_opts,
-                workspace=bwd.allocate_workspace())
-    assert fwd.selected_backend == bwd.selected_backend == backend
-    return dict(y=y, final_states=fin, **grads)
-
-
-def oracle(t, opts, extra, dt_softplus=True, dt_limit=(0.0, math.inf)):
-    """float64 recurrence outputs and gradients (by autograd) of the same problem."""
-    leaves = {k: v.detach().double().requires_grad_() for k, v in {**t, **opts}.items()
-              if k != "cu_seqlens"}
-    y, final = oracles.mamba2_sequential(
-        leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], D=leaves.get("D"),
-        z=leaves.get("z"), dt_bias=leaves.get("dt_bias"), dt_softplus=dt_softplus, dt_limit=dt_limit,
-        initial_states=leaves.get("initial_states"), cu_seqlens=opts.get("cu_seqlens"))
-    loss = (y * extra["dy"].double()).sum()
-    if "dfinal_states" in extra:
-        loss = loss + (final * extra["dfinal_states"].double()).sum()
-    names = {"x": "dx", "dt": "ddt", "A": "dA", "B": "dB", "C": "dC", "D": "dD", "z": "dz",
-             "dt_bias": "ddt_bias", "initial_states": "dinitial_states"}
-    grads = torch.autograd.grad(loss, list(leaves.values()))
-    return dict(y=y, final_states=final, **{names[k]: g for k, g in zip(leaves, grads)})
+def run(case: Case, backend: str, **kwargs) -> dict:
+    """Forward and backward through the plans with caller buffers (the family's runner)."""
+    return INFO.run(case, backend, **kwargs)
 
 
 def compare(result, expected, tolerance, names=None):
@@ -111,41 +51,25 @@ def compare(result, expected, tolerance, names=None):
             assert_close(result[name], expected[name], tolerance, name)
 
 
-CONFIGS = {
-    "plain": dict(shape=(2, 37, 4, 8, 2, 16), chunk=16, options={}),
-    "all-options": dict(shape=(2, 37, 4, 8, 2, 16), chunk=16,
-                        options=dict(D="h", z=True, dt_bias=True, initial_states=True, dfinal=True)),
-    "D-per-channel": dict(shape=(1, 40, 2, 8, 1, 8), chunk=16, options=dict(D="hp", z=True)),
-    "varlen": dict(shape=(1, 41, 4, 8, 2, 8), chunk=16,
-                   options=dict(lengths=[5, 0, 16, 1, 19], D="h", z=True, dt_bias=True,
-                                initial_states=True, dfinal=True)),
-    "multi-tile": dict(shape=(1, 150, 2, 8, 1, 8), chunk=128, options=dict(D="h", initial_states=True)),
-    "odd-dims": dict(shape=(2, 21, 3, 20, 1, 24), chunk=16, options=dict(D="hp", dt_bias=True)),
-}
-
-
 # -- 1. the reference against independent float64 math ------------------------------------------
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", list(samples.SMALL))
 def test_reference_matches_float64_recurrence(name):
-    cfg = CONFIGS[name]
-    t, opts, extra = make_inputs(*cfg["shape"], torch.float64, seed=1, device=CPU, **cfg["options"])
-    expected = oracle(t, opts, extra)
-    compare(run("torch", t, opts, extra, cfg["chunk"]), expected,
-            Tolerance(1e-11, 1e-10, "float64 chunked vs float64 recurrence"))
+    case = samples.small(name, torch.float64, seed=1, device=CPU)
+    compare(run(case, "torch"), INFO.oracle(case), FLOAT64)
 
 
 def test_reference_dt_limit_and_softplus_threshold():
     """dt + bias exactly at 20 (softplus' derivative sigmoid) and above (1), and dt at the clamp
     bounds exactly (the gradient passes) and outside (it does not)."""
-    t, opts, extra = make_inputs(1, 12, 2, 4, 1, 4, torch.float64, seed=2, device=CPU, dt_bias=True)
-    t["dt"][0, :4, 0] = torch.tensor([20.0, 20.5, 19.5, 25.0], dtype=torch.float64) - opts["dt_bias"][0]
-    compare(run("torch", t, opts, extra, 16), oracle(t, opts, extra),
-            Tolerance(1e-11, 1e-10, "float64"))
-    t, opts, extra = make_inputs(1, 12, 2, 4, 1, 4, torch.float64, seed=3, device=CPU)
-    t["dt"][0, :6, 0] = torch.tensor([0.25, 1.5, 0.2, 1.6, 0.25, 1.0], dtype=torch.float64)
-    limit = (0.25, 1.5)
-    r = run("torch", t, opts, extra, 16, dt_softplus=False, dt_limit=limit)
-    compare(r, oracle(t, opts, extra, dt_softplus=False, dt_limit=limit), Tolerance(1e-11, 1e-10, "float64"))
+    case = samples.make(1, 12, 2, 4, 1, 4, torch.float64, seed=2, device=CPU, dt_bias=True)
+    t = case.tensors
+    t["dt"][0, :4, 0] = torch.tensor([20.0, 20.5, 19.5, 25.0], dtype=torch.float64) - t["dt_bias"][0]
+    compare(run(case, "torch"), INFO.oracle(case), FLOAT64)
+    case = samples.make(1, 12, 2, 4, 1, 4, torch.float64, seed=3, device=CPU, dt_softplus=False,
+                        dt_limit=(0.25, 1.5))
+    case.tensors["dt"][0, :6, 0] = torch.tensor([0.25, 1.5, 0.2, 1.6, 0.25, 1.0], dtype=torch.float64)
+    r = run(case, "torch")
+    compare(r, INFO.oracle(case), FLOAT64)
     assert [bool(v != 0) for v in r["ddt"][0, :4, 0]] == [True, True, False, False]
 
 
@@ -173,37 +97,35 @@ class _ScanThroughPlans(torch.autograd.Function):
 @pytest.mark.parametrize("lengths", [None, [3, 0, 6]])
 def test_gradcheck_float64(lengths):
     l = 9 if lengths else 7
-    t, opts, _ = make_inputs(1, l, 2, 2, 1, 3, torch.float64, seed=4, device=CPU, D="h", z=True,
-                             dt_bias=True, initial_states=True, lengths=lengths)
-    args = [t["x"], t["dt"], t["A"], t["B"], t["C"], opts["D"], opts["z"], opts["dt_bias"],
-            opts["initial_states"]]
-    args = [a.requires_grad_() for a in args] + [opts.get("cu_seqlens")]
-    assert torch.autograd.gradcheck(_ScanThroughPlans.apply, args, eps=1e-6, atol=1e-7, rtol=1e-5)
+    t = samples.make(1, l, 2, 2, 1, 3, torch.float64, seed=4, device=CPU, D="h", z=True,
+                     dt_bias=True, initial_states=True, lengths=lengths).tensors
+    args = [t[k].requires_grad_() for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias",
+                                             "initial_states")]
+    assert torch.autograd.gradcheck(_ScanThroughPlans.apply, args + [t["cu_seqlens"]], eps=1e-6,
+                                    atol=1e-7, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SCAN_BACKENDS)
 def test_matches_transformers_mamba2_chunk_scan(backend):
     """transformers' pure-torch NemotronH scan (fp32), forward and through autograd backward."""
-    if backend == "cute":
-        pytest.skip("no cute scan")
     modeling = pytest.importorskip("transformers.models.nemotron_h.modeling_nemotron_h")
-    t, opts, extra = make_inputs(2, 45, 4, 8, 2, 16, torch.float32, seed=5, D="h", dt_bias=True,
-                                 initial_states=True, dfinal=True)
-    leaves = {k: v.detach().clone().requires_grad_() for k, v in {**t, **opts}.items()}
+    case = samples.make(2, 45, 4, 8, 2, 16, torch.float32, seed=5, device=DEVICE, D="h",
+                        dt_bias=True, initial_states=True, dfinal=True)
+    t = case.tensors
+    names = dict(x="dx", dt="ddt", A="dA", B="dB", C="dC", D="dD", dt_bias="ddt_bias",
+                 initial_states="dinitial_states")
+    leaves = {k: t[k].detach().clone().requires_grad_() for k in names}
     y, final = modeling.mamba2_chunk_scan(
         leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], 16, D=leaves["D"],
         dt_bias=leaves["dt_bias"], initial_states=leaves["initial_states"], dt_softplus=True,
         return_final_states=True)
-    grads = torch.autograd.grad((y * extra["dy"]).sum() + (final * extra["dfinal_states"]).sum(),
+    grads = torch.autograd.grad((y * t["dy"]).sum() + (final * t["dfinal_states"]).sum(),
                                 list(leaves.values()))
-    names = dict(x="dx", dt="ddt", A="dA", B="dB", C="dC", D="dD", dt_bias="ddt_bias",
-                 initial_states="dinitial_states")
     expected = dict(y=y, final_states=final, **{names[k]: g for k, g in zip(leaves, grads)})
-    tol = KERNEL_TOLERANCE[torch.float32]
-    compare(run(backend, t, opts, extra, 16), expected, tol)
+    compare(run(case, backend), expected, KERNEL_TOLERANCE[torch.float32])
 
 
-# -- 2. every backend against the reference ------------------------------------------------------
+# -- 2. every backend against the reference and the oracle ---------------------------------------
 KERNEL_CASES = [
     ("all-options", torch.float32, {}), ("varlen", torch.float32, {}),
     ("plain", torch.float32, dict(dt_limit=(0.5, 1.5))), ("D-per-channel", torch.float32, {}),
@@ -213,88 +135,83 @@ KERNEL_CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
-@pytest.mark.parametrize("name,dtype,extra_options", KERNEL_CASES,
-                         ids=[f"{n}-{str(d).removeprefix('torch.')}{'-' + '-'.join(o) if o else ''}"
+@pytest.mark.parametrize("backend", SCAN_KERNEL_BACKENDS)
+@pytest.mark.parametrize("name,dtype,options", KERNEL_CASES,
+                         ids=[f"{n}-{dtype_id(d)}{'-' + '-'.join(o) if o else ''}"
                               for n, d, o in KERNEL_CASES])
-def test_kernels_match_reference(backend, name, dtype, extra_options):
-    cfg = CONFIGS[name]
-    t, opts, extra = make_inputs(*cfg["shape"], dtype, seed=6, **cfg["options"])
-    limit = extra_options.get("dt_limit", (0.0, math.inf))
-    plan_options = {k: v for k, v in extra_options.items() if k != "dt_limit"}
-    expected = run("torch", t, opts, extra, cfg["chunk"], dt_limit=limit)
-    compare(run(backend, t, opts, extra, cfg["chunk"], dt_limit=limit, **plan_options), expected,
-            KERNEL_TOLERANCE[dtype])
+def test_kernels_match_reference(backend, name, dtype, options):
+    case = samples.small(name, dtype, seed=6, device=DEVICE, **options)
+    expected = run(with_options(case, recompute_states=False), "torch")
+    compare(run(case, backend), expected, KERNEL_TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("backend", KERNEL_BACKENDS)
+@pytest.mark.parametrize("backend", SCAN_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("index", range(len(samples.EDGE)),
+                         ids=["one-token", "one-chunk", "chunk-plus-one", "empty-sequences",
+                              "heads-equal-groups-recompute"])
+def test_edge_cases_match_oracle(backend, dtype, index):
+    case = INFO.cases("edge", dtype=dtype, device=DEVICE)[index]
+    compare(run(case, backend), INFO.oracle(case), INFO.tolerance("y", dtype))
+
+
+@pytest.mark.parametrize("backend", SCAN_KERNEL_BACKENDS)
 def test_kernels_at_dt_limits_and_softplus_threshold(backend):
-    t, opts, extra = make_inputs(1, 20, 2, 8, 1, 8, torch.float32, seed=7)
-    t["dt"][0, :6, 0] = torch.tensor([0.25, 1.5, 0.2, 1.6, 0.25, 1.0])
-    limit = (0.25, 1.5)
-    expected = run("torch", t, opts, extra, 16, dt_softplus=False, dt_limit=limit)
-    result = run(backend, t, opts, extra, 16, dt_softplus=False, dt_limit=limit)
-    compare(result, expected, KERNEL_TOLERANCE[torch.float32])
+    case = samples.make(1, 20, 2, 8, 1, 8, torch.float32, seed=7, device=DEVICE,
+                        dt_softplus=False, dt_limit=(0.25, 1.5))
+    case.tensors["dt"][0, :6, 0] = torch.tensor([0.25, 1.5, 0.2, 1.6, 0.25, 1.0])
+    result = run(case, backend)
+    compare(result, run(case, "torch"), KERNEL_TOLERANCE[torch.float32])
     assert [bool(v != 0) for v in result["ddt"][0, :4, 0]] == [True, True, False, False]
-    t, opts, extra = make_inputs(1, 20, 2, 8, 1, 8, torch.float32, seed=8)
-    t["dt"][0, :4, 1] = torch.tensor([20.0, 20.5, 19.5, -30.0])
-    compare(run(backend, t, opts, extra, 16), run("torch", t, opts, extra, 16),
-            KERNEL_TOLERANCE[torch.float32])
+    case = samples.make(1, 20, 2, 8, 1, 8, torch.float32, seed=8, device=DEVICE)
+    case.tensors["dt"][0, :4, 1] = torch.tensor([20.0, 20.5, 19.5, -30.0])
+    compare(run(case, backend), run(case, "torch"), KERNEL_TOLERANCE[torch.float32])
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SCAN_BACKENDS)
 def test_positive_log_decay_stays_finite(backend):
     """dt·A > 0 (negative dt through dt_limit) grows the state; exponents of decay differences
     are clamped to <= 0, so nothing overflows, and the backends agree."""
-    if backend == "cute":
-        pytest.skip("no cute scan")
-    t, opts, extra = make_inputs(1, 64, 2, 8, 1, 8, torch.float32, seed=9, initial_states=True)
-    t["dt"] = (-20.0 * torch.rand(1, 64, 2, generator=torch.Generator().manual_seed(9))).to(DEVICE)
-    limit = (-30.0, 30.0)
-    result = run(backend, t, opts, extra, 16, dt_softplus=False, dt_limit=limit)
+    case = samples.make(1, 64, 2, 8, 1, 8, torch.float32, seed=9, device=DEVICE,
+                        initial_states=True, dt_softplus=False, dt_limit=(-30.0, 30.0))
+    case.tensors["dt"] = (-20.0 * torch.rand(1, 64, 2, generator=torch.Generator().manual_seed(9))).to(DEVICE)
+    result = run(case, backend)
     for name, value in result.items():
         assert torch.isfinite(value).all(), name
     if backend != "torch":
-        compare(result, run("torch", t, opts, extra, 16, dt_softplus=False, dt_limit=limit),
-                KERNEL_TOLERANCE[torch.float32], ("y", "final_states"))
+        compare(result, run(case, "torch"), KERNEL_TOLERANCE[torch.float32], ("y", "final_states"))
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SCAN_BACKENDS)
 def test_backward_bitwise_reproducible(backend):
-    if backend == "cute":
-        pytest.skip("no cute scan")
-    cfg = CONFIGS["varlen"]
-    t, opts, extra = make_inputs(*cfg["shape"], torch.float32, seed=10, **cfg["options"])
-    first, second = run(backend, t, opts, extra, 16), run(backend, t, opts, extra, 16)
+    case = samples.small("varlen", torch.float32, seed=10, device=DEVICE)
+    first, second = run(case, backend), run(case, backend)
     for name in first:
         assert torch.equal(first[name], second[name]), name
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", SCAN_BACKENDS)
 def test_accumulate_adds_parameter_gradients(backend):
-    if backend == "cute":
-        pytest.skip("no cute scan")
-    t, opts, extra = make_inputs(1, 20, 2, 8, 1, 8, torch.float32, seed=11, D="hp", dt_bias=True)
-    base = run(backend, t, opts, extra, 16)
-    bwd = Mamba2ChunkScanBackward(*t.values(), extra["dy"], chunk_size=16, dt_softplus=True,
-                                  accumulate=True, backend=backend, **opts).compile()
-    fwd = Mamba2ChunkScanForward(*t.values(), chunk_size=16, dt_softplus=True, backend=backend,
-                                 **opts).compile()
-    saved = fwd.allocate_saved()
-    fwd.execute(*t.values(), torch.empty_like(t["x"]), torch.empty(1, 2, 8, 8, device=DEVICE), saved,
-                **opts, workspace=fwd.allocate_workspace())
-    grads = {k: (torch.ones if k in ("dA", "dD", "ddt_bias") else torch.empty)(
-        bwd.desc(k).shape, dtype=bwd.desc(k).dtype, device=DEVICE) for k in bwd.gradient_names}
-    bwd.execute(*t.values(), extra["dy"], saved, **grads, **opts, workspace=bwd.allocate_workspace())
+    case = samples.make(1, 20, 2, 8, 1, 8, torch.float32, seed=11, device=DEVICE, D="hp",
+                        dt_bias=True)
+    base = run(case, backend)
+    ones = {k: torch.ones_like(base[k]) for k in ("dA", "dD", "ddt_bias")}
+    accumulated = run(case, backend, accumulate=True, grads=ones)
     for k in ("dA", "dD", "ddt_bias"):
-        assert_close(grads[k], base[k] + 1, KERNEL_TOLERANCE[torch.float32], k)
-    assert torch.equal(grads["dx"], base["dx"])
+        assert_close(accumulated[k], base[k] + 1, KERNEL_TOLERANCE[torch.float32], k)
+    assert torch.equal(accumulated["dx"], base["dx"])
 
 
-# -- 3. the plan contract ------------------------------------------------------------------------
+def test_oracle_names_every_result():
+    case = samples.small("varlen", torch.float64, device=CPU)
+    assert set(run(case, "torch")) == set(INFO.oracle(case))
+    assert set(scan_with_gradients(case.tensors)) >= {"y", "final_states", *GRADS}
+
+
+# -- 3. validation --------------------------------------------------------------------------------
 def _base_inputs(**kw):
-    t, opts, extra = make_inputs(2, 20, 4, 8, 2, 8, torch.bfloat16, seed=12, **kw)
-    return t, opts, extra
+    t = samples.make(2, 20, 4, 8, 2, 8, torch.bfloat16, seed=12, device=DEVICE, **kw).tensors
+    return {k: t[k] for k in ("x", "dt", "A", "B", "C")}, t
 
 
 @pytest.mark.parametrize("change,match", [
@@ -304,117 +221,132 @@ def _base_inputs(**kw):
     (dict(B=torch.zeros(2, 20, 3, 8, dtype=torch.bfloat16)), r"B: expected shape \[b, l, g, n\] with .* g >= 1 dividing h = 4"),
     (dict(C=torch.zeros(2, 20, 2, 4, dtype=torch.bfloat16)), r"C: expected shape \[b, l, g, n\] like B = \[2, 20, 2, 8\]"),
     (dict(chunk_size=48), r"chunk_size: expected one of \(16, 32, 64, 128, 256\), got 48"),
+    (dict(chunk_size=64.0), r"chunk_size: expected one of \(16, 32, 64, 128, 256\), got 64.0"),
+    (dict(chunk_size=True), r"chunk_size: expected one of \(16, 32, 64, 128, 256\), got True"),
     (dict(D=torch.zeros(3)), r"D: expected shape \[h\] = \[4\] or \[h, p\] = \[4, 8\], got \[3\]"),
     (dict(initial_states=torch.zeros(3, 4, 8, 8)), r"initial_states: expected shape \[b, h, p, n\] = \[2, 4, 8, 8\]"),
     (dict(cu_seqlens=torch.tensor([0, 20], dtype=torch.int32)), r"x: expected b == 1 with cu_seqlens"),
     (dict(cu_seqlens=torch.tensor([0, 20], dtype=torch.int64)), r"cu_seqlens: expected dtype int32, got int64"),
     (dict(dt_limit=(1.0, 0.5)), r"dt_limit: expected lo <= hi"),
+    (dict(dt_softplus=1), r"dt_softplus: expected a bool, got 1"),
     (dict(x=torch.zeros(2, 20, 8, 4, dtype=torch.bfloat16).transpose(2, 3)), r"x: expected a contiguous tensor"),
 ])
 def test_construction_errors(change, match):
-    t, opts, _ = _base_inputs()
-    args = dict(t, chunk_size=16)
+    core, _ = _base_inputs()
+    args = dict(core, chunk_size=16)
     args.update({k: (v.to(DEVICE) if isinstance(v, torch.Tensor) else v) for k, v in change.items()})
     with pytest.raises(ValidationError, match=match):
         Mamba2ChunkScanForward(**args, backend="torch")
 
 
 def test_execute_errors_and_properties():
-    t, opts, extra = _base_inputs(z=True)
-    fwd = Mamba2ChunkScanForward(*t.values(), chunk_size=16, z=opts["z"], backend="torch").compile()
+    core, t = _base_inputs(z=True)
+    fwd = Mamba2ChunkScanForward(**core, chunk_size=16, z=t["z"], backend="torch").compile()
     y = torch.empty_like(t["x"])
     fin = torch.empty(2, 4, 8, 8, device=DEVICE)
     with pytest.raises(ValidationError, match=r"z: expected a torch.Tensor, got NoneType"):
-        fwd.execute(*t.values(), y, fin, fwd.allocate_saved())
+        fwd.execute(*core.values(), y, fin, fwd.allocate_saved())
     with pytest.raises(ValidationError, match=r"D: this plan was built without D"):
-        fwd.execute(*t.values(), y, fin, fwd.allocate_saved(), z=opts["z"], D=torch.zeros(4, device=DEVICE))
+        fwd.execute(*core.values(), y, fin, fwd.allocate_saved(), z=t["z"], D=torch.zeros(4, device=DEVICE))
     with pytest.raises(ValidationError, match=r"y: must not overlap x"):
-        fwd.execute(*t.values(), t["x"], fin, fwd.allocate_saved(), z=opts["z"])
+        fwd.execute(*core.values(), t["x"], fin, fwd.allocate_saved(), z=t["z"])
     assert fwd.problem.max_segments == 4 and fwd.problem.states_bytes == 4 * 4 * 8 * 8 * 4
+    assert fwd.saved_size == 0 and fwd.saved_states_bytes == fwd.problem.states_bytes
+
+
+def _descs(b, l, h, p, g, n, *, nseq=None, z=True, dtype=torch.bfloat16):
+    d = lambda *shape, dt=dtype: TensorDesc(shape, dt, device="cpu")  # noqa: E731
+    return dict(x=d(b, l, h, p), dt=d(b, l, h), A=d(h, dt=torch.float32), B=d(b, l, g, n),
+                C=d(b, l, g, n), D=d(h, dt=torch.float32), z=d(b, l, h, p) if z else None,
+                dt_bias=d(h, dt=torch.float32),
+                cu_seqlens=None if nseq is None else d(nseq + 1, dt=torch.int32))
 
 
 def test_saved_and_workspace_formulas():
+    """The Triton program's saved buffer: the segment-start states (unless recomputed) and y
+    before the gate; the forward and backward declare the same layout."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton import mamba2 as kernels
-    from fusedops.mamba2 import ScanProblem
-    p = ScanProblem(torch.bfloat16, torch.bfloat16, 2, 8192, 128, 64, 8, 128, 256, None, True, False,
-                    True, True, True, (0.0, math.inf), False, False, False, False, CPU)
+    descs = _descs(2, 8192, 128, 64, 8, 128)
+    fwd = Mamba2ChunkScanForward(**descs, chunk_size=256, dt_softplus=True, backend="torch")
+    p = fwd.problem
     assert p.max_segments == 64 and p.states_bytes == 64 * 128 * 64 * 128 * 4
-    assert kernels.saved_size(p) == p.states_bytes + 2 * 8192 * 128 * 64 * 2
-    recompute = ScanProblem(**{**p.__dict__, "recompute_states": True})
-    assert kernels.saved_size(recompute) == 2 * 8192 * 128 * 64 * 2
-    varlen = ScanProblem(**{**p.__dict__, "batch": 1, "num_sequences": 10})
-    assert varlen.max_segments == 32 + 10
+    triton_fwd = fwd.kernel_program("triton")
+    assert triton_fwd.saved.size == p.states_bytes + 2 * 8192 * 128 * 64 * 2
+    bwd = Mamba2ChunkScanBackward(**descs, dy=descs["x"], chunk_size=256, dt_softplus=True,
+                                  backend="torch")
+    assert bwd.kernel_program("triton").saved.size == triton_fwd.saved.size
+    recompute = Mamba2ChunkScanForward(**descs, chunk_size=256, recompute_states=True, backend="torch")
+    assert recompute.kernel_program("triton").saved.size == 2 * 8192 * 128 * 64 * 2
+    assert recompute.saved_states_bytes == 0
+    varlen = Mamba2ChunkScanForward(**_descs(1, 8192, 128, 64, 8, 128, nseq=10), chunk_size=256,
+                                    backend="torch")
+    assert varlen.problem.max_segments == 32 + 10
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_plans_from_descs_and_no_torch_op_in_execute(backend):
-    if backend == "cute":
-        pytest.skip("no cute scan")
-    t, opts, extra = _base_inputs(D="h", z=True)
-    descs = {k: TensorDesc.from_tensor(v) for k, v in {**t, **opts}.items()}
-    fwd = Mamba2ChunkScanForward(descs["x"], descs["dt"], descs["A"], descs["B"], descs["C"],
-                                 chunk_size=16, D=descs["D"], z=descs["z"], backend=backend).compile()
-    y, fin, saved, ws = (torch.empty_like(t["x"]), torch.empty(2, 4, 8, 8, device=DEVICE),
-                         fwd.allocate_saved(), fwd.allocate_workspace())
-    calls = []
-
-    class NoTorchOps(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            raise AssertionError(f"execute() dispatched {func}")
-    fwd._launch = lambda tensors, stream: calls.append(sorted(k for k, v in tensors.items() if v is not None))
-    with NoTorchOps():
-        fwd.execute(*t.values(), y, fin, saved, **opts, workspace=ws)
-    assert calls and "y" in calls[0] and "saved" in calls[0]
+def test_triton_programs_compile_absent_operands_out():
+    """Without D, z, dt_bias, initial states or packed sequences no kernel takes a pointer for
+    them (they are constexpr None, never another tensor)."""
+    pytest.importorskip("triton")
+    descs = _descs(1, 64, 4, 16, 2, 16, z=False)
+    descs.update(D=None, dt_bias=None)
+    plans = (Mamba2ChunkScanForward(**descs, chunk_size=32, backend="torch"),
+             Mamba2ChunkScanBackward(**descs, dy=descs["x"], chunk_size=32, backend="torch"))
+    optional = {"D_ptr", "z_ptr", "bias_ptr", "h0_ptr", "cu_ptr", "off_ptr", "ypre_ptr",
+                "dfinal_ptr", "dh0_ptr", "dD_part_ptr", "dbias_part_ptr", "dbias_ptr", "dD_ptr"}
+    for plan in plans:
+        program = plan.kernel_program("triton")
+        for kernel in program.kernels:
+            assert not optional & set(kernel.runtime_arg_names()), kernel.name
+        assert "gate" not in " ".join(k.name for k in program.kernels)
 
 
 # -- 4. GPU checks -------------------------------------------------------------------------------
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", [b for b in gpu_backends() if b == "triton"])
+@pytest.mark.parametrize("backend", [b for b in GPU_BACKENDS if b == "triton"])
 @pytest.mark.parametrize("chunk", [128, 256])
 def test_gpu_nemotron_shape_bf16(backend, chunk):
     """h=128 p=64 n=128 g=8 in bf16 against the fp32 torch reference."""
-    t, opts, extra = make_inputs(2, 2048, 128, 64, 8, 128, torch.bfloat16, seed=20, D="h", z=True,
-                                 dt_bias=True, initial_states=True, dfinal=True)
-    compare(run(backend, t, opts, extra, chunk), run("torch", t, opts, extra, chunk),
-            KERNEL_TOLERANCE[torch.bfloat16])
+    case = samples.make(2, 2048, 128, 64, 8, 128, torch.bfloat16, seed=20, device=DEVICE,
+                        chunk=chunk, **samples.ALL_OPTIONS)
+    compare(run(case, backend), run(case, "torch"), KERNEL_TOLERANCE[torch.bfloat16])
+
+
+def _varlen_case(seed):
+    return samples.make(1, 3000, 16, 64, 2, 64, torch.bfloat16, seed=seed, device=DEVICE,
+                        chunk=256, lengths=[700, 1, 0, 256, 2043], **samples.ALL_OPTIONS)
 
 
 @requires_cuda
 @pytest.mark.gpu
 def test_gpu_varlen_and_graph_capture():
-    t, opts, extra = make_inputs(1, 3000, 16, 64, 2, 64, torch.bfloat16, seed=21, D="h", z=True,
-                                 dt_bias=True, initial_states=True, dfinal=True,
-                                 lengths=[700, 1, 0, 256, 2043])
-    fwd = Mamba2ChunkScanForward(*t.values(), chunk_size=256, dt_softplus=True, **opts).compile()
-    bo = dict(opts, dfinal_states=extra["dfinal_states"])
-    bwd = Mamba2ChunkScanBackward(*t.values(), extra["dy"], chunk_size=256, dt_softplus=True, **bo).compile()
+    """Forward and backward captured together in one graph, replayed on new inputs copied into
+    the same buffers: equal to a fresh run."""
+    t = _varlen_case(21).tensors
+    opts = {k: t[k] for k in ("D", "z", "dt_bias", "initial_states", "cu_seqlens")}
+    core = {k: t[k] for k in ("x", "dt", "A", "B", "C")}
+    fwd = Mamba2ChunkScanForward(**core, chunk_size=256, dt_softplus=True, **opts).compile()
+    bo = dict(opts, dfinal_states=t["dfinal_states"])
+    bwd = Mamba2ChunkScanBackward(**core, dy=t["dy"], chunk_size=256, dt_softplus=True, **bo).compile()
     y, fin = torch.empty_like(t["x"]), torch.empty(fwd.desc("final_states").shape, device=DEVICE)
     saved, ws_f, ws_b = fwd.allocate_saved(), fwd.allocate_workspace(), bwd.allocate_workspace()
-    grads = {k: torch.empty(bwd.desc(k).shape, dtype=bwd.desc(k).dtype, device=DEVICE) for k in bwd.gradient_names}
+    grads = bwd.allocate_outputs()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.stream(stream):
-        fwd.execute(*t.values(), y, fin, saved, **opts, workspace=ws_f)
+        fwd.execute(*core.values(), y, fin, saved, **opts, workspace=ws_f)
         with torch.cuda.graph(graph, stream=stream):
-            fwd.execute(*t.values(), y, fin, saved, **opts, workspace=ws_f)
-            bwd.execute(*t.values(), extra["dy"], saved, **grads, **bo, workspace=ws_b)
-    fresh, fresh_opts, fresh_extra = make_inputs(1, 3000, 16, 64, 2, 64, torch.bfloat16, seed=22,
-                                                 D="h", z=True, dt_bias=True, initial_states=True,
-                                                 dfinal=True, lengths=[700, 1, 0, 256, 2043])
-    for k in t:
-        t[k].copy_(fresh[k])
-    for k in ("D", "z", "dt_bias", "initial_states"):
-        opts[k].copy_(fresh_opts[k])
-    extra["dy"].copy_(fresh_extra["dy"])
-    bo["dfinal_states"].copy_(fresh_extra["dfinal_states"])
+            fwd.execute(*core.values(), y, fin, saved, **opts, workspace=ws_f)
+            bwd.execute(*core.values(), t["dy"], saved, **grads, **bo, workspace=ws_b)
+    fresh = _varlen_case(22)
+    for k in ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states", "dy", "dfinal_states"):
+        t[k].copy_(fresh.tensors[k])
     for buf in (y, fin, ws_f, ws_b, *grads.values()):
         buf.fill_(255 if buf.dtype == torch.uint8 else float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    expected = run("triton", fresh, fresh_opts, fresh_extra, 256)
+    expected = run(fresh, "triton")
     for name, value in dict(y=y, final_states=fin, **grads).items():
         assert torch.equal(value, expected[name]), name
 
@@ -425,11 +357,13 @@ def test_gpu_offsets_beyond_2_31_elements():
     """b·l·h·p > 2^31: the second row of a large batch equals the same row run alone."""
     h, p, g, n = 128, 64, 8, 64
     l = 2**31 // (h * p) // 2 + 256
-    t, opts, extra = make_inputs(2, l, h, p, g, n, torch.bfloat16, seed=23)
-    fwd = Mamba2ChunkScanForward(*t.values(), chunk_size=256, dt_softplus=True).compile()
-    y = torch.empty_like(t["x"])
-    fwd.execute(*t.values(), y, torch.empty(2, h, p, n, device=DEVICE), fwd.allocate_saved(),
+    t = samples.make(2, l, h, p, g, n, torch.bfloat16, seed=23, device=DEVICE).tensors
+    core = {k: t[k] for k in ("x", "dt", "A", "B", "C")}
+    del t
+    fwd = Mamba2ChunkScanForward(**core, chunk_size=256, dt_softplus=True).compile()
+    y = torch.empty_like(core["x"])
+    fwd.execute(*core.values(), y, torch.empty(2, h, p, n, device=DEVICE), fwd.allocate_saved(),
                 workspace=fwd.allocate_workspace())
-    row = {k: v[1:].contiguous() if k != "A" else v for k, v in t.items()}
+    row = {k: v[1:].contiguous() if k != "A" else v for k, v in core.items()}
     alone = fusedops.mamba2_chunk_scan_forward(*row.values(), 256, dt_softplus=True)["y"]
     assert torch.equal(y[1:], alone)

@@ -1,35 +1,37 @@
-"""Mamba2 inference (specs/mamba2.md, Inference): state update == scan, replay identity,
-rollback == the accepted prefix, stochastic rounding statistics, the cancellation example,
-padding, validation, the memory calculator, GPU checks."""
+"""Mamba2 inference (docs/mamba2_inference.md): every backend against the float64 recurrence,
+state update == scan, replay identity, rollback == the accepted prefix, stochastic rounding
+statistics, the cancellation example, padding, validation, the memory calculator, GPU checks.
+The plan contract (execute checks, no torch op in execute, descs, repr, graph capture) is tested
+for every plan in test_plan_contract.py."""
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedops
 from fusedops import Mamba2StateRollback, Mamba2StateUpdate
 from fusedops.errors import ValidationError
+from fusedops.mamba2_inference import samples
+from fusedops.mamba2_inference.info import INFO
 from fusedops.memory import MIB, NEMOTRON_3_ULTRA
+from fusedops.opinfo import Tolerance
+from fusedops.testing import assert_close
 
-from helpers import DEVICE, Tolerance, assert_close, gpu_backends, requires_cuda, runnable_backends
+from helpers import BACKENDS, DEVICE, GPU_BACKENDS, check_against_oracle, dtype_id, requires_cuda
 
-BACKENDS = [b for b in runnable_backends() if b != "cute"]
+BACKENDS = [b for b in BACKENDS if b in Mamba2StateUpdate.backends]
 FP32 = Tolerance(1e-5, 5e-5, "fp32 recurrence against the fp32 chunked scan, other order")
+CORE = ("x", "dt", "A", "B", "C")
 
 
-def decode_inputs(b, T, h, p, g, n, *, seed=0, dtype=torch.float32, device=DEVICE):
-    gen = torch.Generator().manual_seed(seed)
-    rnd = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    core = dict(x=rnd(b, T, h, p), dt=rnd(b, T, h), A=-0.5 - torch.rand(h, generator=gen),
-                B=rnd(b, T, g, n), C=rnd(b, T, g, n))
-    core = {k: v.to(device, dtype if k != "A" else torch.float32) for k, v in core.items()}
-    opts = dict(D=rnd(h).to(device), z=rnd(b, T, h, p).to(device, dtype), dt_bias=rnd(h).to(device),
-                dt_softplus=True)
-    return core, opts
+def decode_inputs(b, T, h, p, g, n, *, seed=0, dtype=torch.float32, **options):
+    """(core: x, dt, A, B, C; opts: D, z, dt_bias, dt_softplus; the case's state)."""
+    case = samples.make(b, T, h, p, g, n, dtype, D="h", z=True, dt_bias=True, seed=seed,
+                        device=DEVICE, **options)
+    t = case.tensors
+    core = {k: t[k] for k in CORE}
+    return core, dict(D=t["D"], z=t["z"], dt_bias=t["dt_bias"], dt_softplus=True), t["state"]
 
 
 def part(core, opts, start, stop):
@@ -38,11 +40,34 @@ def part(core, opts, start, stop):
     return sliced, dict(opts, z=opts["z"][:, start:stop].contiguous())
 
 
+# -- 1. every backend against the float64 recurrence ---------------------------------------------
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("kind,index", [("small", i) for i in range(len(samples.SMALL))]
+                         + [("edge", i) for i in range(len(samples.EDGE))])
+def test_update_and_rollback_match_oracle(backend, dtype, kind, index):
+    case = INFO.cases(kind, dtype=dtype, device=DEVICE)[index]
+    check_against_oracle(INFO, case, INFO.run(case, backend))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_skipped_rows_touch_nothing(backend):
+    """Padding rows and rows past the cache leave their slots, y rows and snapshots alone; a
+    rollback whose accepted count is outside [0, T] leaves the slot as the update wrote it."""
+    case = INFO.cases("edge", device=DEVICE)[1]
+    r = INFO.run(case, backend)
+    assert torch.equal(r["state"], case.tensors["state"])
+    assert not r["y"].any() and not r["snapshots"].float().any()
+    case = INFO.cases("edge", device=DEVICE)[3]
+    r = INFO.run(case, backend)
+    assert torch.equal(r["state"][0], r["snapshots"][0, -1])
+
+
+# -- 2. the update against the scan; replay; rollback ------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_single_token_updates_equal_the_chunked_scan(backend):
     b, l, h, p, g, n = 2, 21, 4, 8, 2, 16
-    core, opts = decode_inputs(b, l, h, p, g, n, seed=1)
-    h0 = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    core, opts, h0 = decode_inputs(b, l, h, p, g, n, seed=1)
     scan = fusedops.mamba2_chunk_scan_forward(*core.values(), 16, initial_states=h0, backend=backend,
                                               **opts)
     state = h0.clone()
@@ -57,18 +82,29 @@ def test_single_token_updates_equal_the_chunked_scan(backend):
     assert torch.equal(multi, state) and torch.equal(y, torch.cat(ys, 1))
 
 
+def test_single_token_shapes():
+    """x [b, h, p] (one token): y comes back [b, h, p], snapshots [b, 2, h, p, n]."""
+    core, opts, state = decode_inputs(3, 1, 2, 8, 1, 8, seed=2)
+    one = {k: (v[:, 0] if k != "A" else v) for k, v in core.items()}
+    expected = state.clone()
+    y = fusedops.mamba2_state_update(expected, *core.values(), backend="torch", **opts)["y"]
+    out = fusedops.mamba2_state_update(state, *one.values(), backend="torch", return_snapshots=True,
+                                       **dict(opts, z=opts["z"][:, 0]))
+    assert torch.equal(out["y"], y[:, 0]) and torch.equal(state, expected)
+    assert out["snapshots"].shape == (3, 2, 2, 8, 8) and torch.equal(out["snapshots"][:, 1], state)
+
+
 def _stochastic(b, seed=7):
     return dict(rounding="stochastic", rng_seed=torch.arange(seed, seed + b, device=DEVICE))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
 def test_replay_reproduces_states_and_outputs(backend, state_dtype):
     """Original: a 3-token launch, then two 1-token launches (offsets advancing by T). Replay:
     one 5-token launch from the checkpoint with the cached inputs and the same offsets."""
     b, h, p, g, n = 3, 2, 8, 1, 8
-    core, opts = decode_inputs(b, 5, h, p, g, n, seed=3)
-    checkpoint = torch.randn(b, h, p, n, generator=torch.Generator().manual_seed(4)).to(DEVICE, state_dtype)
+    core, opts, checkpoint = decode_inputs(b, 5, h, p, g, n, seed=3, state_dtype=state_dtype)
     state, ys, offset = checkpoint.clone(), [], 1000
     for start, stop in ((0, 3), (3, 4), (4, 5)):
         step, step_opts = part(core, opts, start, stop)
@@ -87,8 +123,7 @@ def test_replay_reproduces_states_and_outputs(backend, state_dtype):
 @pytest.mark.parametrize("period", [1, 2, 3])
 def test_rollback_equals_running_the_accepted_prefix(backend, period):
     b, T, h, p, g, n = 2, 4, 2, 8, 1, 8
-    core, opts = decode_inputs(b, T, h, p, g, n, seed=5)
-    initial = torch.randn(4, h, p, n, generator=torch.Generator().manual_seed(6)).to(DEVICE, torch.float16)
+    core, opts, initial = decode_inputs(b, T, h, p, g, n, seed=5, state_dtype=torch.float16, slots=4)
     indices = torch.tensor([3, 1], dtype=torch.int32, device=DEVICE)
     rng = dict(_stochastic(b), rng_offset=torch.tensor([5, 2**40], device=DEVICE))
     drafted = initial.clone()
@@ -98,8 +133,10 @@ def test_rollback_equals_running_the_accepted_prefix(backend, period):
     assert torch.equal(snapshots[:, 0], initial[[3, 1]]) and torch.equal(snapshots[:, T], drafted[[3, 1]])
     for k in range(T + 1):
         rolled = drafted.clone()
-        fusedops.mamba2_rollback(rolled, snapshots, torch.full((b,), k, dtype=torch.int32, device=DEVICE),
-                                 state_batch_indices=indices, backend=backend)
+        returned = fusedops.mamba2_rollback(rolled, snapshots,
+                                            torch.full((b,), k, dtype=torch.int32, device=DEVICE),
+                                            state_batch_indices=indices, backend=backend)
+        assert returned is rolled
         prefix = initial.clone()
         if k:
             step, step_opts = part(core, opts, 0, k)
@@ -110,16 +147,15 @@ def test_rollback_equals_running_the_accepted_prefix(backend, period):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("state_dtype", [torch.float16, torch.bfloat16], ids=dtype_id)
 def test_stochastic_rounding_is_unbiased_and_within_one_ulp(backend, state_dtype):
     """M rows with identical inputs and different seeds: every stored value is one of the two
     neighbours of the fp32 result, and their mean converges to it. Bound: 6 standard deviations
     of the mean of M Bernoulli draws over one ulp (a false failure has probability < 1e-8)."""
     M, h, p, g, n = 512, 1, 4, 1, 4
-    core, opts = decode_inputs(1, 1, h, p, g, n, seed=8)
+    core, opts, start = decode_inputs(1, 1, h, p, g, n, seed=8, state_dtype=state_dtype)
     core = {k: (v.expand(M, *v.shape[1:]).contiguous() if k != "A" else v) for k, v in core.items()}
     opts = dict(opts, z=opts["z"].expand(M, *opts["z"].shape[1:]).contiguous())
-    start = torch.randn(1, h, p, n, generator=torch.Generator().manual_seed(9)).to(DEVICE, state_dtype)
     exact = start.float().expand(M, h, p, n).contiguous()
     fusedops.mamba2_state_update(exact, *core.values(), backend=backend, **opts)
     exact = exact[0]
@@ -137,19 +173,17 @@ def test_stochastic_rounding_is_unbiased_and_within_one_ulp(backend, state_dtype
     mean = stored.float().mean(0)
     bound = 6 * ulp * torch.sqrt(frac * (1 - frac) / M) + 1e-6 * exact.abs()
     assert bool(((mean - exact).abs() <= bound).all()), (mean - exact).abs().max()
-    nearest = start.expand(2, h, p, n).contiguous()
     for _ in range(2):
         twice = start.expand(M, h, p, n).contiguous()
         fusedops.mamba2_state_update(twice, *core.values(), backend=backend, **opts)
         assert torch.equal(twice[0], exact.to(state_dtype)) and torch.equal(twice[0], twice[-1])
-    del nearest
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fewer_writes_are_not_always_more_accurate(backend):
-    """seeds/004's cancellation example on fp16's unit grid ([1024, 2048) has ulp 1): inputs
-    -0.9, -0.9, -0.5, -0.1 from 1536. Writing every token ends at 1534 (error 0.4), every two
-    tokens at 1533 (error 0.6): fewer writes, larger error."""
+    """The cancellation example of docs/mamba2_inference.md on fp16's unit grid ([1024, 2048)
+    has ulp 1): inputs -0.9, -0.9, -0.5, -0.1 from 1536. Writing every token ends at 1534
+    (error 0.4), every two tokens at 1533 (error 0.6): fewer writes, larger error."""
     u = torch.tensor([-0.9, -0.9, -0.5, -0.1])
     core = dict(x=u.view(1, 4, 1, 1).to(DEVICE), dt=torch.ones(1, 4, 1, device=DEVICE),
                 A=torch.zeros(1, device=DEVICE), B=torch.ones(1, 4, 1, 1, device=DEVICE),
@@ -164,18 +198,28 @@ def test_fewer_writes_are_not_always_more_accurate(backend):
     assert abs(finals[2] - exact) > abs(finals[1] - exact)
 
 
+# -- 3. validation and the plans' declarations ---------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_validation_and_no_torch_op_in_execute(backend):
-    core, opts = decode_inputs(2, 1, 2, 8, 1, 8)
+def test_validation(backend):
+    core, _, _ = decode_inputs(2, 1, 2, 8, 1, 8)
     state = torch.zeros(2, 2, 8, 8, device=DEVICE)
     with pytest.raises(ValidationError, match=r"rounding: 'stochastic' needs a bf16 or fp16 state"):
         Mamba2StateUpdate(state, *core.values(), rounding="stochastic", backend=backend)
     with pytest.raises(ValidationError, match=r"checkpoint_period: expected an int >= 1, got 0"):
         Mamba2StateUpdate(state, *core.values(), checkpoint_period=0, backend=backend)
+    with pytest.raises(ValidationError, match=r"checkpoint_period: expected an int >= 1, got 2.0"):
+        Mamba2StateUpdate(state, *core.values(), checkpoint_period=2.0, backend=backend)
+    with pytest.raises(ValidationError, match=r"rounding: expected 'nearest' or 'stochastic', got 'up'"):
+        Mamba2StateUpdate(state, *core.values(), rounding="up", backend=backend)
+    with pytest.raises(ValidationError, match=r"dt_limit: expected lo <= hi"):
+        Mamba2StateUpdate(state, *core.values(), dt_limit=(1.0, 0.0), backend=backend)
     with pytest.raises(ValidationError, match=r"state: expected shape \[slots, h, p, n\] with h = 2, p = 8"):
         Mamba2StateUpdate(torch.zeros(2, 2, 4, 8, device=DEVICE), *core.values(), backend=backend)
     with pytest.raises(ValidationError, match=r"state: expected at least b = 2 slots"):
         Mamba2StateUpdate(state[:1], *core.values(), backend=backend)
+    with pytest.raises(ValidationError, match=r"snapshots: expected shape \[b, T\+1, h, p, n\] = \[2, 2, 2, 8, 8\]"):
+        Mamba2StateUpdate(state, *core.values(), snapshots=torch.zeros(2, 1, 2, 8, 8, device=DEVICE),
+                          backend=backend)
     half = state.half()
     plan = Mamba2StateUpdate(half, *core.values(), rounding="stochastic", backend=backend).compile()
     y = torch.empty_like(core["x"])
@@ -184,19 +228,43 @@ def test_validation_and_no_torch_op_in_execute(backend):
     with pytest.raises(ValidationError, match=r"y: must not overlap x"):
         plan.execute(half, *core.values(), core["x"], rng_seed=torch.zeros(2, dtype=torch.int64, device=DEVICE),
                      rng_offset=torch.zeros(2, dtype=torch.int64, device=DEVICE))
-    calls = []
-
-    class NoTorchOps(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            raise AssertionError(f"execute() dispatched {func}")
-    seed, offset = torch.zeros(2, dtype=torch.int64, device=DEVICE), torch.zeros(2, dtype=torch.int64, device=DEVICE)
-    plan._launch = lambda t, stream: calls.append(t["state"] is half)
-    with NoTorchOps():
-        plan.execute(half, *core.values(), y, rng_seed=seed, rng_offset=offset)
-    assert calls == [True]
+    nearest = Mamba2StateUpdate(half, *core.values(), backend=backend).compile()
+    with pytest.raises(ValidationError, match=r"rng_seed: this plan was built without rng_seed"):
+        nearest.execute(half, *core.values(), y, rng_seed=torch.zeros(2, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValidationError, match=r"rng_seed: rounding='stochastic' needs a seed and an offset per row"):
+        fusedops.mamba2_state_update(half, *core.values(), rounding="stochastic", backend=backend)
     with pytest.raises(ValidationError, match=r"accepted: expected dtype int32, got int64"):
         Mamba2StateRollback(half, torch.zeros(2, 2, 2, 8, 8, dtype=torch.float16, device=DEVICE),
                             torch.zeros(2, dtype=torch.int64, device=DEVICE), backend=backend)
+
+
+def test_rng_seeds_are_inputs_the_plan_sizes():
+    """rng_seed and rng_offset: read-only int64 [b] operands declared by a stochastic plan."""
+    core, _, _ = decode_inputs(3, 2, 2, 8, 1, 8)
+    plan = Mamba2StateUpdate(torch.zeros(4, 2, 8, 8, dtype=torch.bfloat16, device=DEVICE),
+                             *core.values(), rounding="stochastic", backend="torch")
+    roles = {o.name: o.role for o in plan.operands}
+    for name in ("rng_seed", "rng_offset"):
+        assert roles[name] == "in"
+        desc = plan.desc(name)
+        assert desc.shape == (3,) and desc.dtype == torch.int64
+    assert roles["state"] == "inout" and roles["snapshots"] == "out"
+
+
+def test_triton_programs_compile_absent_operands_out():
+    """Without D, z, dt_bias, slot indices, seeds or snapshots the update kernel takes no
+    pointer for them (constexpr None, never another tensor); likewise the rollback's indices."""
+    pytest.importorskip("triton")
+    core, _, state = decode_inputs(2, 1, 2, 8, 1, 8)
+    update = Mamba2StateUpdate(state, *core.values(), backend="torch").kernel_program("triton")
+    (kernel,) = update.kernels
+    assert kernel.runtime_arg_names() == ("state_ptr", "x_ptr", "dt_ptr", "A_ptr", "B_ptr", "C_ptr",
+                                          "y_ptr", "SLOTS", "T", "dt_min", "dt_max")
+    snapshots = torch.zeros(2, 2, 2, 8, 8, device=DEVICE)
+    rollback = Mamba2StateRollback(state, snapshots, torch.zeros(2, dtype=torch.int32, device=DEVICE),
+                                   backend="torch").kernel_program("triton")
+    assert rollback.kernels[0].runtime_arg_names() == ("state_ptr", "snapshots_ptr", "accepted_ptr",
+                                                       "SLOTS")
 
 
 def test_memory_calculator_matches_the_seed():
@@ -212,10 +280,12 @@ def test_memory_calculator_matches_the_seed():
 # -- GPU -----------------------------------------------------------------------------------------
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", [b for b in gpu_backends() if b == "triton"])
+@pytest.mark.parametrize("backend", [b for b in GPU_BACKENDS if b == "triton"])
 def test_gpu_decode_step_graph_capture(backend):
+    """One captured decode step (update, then the offsets advanced on the device) replayed three
+    times: the torch backend's three steps, and the slots of padding rows untouched."""
     b, h, p, g, n, slots = 64, 128, 64, 8, 128, 96
-    core, opts = decode_inputs(b, 1, h, p, g, n, seed=11, dtype=torch.bfloat16)
+    core, opts, _ = decode_inputs(b, 1, h, p, g, n, seed=11, dtype=torch.bfloat16)
     state = torch.randn(slots, h, p, n, device=DEVICE).half()
     indices = torch.randperm(slots, device=DEVICE)[:b].int()
     indices[::7] = -1

@@ -1,50 +1,42 @@
-"""Routed ReLU2 MoE (specs/moe.md): the router and the experts against float64 oracles and
-transformers' NemotronHMoE, gradcheck, routing edge cases (ties, empty experts, one expert for
-every token, t = 1, k = 1, E not a power of two, dropped ids, u exactly 0), the device dispatch
-layout, accumulate, inference, reproducibility, validation, and the GPU (graph capture)."""
+"""Routed ReLU2 MoE (docs/moe.md): the registry's cases through router + experts against the
+float64 oracle; the router and the experts against the oracle and transformers' NemotronHMoE,
+gradcheck, routing edge cases (ties, empty experts, one expert for every token, t = 1, k = 1,
+E not a power of two, dropped ids, u exactly 0), the device dispatch layout, absent operands
+compiled out, accumulate, inference, reproducibility, validation, and the GPU (graph capture
+under changing routing). The plan contract (execute checks, no torch op in execute, descs,
+repr, generic graph capture) is tested for every plan in test_plan_contract.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedops
-import oracles
-from fusedops import MoERouter, MoERouterBackward, ReLU2MoEBackward, ReLU2MoEForward
+from fusedops import MoERouter, MoERouterBackward, ReLU2MoEBackward, ReLU2MoEForward, TensorDesc
 from fusedops.errors import UnsupportedError, ValidationError
+from fusedops.moe import oracle
+from fusedops.moe.info import EXPERT_TOLERANCE, INFO
+from fusedops.moe.samples import expert_inputs, router_logits
+from fusedops.opinfo import Tolerance
+from fusedops.testing import assert_close
 
-from helpers import DEVICE, Tolerance, assert_close, gpu_backends, requires_cuda, runnable_backends
+from helpers import BACKENDS as RUNNABLE, DEVICE, check_against_oracle, dtype_id, requires_cuda
 
-BACKENDS = [b for b in runnable_backends() if b != "cute"]
+BACKENDS = [b for b in RUNNABLE if b in INFO.backends]
 KERNELS = [b for b in BACKENDS if b != "torch"]
-F64 = Tolerance(1e-12, 1e-11, "float64 against float64")
-# against the float64 oracle, which rounds nothing: u, a, d_u and d_y are rounded to x's dtype
-# (one rounding each, u = 6e-8 / 4.9e-4 / 3.9e-3) before the next product
-EXPERT_TOLERANCE = {
-    torch.float64: F64,
-    torch.float32: Tolerance(1e-5, 5e-5, "fp32 products and sums in another order"),
-    torch.float16: Tolerance(2e-3, 1e-2, "u, a, d_u, d_y rounded to fp16 before the next product"),
-    torch.bfloat16: Tolerance(8e-3, 3e-2, "u, a, d_u, d_y rounded to bf16 before the next product"),
-}
+GPU_KERNELS = KERNELS if torch.cuda.is_available() else []
 GRAD_NAMES = ("d_x", "d_topk_weights", "d_w_up", "d_w_down", "d_shared_w_up", "d_shared_w_down")
+EXPERT_DTYPES = {"torch": [torch.float64, torch.float32],
+                 "triton": [torch.float32, torch.float16, torch.bfloat16]}
 
 
 def experts_case(t, H, E, I, k, *, shared=0, dtype=torch.float32, seed=0, device=DEVICE):
-    """Inputs with distinct random experts per token and positive weights."""
-    gen = torch.Generator().manual_seed(seed)
-    r = lambda *s: torch.randn(*s, generator=gen)  # noqa: E731
-    case = dict(x=r(t, H), w_up=r(E, I, H) / H ** 0.5, w_down=r(E, H, I) / I ** 0.5,
-                topk_ids=torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(t)]).int(),
-                topk_weights=torch.rand(t, k, generator=gen) + 0.1, d_out=r(t, H))
-    if shared:
-        case.update(shared_w_up=r(shared, H) / H ** 0.5, shared_w_down=r(H, shared) / shared ** 0.5)
-    wdt = torch.float64 if dtype == torch.float64 else torch.float32
-    return {n: v.to(device, torch.int32 if n == "topk_ids" else (wdt if n == "topk_weights" else dtype))
-            for n, v in case.items()}
+    """The expert path's inputs (the family's sample generator), as a mutable dict."""
+    return expert_inputs(t, H, E, I, k, shared=shared, dtype=dtype, seed=seed, device=device)
 
 
 def run_experts(backend, case, **options):
+    """Forward + backward of the experts through the eager wrappers."""
     fwd_args = {n: case[n] for n in ("x", "w_up", "w_down", "topk_ids", "topk_weights")}
     shared = {n: case.get(n) for n in ("shared_w_up", "shared_w_down")}
     out, saved = fusedops.relu2_moe_forward(**fwd_args, **shared, backend=backend, **options)
@@ -53,22 +45,20 @@ def run_experts(backend, case, **options):
     return dict(out=out, **grads)
 
 
-def oracle_experts(case):
-    """The float64 oracle's out and gradients (autograd) for ``case``."""
-    names = ["x", "w_up", "w_down", "topk_weights"] + [n for n in ("shared_w_up", "shared_w_down") if n in case]
-    leaves = {n: case[n].detach().cpu().double().requires_grad_() for n in names}
-    out = oracles.relu2_moe(leaves["x"], leaves["w_up"], leaves["w_down"], case["topk_ids"].cpu(),
-                            leaves["topk_weights"], leaves.get("shared_w_up"), leaves.get("shared_w_down"))
-    grads = torch.autograd.grad(out, list(leaves.values()), case["d_out"].cpu().double())
-    result = dict(out=out.detach())
-    for n, g in zip(names, grads):
-        result["d_" + ("topk_weights" if n == "topk_weights" else n)] = g
-    return result
-
-
 def compare(result, expected, tolerance, names=None):
     for name in names or expected:
         assert_close(result[name], expected[name].to(result[name].device), tolerance, name)
+
+
+# -- 0. the registry's cases: router -> experts -> backward -> router backward ------------------
+@pytest.mark.parametrize("backend,dtype", [(b, d) for b in BACKENDS for d in EXPERT_DTYPES[b]],
+                         ids=lambda v: dtype_id(v) if isinstance(v, torch.dtype) else v)
+@pytest.mark.parametrize("kind", ["small", "edge"])
+def test_cases_match_oracle(backend, dtype, kind):
+    for case in INFO.cases(kind, dtype=dtype, device=DEVICE, backend=backend):
+        results = INFO.run(case, backend)
+        assert set(results) == set(INFO.oracle(case)), case.label
+        check_against_oracle(INFO, case, results)
 
 
 # -- 1. router -------------------------------------------------------------------------------------
@@ -82,10 +72,7 @@ ROUTER_CASES = {
 
 
 def router_inputs(t, E, *, bias, seed=0, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    logits = (torch.randn(t, E, generator=gen) * 2).to(DEVICE, dtype)
-    b = (torch.randn(E, generator=gen) * 0.2).to(DEVICE) if bias else None
-    return logits, b
+    return router_logits(t, E, bias=bias, seed=seed, dtype=dtype, device=DEVICE)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -96,14 +83,14 @@ def test_router_matches_oracle(backend, name):
     opts = dict(n_group=c.get("n_group", 1), topk_group=c.get("topk_group", 1),
                 norm_topk_prob=c.get("norm", True), routed_scaling_factor=c.get("scale", 1.0))
     w, ids = fusedops.moe_router(logits, c["k"], correction_bias=bias, backend=backend, **opts)
-    ew, eids = oracles.moe_router(logits.cpu(), c["k"], None if bias is None else bias.cpu(),
-                                  opts["n_group"], opts["topk_group"], opts["norm_topk_prob"],
-                                  opts["routed_scaling_factor"])
+    ew, eids = oracle.router(logits.cpu(), c["k"], None if bias is None else bias.cpu(),
+                             opts["n_group"], opts["topk_group"], opts["norm_topk_prob"],
+                             opts["routed_scaling_factor"])
     assert ids.dtype == torch.int32 and torch.equal(ids.cpu().long(), eids)
     assert_close(w, ew, Tolerance(1e-6, 1e-6, "fp32 sigmoid and normalisation"), "topk_weights")
     d_w = torch.randn(w.shape, generator=torch.Generator().manual_seed(1)).to(DEVICE)
     leaf = logits.detach().cpu().double().requires_grad_()
-    expected = torch.autograd.grad(oracles.moe_router(leaf, c["k"], None if bias is None else bias.cpu(),
+    expected = torch.autograd.grad(oracle.router(leaf, c["k"], None if bias is None else bias.cpu(),
                                                       opts["n_group"], opts["topk_group"],
                                                       opts["norm_topk_prob"],
                                                       opts["routed_scaling_factor"])[0],
@@ -138,7 +125,7 @@ def test_router_ties_go_to_the_lower_index(backend):
 def test_router_reads_half_precision_logits(backend, dtype):
     logits, bias = router_inputs(21, 16, bias=True, dtype=dtype)
     w, ids = fusedops.moe_router(logits, 4, correction_bias=bias, backend=backend)
-    ew, eids = oracles.moe_router(logits.cpu().float(), 4, bias.cpu())
+    ew, eids = oracle.router(logits.cpu().float(), 4, bias.cpu())
     assert torch.equal(ids.cpu().long(), eids)
     assert_close(w, ew, Tolerance(1e-6, 1e-6, "fp32 math on the given logits"), "topk_weights")
     d = fusedops.moe_router_backward(logits, ids, torch.ones_like(w), backend=backend)["d_logits"]
@@ -175,16 +162,12 @@ def test_router_gradcheck_float64(norm):
 
 
 # -- 2. experts against float64 and transformers ------------------------------------------------
-EXPERT_DTYPES = {"torch": [torch.float64, torch.float32],
-                 "triton": [torch.float32, torch.float16, torch.bfloat16]}
-
-
 @pytest.mark.parametrize("backend,dtype", [(b, d) for b in BACKENDS for d in EXPERT_DTYPES.get(b, [])])
 @pytest.mark.parametrize("shared", [0, 40])
 def test_experts_match_float64(backend, dtype, shared):
     case = experts_case(19, 32, 6, 48, 2, shared=shared, dtype=dtype, seed=4)
     result = run_experts(backend, case)
-    compare(result, oracle_experts(case), EXPERT_TOLERANCE[dtype])
+    compare(result, oracle.expert_results(case), EXPERT_TOLERANCE[dtype])
     for name, value in result.items():
         if name in ("d_w_up", "d_w_down", "d_shared_w_up", "d_shared_w_down"):
             assert value.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
@@ -348,7 +331,7 @@ EDGE_CASES = ["empty experts", "one expert for every token", "t = 1", "k = 1, E 
 def test_routing_edge_cases(backend, name):
     case = _edge_case(name)
     result = run_experts(backend, case)
-    compare(result, oracle_experts(case), EXPERT_TOLERANCE[torch.float32])
+    compare(result, oracle.expert_results(case), EXPERT_TOLERANCE[torch.float32])
     dropped = (case["topk_ids"] < 0) | (case["topk_ids"] >= case["w_up"].shape[0])
     assert (result["d_topk_weights"][dropped] == 0).all()
     if name == "empty experts":
@@ -362,7 +345,6 @@ def test_routing_edge_cases(backend, name):
 @pytest.mark.parametrize("backend", KERNELS)
 def test_device_dispatch_layout(backend):
     """counts, tile-padded offsets and each expert's assignments in order, read from saved."""
-    from fusedops.backends.triton import moe as tm
     case = experts_case(40, 16, 7, 24, 3, seed=17)
     case["topk_ids"][1, 0] = -1
     plan = ReLU2MoEForward(*(case[n] for n in ("x", "w_up", "w_down", "topk_ids", "topk_weights")),
@@ -371,7 +353,8 @@ def test_device_dispatch_layout(backend):
     out = torch.empty_like(case["x"])
     plan.execute(*(case[n] for n in ("x", "w_up", "w_down", "topk_ids", "topk_weights")), out, saved,
                  workspace=plan.allocate_workspace())
-    layout, tile = tm.saved_layout(plan.problem), tm.row_tile(plan.problem)
+    layout = plan.program.saved
+    tile = next(s.kernel for s in plan.program.stages if s.name == "moe_offsets_kernel").constexpr("TILE")
     counts, offsets, rows = (layout.carve(saved, n).tensor().cpu() for n in ("counts", "offsets", "sorted"))
     flat = case["topk_ids"].reshape(-1).cpu()
     expected_counts = torch.bincount(flat[flat >= 0], minlength=7)
@@ -382,6 +365,43 @@ def test_device_dispatch_layout(backend):
         start = int(offsets[e])
         assert rows[start:start + int(counts[e])].tolist() == (flat == e).nonzero().flatten().tolist()
     assert plan.saved_size == layout.size
+
+
+@pytest.mark.parametrize("shared,is_inference", [(0, True), (8, False)])
+def test_absent_operands_are_compiled_out(shared, is_inference):
+    """The Triton programs pass no placeholder for an operand a launch does not have: the shared
+    expert's buffers without one, u in an inference forward, the dispatch of the dense shared
+    GEMMs, the routing weights of unweighted GEMMs are constexpr None; every tensor a stage
+    binds is one the plan declares (or a piece of its workspace or saved buffer)."""
+    pytest.importorskip("triton")
+    case = experts_case(8, 16, 4, 24, 2, shared=shared, device="cpu")
+    descs = {n: TensorDesc.from_tensor(v) for n, v in case.items()}
+    names = ("x", "w_up", "w_down", "topk_ids", "topk_weights")
+    shared_descs = {n: descs.get(n) for n in ("shared_w_up", "shared_w_down")}
+    plans = [ReLU2MoEForward(*(descs[n] for n in names), **shared_descs, is_inference=is_inference,
+                             backend="torch"),
+             ReLU2MoEBackward(*(descs[n] for n in names), descs["d_out"], **shared_descs,
+                              backend="torch")]
+    for plan in plans:
+        program = plan.kernel_program("triton")
+        if is_inference and isinstance(plan, ReLU2MoEForward):
+            assert program.saved.size == 0
+        declared = set(plan._descs) | {"workspace"}
+        for stage in program.stages:
+            constexprs = dict(stage.kernel.constexprs)
+            bound = {v for v in stage.bind.values() if isinstance(v, str)}
+            assert bound <= declared, (stage.name, bound - declared)
+            if stage.name == "moe_gemm_kernel":
+                routed, weighted = constexprs["ROUTED"], constexprs["WEIGHTED"]
+                for arg in ("sorted_ptr", "offsets_ptr", "counts_ptr"):
+                    assert (arg in constexprs) == (not routed) and (constexprs.get(arg, 0) is None) == (not routed)
+                assert ("weight_ptr" in constexprs) == (not weighted)
+                if constexprs["EPILOGUE"] == 0:
+                    assert ("u_ptr" in constexprs) == is_inference
+            if stage.name == "moe_combine_kernel":
+                assert ("shared_ptr" in constexprs) == (not shared)
+        assert any(s.name == "moe_gemm_kernel" and not dict(s.kernel.constexprs)["ROUTED"]
+                   for s in program.stages) == bool(shared)
 
 
 # -- 4. plan contract -------------------------------------------------------------------------------
@@ -422,30 +442,18 @@ def test_inference_forward_and_reproducibility(backend):
     plan = ReLU2MoEForward(*(case[n] for n in names), **shared, is_inference=True, backend=backend).compile()
     assert plan.saved_size == 0
     out = torch.empty_like(case["x"])
-    plan.execute(*(case[n] for n in names), out, **shared, workspace=plan.allocate_workspace())
+    result = plan.execute(*(case[n] for n in names), out, **shared, workspace=plan.allocate_workspace())
+    assert list(result.keys()) == ["out", "saved"] and result["saved"] is None
+    eager_out, eager_saved = fusedops.relu2_moe_forward(*(case[n] for n in names), **shared,
+                                                        is_inference=True, backend=backend)
     first, second = run_experts(backend, case), run_experts(backend, case)
+    assert eager_saved is None and torch.equal(eager_out, first["out"])
     assert torch.equal(out, first["out"])
     for name in first:
         assert torch.equal(first[name], second[name]), name
     with pytest.raises(ValidationError, match="saved: this plan was built without saved"):
         plan.execute(*(case[n] for n in names), out, torch.empty(8, dtype=torch.uint8, device=DEVICE),
                      **shared, workspace=plan.allocate_workspace())
-
-
-def test_execute_dispatches_no_torch_operator():
-    case = experts_case(8, 16, 4, 24, 2)
-    names = ("x", "w_up", "w_down", "topk_ids", "topk_weights")
-    plan = ReLU2MoEForward(*(case[n] for n in names)).compile()
-    out, saved, ws = torch.empty_like(case["x"]), plan.allocate_saved(), plan.allocate_workspace()
-    calls = []
-
-    class NoTorchOps(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            raise AssertionError(f"execute() dispatched {func}")
-    plan._launch = lambda tensors, stream: calls.append(1)
-    with NoTorchOps():
-        plan.execute(*(case[n] for n in names), out, saved, workspace=ws)
-    assert calls == [1]
 
 
 @pytest.mark.parametrize("change,match", [
@@ -473,6 +481,12 @@ def test_backward_validation_and_float64_needs_torch():
     args = [case[n] for n in ("x", "w_up", "w_down", "topk_ids", "topk_weights", "d_out")]
     with pytest.raises(ValidationError, match=r"weight_grad_dtype: expected float32, got torch.float16"):
         ReLU2MoEBackward(*args, weight_grad_dtype=torch.float16)
+    with pytest.raises(ValidationError, match=r"weight_grad_dtype: expected bfloat16 or .*, got torch.int32"):
+        ReLU2MoEBackward(*args, weight_grad_dtype=torch.int32)
+    f16 = experts_case(8, 16, 4, 24, 2, dtype=torch.float16)
+    f16_args = [f16[n] for n in ("x", "w_up", "w_down", "topk_ids", "topk_weights", "d_out")]
+    with pytest.raises(ValidationError, match=r"weight_grad_dtype: expected float32 or float16, got torch.bfloat16"):
+        ReLU2MoEBackward(*f16_args, weight_grad_dtype=torch.bfloat16, backend="torch")
     with pytest.raises(ValidationError, match=r"accumulate: expected a bool"):
         ReLU2MoEBackward(*args, accumulate=1)
     if KERNELS:
@@ -508,7 +522,7 @@ def test_router_validation(options, match):
 # -- 5. GPU --------------------------------------------------------------------------------------
 @requires_cuda
 @pytest.mark.gpu
-@pytest.mark.parametrize("backend", gpu_backends() or ["triton"])
+@pytest.mark.parametrize("backend", GPU_KERNELS or ["triton"])
 def test_gpu_nano_like_shapes_against_the_torch_backend(backend):
     case = experts_case(2048, 1024, 32, 512, 6, shared=1024, dtype=torch.bfloat16, seed=30)
     gen = torch.Generator().manual_seed(31)

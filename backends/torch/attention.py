@@ -113,8 +113,9 @@ def quantize(values, scale):
     return (values.float() / scale.float()[..., :, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
 
 
-def dequantize(values, scale):
-    return values.float() * scale.float()[..., :, None]
+def dequantize(values, scale, dtype=torch.float32):
+    """The e4m3 ``values`` times their scale, in ``dtype``."""
+    return values.to(dtype) * scale.to(dtype)[..., :, None]
 
 
 def cache_positions(cache_seqlens, tokens: int, block_table, page_size: int, capacity: int):
@@ -150,7 +151,7 @@ def decode(q, k_new, v_new, k_cache, v_cache, cache_seqlens, *, block_table=None
     else:
         keys, values = k_cache, v_cache
     if k_cache.dtype == FP8:
-        keys, values = dequantize(keys, k_scale), dequantize(values, v_scale)
+        keys, values = dequantize(keys, k_scale, compute_dtype), dequantize(values, v_scale, compute_dtype)
     lengths = cache_seqlens.to(torch.int64) + T                         # keys per row after the append
     lengths = lengths.clamp(max=capacity)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])

@@ -1,4 +1,4 @@
-"""Mamba2 chunked selective scan (SSD) in plain torch (specs/mamba2.md).
+"""Mamba2 chunked selective scan (SSD) in plain torch (fusedops.mamba2.contract).
 
 The sequence is cut into *segments*: consecutive pieces of at most Q = chunk_size tokens of one
 sequence (sequence s covers ceil(len_s / Q) segments, the last one possibly short). Without
@@ -25,11 +25,14 @@ import math
 import torch
 import torch.nn.functional as F
 
-from ._autograd import autograd_recording
-from ._surface import (  # noqa: F401  (re-exported: the backend surface)
-    backward_workspace_size, forward_workspace_size, saved_size, unsupported_reason)
+from fusedops.core.dtypes import accumulator_dtype
+from fusedops.mamba2.contract import DEFAULT_DT_LIMIT, SOFTPLUS_THRESHOLD, max_segments
 
-SOFTPLUS_THRESHOLD = 20.0
+from ._autograd import autograd_recording
+from .common import direct_program, unsupported_reason
+
+__all__ = ["backward_program", "chunk_scan_backward", "chunk_scan_forward", "forward_program",
+           "segments", "transform_dt", "unsupported_reason"]
 
 
 def transform_dt(dt, dt_bias, dt_softplus: bool, dt_limit, compute_dtype=torch.float32):
@@ -40,14 +43,6 @@ def transform_dt(dt, dt_bias, dt_softplus: bool, dt_limit, compute_dtype=torch.f
     if dt_softplus:
         u = F.softplus(u, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
     return torch.clamp(u, min=dt_limit[0], max=dt_limit[1])
-
-
-def max_segments(batch: int, length: int, chunk: int, num_sequences: int | None) -> int:
-    """Segments a problem can have: batch·ceil(l/Q) without cu_seqlens, else
-    ceil(l/Q) + nseq (each sequence adds at most one partial segment)."""
-    if num_sequences is None:
-        return batch * math.ceil(length / chunk)
-    return math.ceil(length / chunk) + num_sequences
 
 
 def segments(batch: int, length: int, chunk: int, cu_seqlens: torch.Tensor | None,
@@ -78,7 +73,7 @@ def segments(batch: int, length: int, chunk: int, cu_seqlens: torch.Tensor | Non
 
 
 def chunk_scan_forward(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=None,
-                       dt_softplus=False, dt_limit=(0.0, math.inf), initial_states=None,
+                       dt_softplus=False, dt_limit=DEFAULT_DT_LIMIT, initial_states=None,
                        cu_seqlens=None, compute_dtype=torch.float32):
     """Returns ``(y, final_states, y_pre_gate, segment_start_states)``.
 
@@ -152,7 +147,7 @@ def chunk_scan_forward(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=
 
 
 def chunk_scan_backward(x, dt, A, B, C, dy, chunk_size, D=None, z=None, dt_bias=None,
-                        dt_softplus=False, dt_limit=(0.0, math.inf), initial_states=None,
+                        dt_softplus=False, dt_limit=DEFAULT_DT_LIMIT, initial_states=None,
                         cu_seqlens=None, dfinal_states=None, compute_dtype=torch.float32):
     """Gradients by autograd through ``chunk_scan_forward`` in ``compute_dtype``. Returns a dict
     with dx, ddt, dA, dB, dC and, for the optional inputs given, dD, dz, ddt_bias,
@@ -179,34 +174,33 @@ def chunk_scan_backward(x, dt, A, B, C, dy, chunk_size, D=None, z=None, dt_bias=
 
 
 # -- the backend surface -----------------------------------------------------------------------
-def _compute_dtype(problem) -> torch.dtype:
-    return torch.float64 if problem.dtype == torch.float64 else torch.float32
+def _options(problem, b) -> dict:
+    return dict(D=b.get("D"), z=b.get("z"), dt_bias=b.get("dt_bias"),
+                dt_softplus=problem.dt_softplus, dt_limit=problem.dt_limit,
+                initial_states=b.get("initial_states"), cu_seqlens=b.get("cu_seqlens"),
+                compute_dtype=accumulator_dtype(problem.dtype))
 
 
-def _options(problem, t) -> dict:
-    return dict(D=t["D"], z=t["z"], dt_bias=t["dt_bias"], dt_softplus=problem.dt_softplus,
-                dt_limit=problem.dt_limit, initial_states=t["initial_states"],
-                cu_seqlens=t["cu_seqlens"], compute_dtype=_compute_dtype(problem))
+def forward_program(problem):
+    """Writes y and final_states (``saved`` is empty: the backward recomputes)."""
+    def run(b):
+        y, final, _, _ = chunk_scan_forward(b["x"], b["dt"], b["A"], b["B"], b["C"], problem.chunk,
+                                            **_options(problem, b))
+        b["y"].copy_(y)
+        b["final_states"].copy_(final)
+    return direct_program(run)
 
 
-def forward_launcher(problem):
-    def launch(t, *, stream):
-        y, final, _, _ = chunk_scan_forward(t["x"], t["dt"], t["A"], t["B"], t["C"], problem.chunk,
-                                            **_options(problem, t))
-        t["y"].copy_(y)
-        t["final_states"].copy_(final)
-    return launch
-
-
-def backward_launcher(problem):
+def backward_program(problem):
+    """Gradients by autograd through the forward (dA, dD, ddt_bias added with accumulate)."""
     accumulated = ("dA", "dD", "ddt_bias")
 
-    def launch(t, *, stream):
-        grads = chunk_scan_backward(t["x"], t["dt"], t["A"], t["B"], t["C"], t["dy"], problem.chunk,
-                                    dfinal_states=t["dfinal_states"], **_options(problem, t))
+    def run(b):
+        grads = chunk_scan_backward(b["x"], b["dt"], b["A"], b["B"], b["C"], b["dy"], problem.chunk,
+                                    dfinal_states=b.get("dfinal_states"), **_options(problem, b))
         for name, value in grads.items():
             if problem.accumulate and name in accumulated:
-                t[name].add_(value)
+                b[name].add_(value)
             else:
-                t[name].copy_(value)
-    return launch
+                b[name].copy_(value)
+    return direct_program(run)

@@ -1,5 +1,5 @@
 """Mamba2 inference in plain torch: the state update over T tokens with a storage policy, and
-the rollback to a snapshot (specs/mamba2.md, Inference).
+the rollback to a snapshot (fusedops.mamba2_inference.contract).
 
 Per row (a request, whose state lives in ``state[slot]``) and head, for tokens t = 1..T:
 
@@ -22,7 +22,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fusedops.mamba2_inference.contract import DEFAULT_DT_LIMIT
+
+from .common import direct_program, unsupported_reason
 from .mamba2 import transform_dt
+
+__all__ = ["philox_uniform", "rollback", "rollback_program", "state_update", "store",
+           "unsupported_reason", "update_program"]
 
 _MASK32 = 0xFFFFFFFF
 _KEY_A, _KEY_B = 0x9E3779B9, 0xBB67AE85
@@ -84,7 +90,7 @@ def element_index(h: int, p: int, n: int, device) -> torch.Tensor:
 
 
 def state_update(state, x, dt, A, B, C, y, *, D=None, z=None, dt_bias=None, dt_softplus=False,
-                 dt_limit=(0.0, float("inf")), state_batch_indices=None, stochastic=False,
+                 dt_limit=DEFAULT_DT_LIMIT, state_batch_indices=None, stochastic=False,
                  checkpoint_period=1, rng_seed=None, rng_offset=None, snapshots=None):
     """T tokens for every row, in place on ``state`` [slots, h, p, n] (and ``y``, ``snapshots``)."""
     b, T, h, p = x.shape
@@ -161,21 +167,20 @@ def rollback(state, snapshots, accepted, state_batch_indices=None):
 
 
 # -- the backend surface -----------------------------------------------------------------------
-def unsupported_reason(problem) -> str | None:
-    return None
+def update_program(problem):
+    """T tokens in place on the state (and y, snapshots)."""
+    def run(b):
+        state_update(b["state"], b["x"], b["dt"], b["A"], b["B"], b["C"], b["y"], D=b.get("D"),
+                     z=b.get("z"), dt_bias=b.get("dt_bias"), dt_softplus=problem.dt_softplus,
+                     dt_limit=problem.dt_limit, state_batch_indices=b.get("state_batch_indices"),
+                     stochastic=problem.stochastic, checkpoint_period=problem.checkpoint_period,
+                     rng_seed=b.get("rng_seed"), rng_offset=b.get("rng_offset"),
+                     snapshots=b.get("snapshots"))
+    return direct_program(run)
 
 
-def update_launcher(problem):
-    def launch(t, *, stream):
-        state_update(t["state"], t["x"], t["dt"], t["A"], t["B"], t["C"], t["y"], D=t["D"], z=t["z"],
-                     dt_bias=t["dt_bias"], dt_softplus=problem.dt_softplus, dt_limit=problem.dt_limit,
-                     state_batch_indices=t["state_batch_indices"], stochastic=problem.stochastic,
-                     checkpoint_period=problem.checkpoint_period, rng_seed=t["rng_seed"],
-                     rng_offset=t["rng_offset"], snapshots=t["snapshots"])
-    return launch
-
-
-def rollback_launcher(problem):
-    def launch(t, *, stream):
-        rollback(t["state"], t["snapshots"], t["accepted"], t["state_batch_indices"])
-    return launch
+def rollback_program(problem):
+    """state[slot_i] = snapshots[i, accepted[i]] for the valid rows."""
+    def run(b):
+        rollback(b["state"], b["snapshots"], b["accepted"], b.get("state_batch_indices"))
+    return direct_program(run)

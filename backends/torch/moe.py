@@ -1,19 +1,20 @@
-"""The routed ReLU2 experts in plain torch (specs/moe.md): a loop over the experts that hold
-tokens, with the operator's rounding points (u and a in x's dtype, y and the sums in the compute
-dtype, outputs rounded once). Per-assignment buffers summed over j in order keep it
-deterministic on every device. The backward recomputes u: this backend saves nothing.
+"""The routed ReLU2 experts in plain torch (fusedops.moe.contract): a loop over the experts that
+hold tokens, with the operator's rounding points (u and a in x's dtype, y and the sums in the
+compute dtype, outputs rounded once). Per-assignment buffers summed over j in order keep it
+deterministic on every device. The backward recomputes u: this backend saves nothing. It loops
+over the experts on the host (a device read): a reference, not a graph-capturable path.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ._surface import (  # noqa: F401  (re-exported: the backend surface)
-    backward_workspace_size, forward_workspace_size, saved_size, unsupported_reason)
+from fusedops.core.dtypes import accumulator_dtype
 
+from .common import direct_program, unsupported_reason
 
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+__all__ = ["backward_program", "experts_backward", "experts_forward", "forward_program",
+           "unsupported_reason"]
 
 
 def _assignments(ids: torch.Tensor, experts: int):
@@ -43,7 +44,7 @@ def _expert_forward(x_rows, w_up, w_down, cd):
 def experts_forward(x, w_up, w_down, topk_ids, topk_weights, shared_w_up=None, shared_w_down=None):
     """out [t, H] in x's dtype: sum_j w_tj · W_down[e] relu(W_up[e] x_t)² (+ the shared expert),
     summed in the compute dtype and rounded once."""
-    cd = _compute_dtype(x.dtype)
+    cd = accumulator_dtype(x.dtype)
     t, H = x.shape
     k = topk_ids.shape[1]
     per_slot = torch.zeros(t, k, H, dtype=cd, device=x.device)
@@ -72,7 +73,7 @@ def _expert_backward(x_rows, d_out_rows, scale, w_up, w_down, cd):
 def experts_backward(x, w_up, w_down, topk_ids, topk_weights, d_out, shared_w_up=None,
                      shared_w_down=None):
     """dict of d_x (x's dtype), d_topk_weights and the weight gradients (compute dtype)."""
-    cd = _compute_dtype(x.dtype)
+    cd = accumulator_dtype(x.dtype)
     t, H = x.shape
     k = topk_ids.shape[1]
     per_slot = torch.zeros(t, k, H, dtype=cd, device=x.device)
@@ -94,27 +95,26 @@ def experts_backward(x, w_up, w_down, topk_ids, topk_weights, d_out, shared_w_up
     return grads
 
 
-# -- the backend surface -----------------------------------------------------------------------
-def _shared(t):
-    return dict(shared_w_up=t["shared_w_up"], shared_w_down=t["shared_w_down"])
+def _shared(b):
+    return dict(shared_w_up=b.get("shared_w_up"), shared_w_down=b.get("shared_w_down"))
 
 
-def forward_launcher(problem):
-    def launch(t, *, stream):
-        t["out"].copy_(experts_forward(t["x"], t["w_up"], t["w_down"], t["topk_ids"],
-                                       t["topk_weights"], **_shared(t)))
-    return launch
+def forward_program(problem):
+    def run(b):
+        b["out"].copy_(experts_forward(b["x"], b["w_up"], b["w_down"], b["topk_ids"],
+                                       b["topk_weights"], **_shared(b)))
+    return direct_program(run)
 
 
-def backward_launcher(problem):
+def backward_program(problem):
     accumulated = ("d_w_up", "d_w_down", "d_shared_w_up", "d_shared_w_down")
 
-    def launch(t, *, stream):
-        grads = experts_backward(t["x"], t["w_up"], t["w_down"], t["topk_ids"], t["topk_weights"],
-                                 t["d_out"], **_shared(t))
+    def run(b):
+        grads = experts_backward(b["x"], b["w_up"], b["w_down"], b["topk_ids"], b["topk_weights"],
+                                 b["d_out"], **_shared(b))
         for name, value in grads.items():
             if problem.accumulate and name in accumulated:
-                t[name].copy_(t[name].to(value.dtype) + value)
+                b[name].copy_(b[name].to(value.dtype) + value)
             else:
-                t[name].copy_(value)
-    return launch
+                b[name].copy_(value)
+    return direct_program(run)

@@ -1,11 +1,16 @@
-"""The MoE router in plain torch (specs/moe.md): selection by stable sorts (ties to the lower
-index), weights and the backward in the compute dtype (fp32, or fp64 for fp64 logits)."""
+"""The MoE router in plain torch (fusedops.moe.contract): selection by stable sorts (ties to the
+lower index), weights and the backward in the compute dtype (fp32, or fp64 for fp64 logits)."""
 
 from __future__ import annotations
 
 import torch
 
-NORM_EPS = 1e-20
+from fusedops.moe.contract import NORM_EPS
+
+from .common import direct_program, unsupported_reason
+
+__all__ = ["backward_program", "forward_program", "router_backward", "router_forward", "select",
+           "unsupported_reason", "weights_of"]
 
 
 def _descending(values: torch.Tensor, k: int) -> torch.Tensor:
@@ -68,26 +73,21 @@ def router_backward(logits, topk_ids, d_topk_weights, *, norm_topk_prob=True,
     return d_logits
 
 
-# -- the backend surface -----------------------------------------------------------------------
-def unsupported_reason(problem) -> str | None:
-    return None
-
-
-def forward_launcher(problem):
-    def launch(t, *, stream):
-        w, ids = router_forward(t["logits"], problem.top_k, correction_bias=t["correction_bias"],
+def forward_program(problem):
+    def run(b):
+        w, ids = router_forward(b["logits"], problem.top_k, correction_bias=b.get("correction_bias"),
                                 n_group=problem.n_group, topk_group=problem.topk_group,
                                 norm_topk_prob=problem.norm_topk_prob,
                                 routed_scaling_factor=problem.routed_scaling_factor,
                                 compute_dtype=problem.compute_dtype)
-        t["topk_weights"].copy_(w)
-        t["topk_ids"].copy_(ids)
-    return launch
+        b["topk_weights"].copy_(w)
+        b["topk_ids"].copy_(ids)
+    return direct_program(run)
 
 
-def backward_launcher(problem):
-    def launch(t, *, stream):
-        t["d_logits"].copy_(router_backward(
-            t["logits"], t["topk_ids"], t["d_topk_weights"], norm_topk_prob=problem.norm_topk_prob,
+def backward_program(problem):
+    def run(b):
+        b["d_logits"].copy_(router_backward(
+            b["logits"], b["topk_ids"], b["d_topk_weights"], norm_topk_prob=problem.norm_topk_prob,
             routed_scaling_factor=problem.routed_scaling_factor, compute_dtype=problem.compute_dtype))
-    return launch
+    return direct_program(run)

@@ -1,16 +1,30 @@
-"""GQA attention: specialisations and launch sequences of the Triton kernels
-(attention_kernels.py for training, attention_decode.py for the KV-cache decode)."""
+"""GQA attention: specialisations and programs of the Triton kernels (attention_kernels.py for
+training, attention_decode.py for the KV-cache decode; the math: fusedops.attention.contract).
+
+Absent optional operands are compiled out: without packing the cu_seqlens pointers, without
+paging the block table, without an FP8 cache the scales are constexpr None.
+"""
 
 from __future__ import annotations
 
 import torch
 import triton
 
-from fusedops._backend import triton_interpreter_active
-from fusedops._workspace import Layout
+from fusedops.attention.contract import FP8, FP8_MAX
+from fusedops.core.dtypes import kernel_dtype_reason
+from fusedops.core.program import Program, Stage, workspace_piece
+from fusedops.core.workspace import Layout
 
+from . import attention_decode as DK
 from . import attention_kernels as K
-from .compiler import KernelSpec, make_launcher, pointer_type
+from . import interpreter_active
+from .runtime import KernelSpec, numerics, pointer_type
+
+# ptxas for sm_100 holds these wide-tile kernels to 128 registers and spills; give it room (the
+# dk/dv kernel needs up to ~216 on sm_90)
+WIDE_TILE_REGISTERS = 192
+DKDV_REGISTERS = 232
+DELTA_ROWS = 16          # query rows per program of the backward's delta kernel
 
 
 def blocks(problem, backward: bool = False) -> tuple[int, int, int, int]:
@@ -26,121 +40,88 @@ def blocks(problem, backward: bool = False) -> tuple[int, int, int, int]:
     return (max(16, min(bm, longest)), max(16, min(bn, longest)), bd, 4 if bd <= 64 else 8)
 
 
-def _numerics(problem) -> dict:
-    return dict(UPCAST=triton_interpreter_active() and problem.dtype == torch.bfloat16,
-                IEEE=problem.dtype == torch.float32)
-
-
-def _spec(kernel, args, constexprs, warps, stages=2, maxnreg=None) -> KernelSpec:
-    aligned = tuple(n for n, t in args if t.startswith("*") and t != "*i32")
-    return KernelSpec(kernel, tuple(args) + tuple((k, "constexpr") for k in constexprs),
-                      tuple(constexprs.items()), aligned=aligned, num_warps=warps, num_stages=stages,
-                      maxnreg=maxnreg)
-
-
-# ptxas for sm_100 holds these wide-tile kernels to 128 registers and spills; give it room (the
-# dk/dv kernel needs up to ~216 on sm_90)
-WIDE_TILE_REGISTERS = 192
-DKDV_REGISTERS = 232
-
-
-def _common(problem, bm, bn, bd):
+def _common(problem, bm, bn, bd) -> dict:
     left, right = problem.window
     return dict(HQ=problem.heads_q, HKV=problem.heads_kv, D=problem.head_dim, BM=bm, BN=bn, BD=bd,
                 CAUSAL=problem.causal, LEFT=left, RIGHT=right, PACKED=problem.packed,
-                **_numerics(problem))
+                **numerics(problem.dtype))
+
+
+def _cu_seqlens(problem) -> tuple[tuple[str, str | None], ...]:
+    cu = "*i32" if problem.packed else None
+    return (("cu_seqlens_q_ptr", cu), ("cu_seqlens_k_ptr", cu))
+
+
+def _rows(problem, block: int) -> int:
+    return triton.cdiv(max(problem.seqlen_q, 1), block)
 
 
 def forward_spec(problem) -> KernelSpec:
     bm, bn, bd, warps = blocks(problem)
     t = pointer_type(problem.dtype)
     args = (("q_ptr", t), ("k_ptr", t), ("v_ptr", t), ("o_ptr", t), ("lse_ptr", "*fp32"),
-            ("cu_q_ptr", "*i32"), ("cu_k_ptr", "*i32"), ("SEQ_Q", "i32"), ("SEQ_K", "i32"),
-            ("TOTAL_Q", "i32"), ("scale", "fp32"))
-    return _spec(K.attn_fwd_kernel, args, _common(problem, bm, bn, bd), warps,
-                 maxnreg=WIDE_TILE_REGISTERS if bd >= 128 else None)
+            *_cu_seqlens(problem), ("SEQ_Q", "i32"), ("SEQ_K", "i32"), ("TOTAL_Q", "i32"),
+            ("scale", "fp32"))
+    return KernelSpec.make(K.attn_fwd_kernel, args, _common(problem, bm, bn, bd),
+                           (_rows(problem, bm), problem.batch * problem.heads_q), num_warps=warps,
+                           num_stages=2, maxnreg=WIDE_TILE_REGISTERS if bd >= 128 else None)
 
 
 def backward_specs(problem) -> dict[str, KernelSpec]:
+    """The backward's kernels in launch order: delta, dk/dv, dq."""
     bm, bn, bd, warps = blocks(problem, backward=True)
     t = pointer_type(problem.dtype)
+    cu_q, cu_k = _cu_seqlens(problem)
     seq = (("SEQ_Q", "i32"), ("SEQ_K", "i32"), ("TOTAL_Q", "i32"), ("scale", "fp32"))
-    delta = _spec(K.attn_bwd_delta_kernel,
-                  (("o_ptr", t), ("do_ptr", t), ("delta_ptr", "*fp32"), ("cu_q_ptr", "*i32"),
-                   ("SEQ_Q", "i32"), ("TOTAL_Q", "i32")),
-                  dict(HQ=problem.heads_q, D=problem.head_dim, BM=16, BD=bd, PACKED=problem.packed), 4)
-    dkdv = _spec(K.attn_bwd_dkdv_kernel,
-                 (("q_ptr", t), ("k_ptr", t), ("v_ptr", t), ("do_ptr", t), ("lse_ptr", "*fp32"),
-                  ("delta_ptr", "*fp32"), ("cu_q_ptr", "*i32"), ("cu_k_ptr", "*i32"), ("dk_ptr", t),
-                  ("dv_ptr", t), *seq), _common(problem, bm, bn, bd), warps,
-                 maxnreg=DKDV_REGISTERS if bd >= 128 else None)
-    dq = _spec(K.attn_bwd_dq_kernel,
-               (("q_ptr", t), ("k_ptr", t), ("v_ptr", t), ("do_ptr", t), ("lse_ptr", "*fp32"),
-                ("delta_ptr", "*fp32"), ("cu_q_ptr", "*i32"), ("cu_k_ptr", "*i32"), ("dq_ptr", t),
-                *seq), _common(problem, bm, bn, bd), warps)
+    common = _common(problem, bm, bn, bd)
+    delta = KernelSpec.make(
+        K.attn_bwd_delta_kernel,
+        (("o_ptr", t), ("do_ptr", t), ("delta_ptr", "*fp32"), cu_q, ("SEQ_Q", "i32"),
+         ("TOTAL_Q", "i32")),
+        dict(HQ=problem.heads_q, D=problem.head_dim, BM=DELTA_ROWS, BD=bd, PACKED=problem.packed),
+        (_rows(problem, DELTA_ROWS), problem.batch * problem.heads_q), num_warps=4, num_stages=2)
+    dkdv = KernelSpec.make(
+        K.attn_bwd_dkdv_kernel,
+        (("q_ptr", t), ("k_ptr", t), ("v_ptr", t), ("do_ptr", t), ("lse_ptr", "*fp32"),
+         ("delta_ptr", "*fp32"), cu_q, cu_k, ("dk_ptr", t), ("dv_ptr", t), *seq), common,
+        (triton.cdiv(max(problem.seqlen_k, 1), bn), problem.batch * problem.heads_kv),
+        num_warps=warps, num_stages=2, maxnreg=DKDV_REGISTERS if bd >= 128 else None)
+    dq = KernelSpec.make(
+        K.attn_bwd_dq_kernel,
+        (("q_ptr", t), ("k_ptr", t), ("v_ptr", t), ("do_ptr", t), ("lse_ptr", "*fp32"),
+         ("delta_ptr", "*fp32"), cu_q, cu_k, ("dq_ptr", t), *seq), common,
+        (_rows(problem, bm), problem.batch * problem.heads_q), num_warps=warps, num_stages=2)
     return dict(delta=delta, dkdv=dkdv, dq=dq)
 
 
 # -- the backend surface -----------------------------------------------------------------------
 def unsupported_reason(problem) -> str | None:
-    if problem.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"the Triton attention kernels take bf16/fp16/fp32, not {problem.dtype} (use backend='torch')"
-    return None
-
-
-def forward_workspace_size(problem) -> int:
-    return 0
+    return kernel_dtype_reason("Triton attention kernels", problem.dtype)
 
 
 def backward_workspace(problem) -> Layout:
+    """delta = rowsum(do ∘ o): fp32, one per query row and head (laid out like lse)."""
     rows = problem.heads_q * (problem.total_q if problem.packed else problem.batch * problem.seqlen_q)
     return Layout([("delta", torch.float32, rows)])
 
 
-def backward_workspace_size(problem) -> int:
-    return backward_workspace(problem).size
+def _lengths(problem) -> dict:
+    return dict(SEQ_Q=problem.seqlen_q, SEQ_K=problem.seqlen_k, TOTAL_Q=problem.total_q)
 
 
-def _lengths(problem):
-    return problem.seqlen_q, problem.seqlen_k, problem.total_q
+def forward_program(problem) -> Program:
+    return Program(stages=(Stage(forward_spec(problem), dict(_lengths(problem), scale=problem.scale)),))
 
 
-def forward_launcher(problem):
-    bm, _, _, _ = blocks(problem)
-    grid = (triton.cdiv(max(problem.seqlen_q, 1), bm), problem.batch * problem.heads_q, 1)
-    launch_fwd = make_launcher(forward_spec(problem), grid, problem.device)
-    sq, sk, total_q = _lengths(problem)
-
-    def launch(t, *, stream):
-        cu_q = t["cu_seqlens_q"] if problem.packed else t["lse"]
-        cu_k = t["cu_seqlens_k"] if problem.packed else t["lse"]
-        launch_fwd(t["q"], t["k"], t["v"], t["o"], t["lse"], cu_q, cu_k, sq, sk, total_q,
-                   problem.scale, stream=stream)
-    return launch
-
-
-def backward_launcher(problem):
-    bm, bn, _, _ = blocks(problem, backward=True)
+def backward_program(problem) -> Program:
     specs = backward_specs(problem)
-    rows = (triton.cdiv(max(problem.seqlen_q, 1), bm), problem.batch * problem.heads_q, 1)
-    delta_rows = (triton.cdiv(max(problem.seqlen_q, 1), 16), problem.batch * problem.heads_q, 1)
-    cols = (triton.cdiv(max(problem.seqlen_k, 1), bn), problem.batch * problem.heads_kv, 1)
-    launch_delta = make_launcher(specs["delta"], delta_rows, problem.device)
-    launch_dkdv = make_launcher(specs["dkdv"], cols, problem.device)
-    launch_dq = make_launcher(specs["dq"], rows, problem.device)
-    layout = backward_workspace(problem)
-    sq, sk, total_q = _lengths(problem)
-
-    def launch(t, *, stream):
-        delta = layout.carve(t["workspace"], "delta")
-        cu_q = t["cu_seqlens_q"] if problem.packed else t["lse"]
-        cu_k = t["cu_seqlens_k"] if problem.packed else t["lse"]
-        launch_delta(t["o"], t["do"], delta, cu_q, sq, total_q, stream=stream)
-        launch_dkdv(t["q"], t["k"], t["v"], t["do"], t["lse"], delta, cu_q, cu_k, t["dk"], t["dv"],
-                    sq, sk, total_q, problem.scale, stream=stream)
-        launch_dq(t["q"], t["k"], t["v"], t["do"], t["lse"], delta, cu_q, cu_k, t["dq"], sq, sk,
-                  total_q, problem.scale, stream=stream)
-    return launch
+    delta = workspace_piece("delta")
+    lengths = _lengths(problem)
+    return Program(workspace=backward_workspace(problem), stages=(
+        Stage(specs["delta"], dict(delta_ptr=delta, SEQ_Q=problem.seqlen_q, TOTAL_Q=problem.total_q)),
+        Stage(specs["dkdv"], dict(lengths, delta_ptr=delta, scale=problem.scale)),
+        Stage(specs["dq"], dict(lengths, delta_ptr=delta, scale=problem.scale)),
+    ))
 
 
 # -- decode ------------------------------------------------------------------------------------
@@ -152,90 +133,61 @@ def decode_blocks(problem) -> tuple[int, int, int]:
 
 
 def split_length(problem) -> int:
+    """Key positions per split: the capacity cut into num_splits ranges of whole BN tiles."""
     _, bn, _ = decode_blocks(problem)
     return triton.cdiv(triton.cdiv(problem.capacity, problem.num_splits), bn) * bn
 
 
 def decode_workspace(problem) -> Layout:
+    """The splits' normalised partial outputs [b·h_kv·splits·BM, BD] and lse, fp32."""
     bm, _, bd = decode_blocks(problem)
     parts = problem.batch * problem.heads_kv * problem.num_splits * bm
     return Layout([("o_part", torch.float32, parts * bd), ("lse_part", torch.float32, parts)])
 
 
 def decode_specs(problem) -> dict[str, KernelSpec]:
+    """The decode step's kernels in launch order: append, split, combine."""
     bm, bn, bd = decode_blocks(problem)
     t, ct = pointer_type(problem.dtype), pointer_type(problem.cache_dtype)
-    fp8 = problem.cache_dtype == torch.float8_e4m3fn
+    fp8 = problem.cache_dtype == FP8
+    table = ("block_table_ptr", "*i32" if problem.paged else None)
+    scales = (("k_scale_ptr", "*fp32" if fp8 else None), ("v_scale_ptr", "*fp32" if fp8 else None))
     paging = dict(PAGE=problem.page_size, MAX_PAGES=problem.max_pages, PAGED=problem.paged)
     quant = dict(FP8=fp8, SCALE_PER_HEAD=problem.scale_per_head)
-    from . import attention_decode as DK
-    append = _spec(DK.decode_append_kernel,
-                   (("k_new_ptr", t), ("v_new_ptr", t), ("k_cache_ptr", ct), ("v_cache_ptr", ct),
-                    ("seqlens_ptr", "*i32"), ("table_ptr", "*i32"), ("k_scale_ptr", "*fp32"),
-                    ("v_scale_ptr", "*fp32"), ("T", "i32"), ("CAPACITY", "i32")),
-                   dict(HKV=problem.heads_kv, D=problem.head_dim,
-                        BLOCK=min(1024, triton.next_power_of_2(problem.heads_kv * problem.head_dim)),
-                        EXACT_NEAREST=fp8 and triton_interpreter_active(), **paging, **quant), 4, 1)
-    split = _spec(DK.decode_split_kernel,
-                  (("q_ptr", t), ("k_cache_ptr", ct), ("v_cache_ptr", ct), ("seqlens_ptr", "*i32"),
-                   ("table_ptr", "*i32"), ("k_scale_ptr", "*fp32"), ("v_scale_ptr", "*fp32"),
-                   ("o_part_ptr", "*fp32"), ("lse_part_ptr", "*fp32"), ("T", "i32"),
-                   ("CAPACITY", "i32"), ("scale", "fp32")),
-                  dict(HQ=problem.heads_q, HKV=problem.heads_kv, D=problem.head_dim, BM=bm, BN=bn,
-                       BD=bd, SPLITS=problem.num_splits, SPLIT_LEN=split_length(problem), **paging,
-                       **quant, **_numerics(problem)), 4)
-    combine = _spec(DK.decode_combine_kernel,
-                    (("o_part_ptr", "*fp32"), ("lse_part_ptr", "*fp32"), ("o_ptr", t),
-                     ("lse_ptr", "*fp32"), ("T", "i32")),
-                    dict(HQ=problem.heads_q, HKV=problem.heads_kv, D=problem.head_dim, BM=bm, BD=bd,
-                         SPLITS=problem.num_splits), 4, 1)
+    bk = problem.batch * problem.heads_kv
+    block = min(1024, triton.next_power_of_2(problem.heads_kv * problem.head_dim))
+    append = KernelSpec.make(
+        DK.decode_append_kernel,
+        (("k_new_ptr", t), ("v_new_ptr", t), ("k_cache_ptr", ct), ("v_cache_ptr", ct),
+         ("cache_seqlens_ptr", "*i32"), table, *scales, ("T", "i32"), ("CAPACITY", "i32")),
+        dict(HKV=problem.heads_kv, D=problem.head_dim, BLOCK=block, FP8_MAX=FP8_MAX,
+             EXACT_NEAREST=fp8 and interpreter_active(), **paging, **quant),
+        (problem.batch, problem.tokens, triton.cdiv(problem.heads_kv * problem.head_dim, block)))
+    split = KernelSpec.make(
+        DK.decode_split_kernel,
+        (("q_ptr", t), ("k_cache_ptr", ct), ("v_cache_ptr", ct), ("cache_seqlens_ptr", "*i32"),
+         table, *scales, ("o_part_ptr", "*fp32"), ("lse_part_ptr", "*fp32"), ("T", "i32"),
+         ("CAPACITY", "i32"), ("scale", "fp32")),
+        dict(HQ=problem.heads_q, HKV=problem.heads_kv, D=problem.head_dim, BM=bm, BN=bn, BD=bd,
+             SPLITS=problem.num_splits, SPLIT_LEN=split_length(problem), **paging, **quant,
+             **numerics(problem.dtype)),
+        (bk, problem.num_splits), num_stages=2)
+    combine = KernelSpec.make(
+        DK.decode_combine_kernel,
+        (("o_part_ptr", "*fp32"), ("lse_part_ptr", "*fp32"), ("o_ptr", t), ("lse_ptr", "*fp32"),
+         ("T", "i32")),
+        dict(HQ=problem.heads_q, HKV=problem.heads_kv, D=problem.head_dim, BM=bm, BD=bd,
+             SPLITS=problem.num_splits),
+        (bk,))
     return dict(append=append, split=split, combine=combine)
 
 
-def decode_workspace_size(problem) -> int:
-    return decode_workspace(problem).size
-
-
-def decode_launcher(problem):
+def decode_program(problem) -> Program:
     specs = decode_specs(problem)
-    block = dict(specs["append"].constexprs)["BLOCK"]
-    bk = problem.batch * problem.heads_kv
-    launch_append = make_launcher(specs["append"], (problem.batch, problem.tokens,
-                                  triton.cdiv(problem.heads_kv * problem.head_dim, block)), problem.device)
-    launch_split = make_launcher(specs["split"], (bk, problem.num_splits, 1), problem.device)
-    launch_combine = make_launcher(specs["combine"], (bk, 1, 1), problem.device)
-    layout = decode_workspace(problem)
-    T, capacity = problem.tokens, problem.capacity
-    fp8 = problem.cache_dtype == torch.float8_e4m3fn
-
-    def launch(t, *, stream):
-        o_part, lse_part = layout.carve(t["workspace"], "o_part"), layout.carve(t["workspace"], "lse_part")
-        table = t["block_table"] if problem.paged else t["cache_seqlens"]
-        k_scale = t["k_scale"] if fp8 else t["lse"]
-        v_scale = t["v_scale"] if fp8 else t["lse"]
-        launch_append(t["k_new"], t["v_new"], t["k_cache"], t["v_cache"], t["cache_seqlens"], table,
-                      k_scale, v_scale, T, capacity, stream=stream)
-        launch_split(t["q"], t["k_cache"], t["v_cache"], t["cache_seqlens"], table, k_scale, v_scale,
-                     o_part, lse_part, T, capacity, problem.scale, stream=stream)
-        launch_combine(o_part, lse_part, t["o"], t["lse"], T, stream=stream)
-    return launch
-
-
-def aot_specs():
-    """(label, KernelSpec): training kernels at h_q=32, d=128 (h_kv 8 and 2, causal or not), d=64
-    and d=256; decode (T=1 and 4, contiguous bf16 and paged FP8) at d=128."""
-    from fusedops.attention import AttentionProblem, DecodeAttentionProblem
-    cpu = torch.device("cpu")
-    for hkv, d, causal in ((8, 128, True), (2, 128, False), (8, 64, True), (8, 256, True)):
-        p = AttentionProblem(torch.bfloat16, 4, 4096, 4096, 32, hkv, d, causal, (-1, -1),
-                             d ** -0.5, False, 4 * 4096, 4 * 4096, cpu)
-        label = f"attn hkv{hkv} d{d}{' causal' if causal else ''}"
-        yield f"{label} fwd", forward_spec(p)
-        for name, spec in backward_specs(p).items():
-            yield f"{label} bwd {name}", spec
-    for tokens, paged, cache in ((1, False, torch.bfloat16), (4, True, torch.float8_e4m3fn)):
-        p = DecodeAttentionProblem(torch.bfloat16, cache, 64, tokens, 32, 8, 128, paged,
-                                   64 if paged else 8192, 128 if paged else 1, 8192, 128 ** -0.5,
-                                   paged, 16, cpu)
-        for name, spec in decode_specs(p).items():
-            yield f"decode T{tokens} {'paged fp8' if paged else 'bf16'} {name}", spec
+    parts = dict(o_part_ptr=workspace_piece("o_part"), lse_part_ptr=workspace_piece("lse_part"))
+    sizes = dict(T=problem.tokens, CAPACITY=problem.capacity)
+    return Program(workspace=decode_workspace(problem), stages=(
+        Stage(specs["append"], sizes),
+        Stage(specs["split"], dict(parts, **sizes, scale=problem.scale)),
+        Stage(specs["combine"], dict(parts, T=problem.tokens)),
+    ))

@@ -309,7 +309,7 @@ def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt
                       H: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr, NPB: tl.constexpr,
                       NNB: tl.constexpr, NT: tl.constexpr, NT_POW2: tl.constexpr,
                       HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, VARLEN: tl.constexpr,
-                      SEARCH_STEPS: tl.constexpr):
+                      SEARCH_STEPS: tl.constexpr, SOFTPLUS_THRESHOLD: tl.constexpr):
     """Gathers da_k (the gradient of a_k = dt_k A), then ddt (through the clamp and softplus),
     and the segment's partial sums of dA and ddt_bias, for one (segment, head)."""
     i_sh = tl.program_id(0)
@@ -342,15 +342,15 @@ def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt
     b_ddt = tl.where(m_k, b_direct + A * b_da, 0.0)
     tl.store(dA_part_ptr + p_sh, tl.sum(b_dts * b_da, axis=0))
 
-    # through the dt transform: clamp (passes at the bounds) and softplus (threshold 20)
+    # through the dt transform: clamp (passes at the bounds) and softplus (u above the threshold)
     tok = (start + o_k).to(tl.int64)
     b_u_in = tl.load(dt_ptr + tok * H + i_h, mask=m_k, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b_u_in += tl.load(bias_ptr + i_h)
     if SOFTPLUS:
-        b_val = tl.where(b_u_in > 20.0, b_u_in,
+        b_val = tl.where(b_u_in > SOFTPLUS_THRESHOLD, b_u_in,
                          tl.maximum(b_u_in, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_u_in))))
-        b_ddt *= tl.where(b_u_in > 20.0, 1.0, tl.sigmoid(b_u_in))
+        b_ddt *= tl.where(b_u_in > SOFTPLUS_THRESHOLD, 1.0, tl.sigmoid(b_u_in))
     else:
         b_val = b_u_in
     b_ddt = tl.where((b_val >= dt_min) & (b_val <= dt_max) & m_k, b_ddt, 0.0)

@@ -68,7 +68,7 @@ def ssd_dt_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, cu_ptr, off_ptr, dts_ptr, acum
                          dt_min, dt_max,
                          H: tl.constexpr, Q: tl.constexpr, BLOCK_H: tl.constexpr,
                          HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, VARLEN: tl.constexpr,
-                         SEARCH_STEPS: tl.constexpr):
+                         SEARCH_STEPS: tl.constexpr, SOFTPLUS_THRESHOLD: tl.constexpr):
     i_seg, i_h = tl.program_id(0), tl.program_id(1)
     start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
     o_q = tl.arange(0, Q)
@@ -80,7 +80,8 @@ def ssd_dt_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, cu_ptr, off_ptr, dts_ptr, acum
     if HAS_BIAS:
         b_dt += tl.load(bias_ptr + o_h, mask=m_h, other=0.0)[None, :]
     if SOFTPLUS:
-        b_dt = tl.where(b_dt > 20.0, b_dt, tl.maximum(b_dt, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_dt))))
+        b_dt = tl.where(b_dt > SOFTPLUS_THRESHOLD, b_dt,
+                        tl.maximum(b_dt, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_dt))))
     b_dt = tl.minimum(tl.maximum(b_dt, dt_min), dt_max)
     b_dt = tl.where(m, b_dt, 0.0)
     b_A = tl.load(A_ptr + o_h, mask=m_h, other=0.0)

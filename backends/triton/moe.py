@@ -1,5 +1,12 @@
-"""Routed ReLU2 experts: specialisations, buffer layouts and launch sequences of the Triton
-kernels in moe_kernels.py."""
+"""Routed ReLU2 experts: specialisations, buffer layouts and programs of the Triton kernels in
+moe_kernels.py (fusedops.moe.contract).
+
+Forward: the dispatch (count, scan, offsets, scatter), the up and down grouped GEMMs (and the
+shared expert's dense ones), the fixed-order combine. Backward: the down and up dgrad GEMMs, the
+routing-weight gradient's fixed-order sum, the weight-gradient GEMMs (and the shared expert's),
+the combine. Operands a program does not have (the shared expert's buffers, u in an inference
+forward, the routing weights of an unweighted GEMM) are compiled out, never aliased.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +15,23 @@ import math
 import torch
 import triton
 
-from fusedops._backend import triton_interpreter_active
-from fusedops._workspace import Layout
+from fusedops.core.dtypes import kernel_dtype_reason
+from fusedops.core.program import Program, Stage, saved_piece, workspace_piece
+from fusedops.core.workspace import EMPTY, Layout
 
 from . import moe_kernels as K
-from .compiler import KernelSpec, make_launcher, pointer_type
+from .runtime import KernelSpec, numerics, pointer_type
 
 BLOCK_A = 256        # assignments per dispatch program
 EXPERT_CHUNK = 32    # experts per one-hot tile in the dispatch
 SCAN_BLOCKS = 64     # dispatch blocks per step of the prefix scan
 GROUP_M = 8          # row tiles per L2 group of the grouped GEMM
+REDUCE_BLOCK = 256   # assignments per program of the routing-weight gradient's sum
+COMBINE_ROWS = 16    # tokens per combine program
+
+# moe_kernels' epilogues and operand row sources
+EPI_UP, EPI_SCATTER, EPI_DGRAD_ACT = 0, 1, 2
+BY_ROW, BY_TOKEN, BY_ASSIGNMENT = 0, 1, 2
 
 
 def row_tile(problem) -> int:
@@ -54,6 +68,7 @@ def _dispatch_pieces(problem):
             ("sorted", torch.int32, max_rows(problem))]
 
 
+# -- buffer layouts --------------------------------------------------------------------------------
 def saved_layout(problem) -> Layout:
     """The dispatch (counts [E], offsets [E + 1], sorted [max_rows] int32) and u in x's dtype:
     [t·k, I] by assignment, and [t, I_shared] for the shared expert."""
@@ -95,16 +110,11 @@ def backward_workspace(problem) -> Layout:
         ("shared_dx", torch.float32, t * H if problem.has_shared else 0)])
 
 
-# -- specialisations -----------------------------------------------------------------------------
+# -- specialisations -------------------------------------------------------------------------------
 def _numerics(problem) -> dict:
-    bf16_interpreted = triton_interpreter_active() and problem.dtype == torch.bfloat16
-    return dict(UPCAST=bf16_interpreted, IEEE=problem.dtype == torch.float32, EXACT=bf16_interpreted)
-
-
-def _spec(kernel, args, constexprs, warps, stages=1) -> KernelSpec:
-    aligned = tuple(n for n, t in args if t.startswith("*") and n != "ids_ptr")
-    return KernelSpec(kernel, tuple(args) + tuple((k, "constexpr") for k in constexprs),
-                      tuple(constexprs.items()), aligned=aligned, num_warps=warps, num_stages=stages)
+    """UPCAST/IEEE, and EXACT: round to bf16 explicitly where the interpreter truncates."""
+    flags = numerics(problem.dtype)
+    return dict(flags, EXACT=flags["UPCAST"])
 
 
 def _gemm_blocks(problem, kdim: int, ndim: int, bm: int) -> tuple[int, int, int, int]:
@@ -118,31 +128,63 @@ def _dense_tile(problem) -> int:
     return min(128, max(16, triton.next_power_of_2(problem.tokens)))
 
 
-def gemm_spec(problem, *, routed: bool, kdim: int, ndim: int, strides, epilogue: int,
-              a_by_token: bool, weighted: bool = False, save_u: bool = False,
-              out_dtype=None) -> KernelSpec:
+def _weight_strides(problem, shared: bool) -> dict[str, tuple[int, int, int]]:
+    """(W_up as [k = H, n = I], W_down as [k = I, n = H], W_down as [k = H, n = I],
+    W_up as [k = I, n = H]) strides (expert, k, n)."""
+    H, I = problem.hidden, problem.shared_intermediate if shared else problem.intermediate
+    return dict(up=(I * H, 1, H), down=(H * I, 1, I), down_t=(H * I, I, 1), up_t=(I * H, H, 1))
+
+
+def _dispatch_bind(home) -> dict:
+    return dict(sorted_ptr=home("sorted"), offsets_ptr=home("offsets"), counts_ptr=home("counts"))
+
+
+def gemm_stage(problem, *, routed: bool, kdim: int, ndim: int, strides, epilogue: int,
+               a_by_token: bool, a, b, out, out_dtype=None, weighted: bool = False, u=None,
+               part=None, home=saved_piece) -> Stage:
+    """One grouped GEMM launch: A (``a``, gathered by token or read by row) times W[e] (``b``
+    through ``strides``) into ``out`` with ``epilogue`` (EPI_*). ``u``: the u buffer
+    the epilogue writes (EPI_UP) or reads (EPI_DGRAD_ACT); ``part``: the <g, a> partials;
+    ``weighted``: scale by the routing weights; ``home``: where the dispatch lives. Absent
+    operands are compiled out."""
     bm = row_tile(problem) if routed else _dense_tile(problem)
     bm, bn, bk, warps = _gemm_blocks(problem, kdim, ndim, bm)
     t = pointer_type(problem.dtype)
-    args = (("a_ptr", t), ("b_ptr", t), ("sorted_ptr", "*i32"), ("offsets_ptr", "*i32"),
-            ("counts_ptr", "*i32"), ("weight_ptr", "*fp32"), ("u_ptr", t),
-            ("out_ptr", pointer_type(out_dtype or problem.dtype)), ("part_ptr", "*fp32"),
-            ("T", "i32"), ("M_TILES", "i32"))
+    index = "*i32" if routed else None
+    args = (("a_ptr", t), ("b_ptr", t), ("sorted_ptr", index), ("offsets_ptr", index),
+            ("counts_ptr", index), ("weight_ptr", "*fp32" if weighted else None),
+            ("u_ptr", None if u is None else t),
+            ("out_ptr", pointer_type(out_dtype or problem.dtype)),
+            ("part_ptr", None if part is None else "*fp32"), ("T", "i32"), ("M_TILES", "i32"))
     be, bks, bns = strides
     const = dict(K_TOP=problem.top_k if routed else 1, E=problem.experts if routed else 1,
                  KDIM=kdim, NDIM=ndim, STRIDE_BE=be, STRIDE_BK=bks, STRIDE_BN=bns, ROUTED=routed,
-                 A_BY_TOKEN=a_by_token, EPILOGUE=epilogue, WEIGHTED=weighted, SAVE_U=save_u,
-                 BM=bm, BN=bn, BK=bk, GROUP_M=GROUP_M,
+                 A_BY_TOKEN=a_by_token, EPILOGUE=epilogue, WEIGHTED=weighted,
+                 SAVE_U=epilogue == EPI_UP and u is not None, BM=bm, BN=bn, BK=bk, GROUP_M=GROUP_M,
                  STEPS=max(1, math.ceil(math.log2(max(problem.experts, 2)))) + 1,
                  **_numerics(problem))
-    return _spec(K.moe_gemm_kernel, args, const, warps, stages=3)
+    m_tiles = triton.cdiv(max_rows(problem) if routed else problem.tokens, bm)
+    spec = KernelSpec.make(K.moe_gemm_kernel, args, const, (m_tiles * triton.cdiv(ndim, bn),),
+                           num_warps=warps, num_stages=3)
+    bind = dict(a_ptr=a, b_ptr=b, out_ptr=out, T=problem.tokens, M_TILES=m_tiles)
+    if routed:
+        bind.update(_dispatch_bind(home))
+    if weighted:
+        bind["weight_ptr"] = "topk_weights"
+    if u is not None:
+        bind["u_ptr"] = u
+    if part is not None:
+        bind["part_ptr"] = part
+    return Stage(spec, bind)
 
 
-def wgrad_spec(problem, *, routed: bool, m: int, n: int, p_source: int, p_weighted: bool,
-               q_source: int, q_relu2: bool) -> KernelSpec:
+def wgrad_stage(problem, *, routed: bool, m: int, n: int, p_source: int, p_weighted: bool,
+                q_source: int, q_relu2: bool, p, q, grad) -> Stage:
+    """grad[e] (+)= sum over e's rows of P[row, m] · Q[row, n] (rows of P and Q: BY_*)."""
     t = pointer_type(problem.dtype)
-    args = (("p_ptr", t), ("q_ptr", t), ("sorted_ptr", "*i32"), ("offsets_ptr", "*i32"),
-            ("counts_ptr", "*i32"), ("weight_ptr", "*fp32"),
+    index = "*i32" if routed else None
+    args = (("p_ptr", t), ("q_ptr", t), ("sorted_ptr", index), ("offsets_ptr", index),
+            ("counts_ptr", index), ("weight_ptr", "*fp32" if p_weighted else None),
             ("grad_ptr", pointer_type(problem.weight_grad_dtype)), ("T", "i32"))
     bm = min(128, max(16, triton.next_power_of_2(m)))
     bn = min(128, max(16, triton.next_power_of_2(n)))
@@ -150,228 +192,136 @@ def wgrad_spec(problem, *, routed: bool, m: int, n: int, p_source: int, p_weight
                  N=n, ROUTED=routed, P_SOURCE=p_source, P_WEIGHTED=p_weighted, Q_SOURCE=q_source,
                  Q_RELU2=q_relu2, ACCUMULATE=problem.accumulate, BM=bm, BN=bn,
                  BK=16 if problem.dtype == torch.float32 else 32, **_numerics(problem))
-    return _spec(K.moe_wgrad_kernel, args, const, 8 if bm * bn >= 128 * 128 else 4, stages=3)
+    grid = (const["E"], triton.cdiv(m, bm), triton.cdiv(n, bn))
+    spec = KernelSpec.make(K.moe_wgrad_kernel, args, const, grid,
+                           num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3)
+    bind = dict(p_ptr=p, q_ptr=q, grad_ptr=grad, T=problem.tokens)
+    if routed:
+        bind.update(_dispatch_bind(saved_piece))
+    if p_weighted:
+        bind["weight_ptr"] = "topk_weights"
+    return Stage(spec, bind)
 
 
-def dispatch_specs(problem) -> dict[str, KernelSpec]:
+def dispatch_stages(problem, home) -> tuple[Stage, ...]:
+    """count, scan, offsets, scatter: topk_ids -> counts, offsets, sorted (in ``home``)."""
     E, chunk, e_pad = problem.experts, _expert_chunk(problem), _experts_padded(problem)
     block = dict(E=E, E_PAD=e_pad, EC=chunk, BLOCK_A=BLOCK_A)
-    return dict(
-        count=_spec(K.moe_count_kernel, (("ids_ptr", "*i32"), ("part_ptr", "*i32"), ("A", "i32")),
-                    block, 4),
-        scan=_spec(K.moe_scan_kernel, (("part_ptr", "*i32"), ("counts_ptr", "*i32"), ("NB", "i32")),
-                   dict(E=E, E_PAD=e_pad, EC=chunk, BB=SCAN_BLOCKS), 4),
-        offsets=_spec(K.moe_offsets_kernel, (("counts_ptr", "*i32"), ("offsets_ptr", "*i32")),
-                      dict(E=E, EP=triton.next_power_of_2(E), TILE=row_tile(problem)), 4),
-        scatter=_spec(K.moe_scatter_kernel,
-                      (("ids_ptr", "*i32"), ("part_ptr", "*i32"), ("offsets_ptr", "*i32"),
-                       ("sorted_ptr", "*i32"), ("A", "i32")), block, 4))
+    blocks = (_dispatch_blocks(problem),)
+    part, A = workspace_piece("part"), problem.assignments
+    count = KernelSpec.make(K.moe_count_kernel, (("ids_ptr", "*i32"), ("part_ptr", "*i32"),
+                                                 ("A", "i32")), block, blocks)
+    scan = KernelSpec.make(K.moe_scan_kernel, (("part_ptr", "*i32"), ("counts_ptr", "*i32"),
+                                               ("NB", "i32")),
+                           dict(E=E, E_PAD=e_pad, EC=chunk, BB=SCAN_BLOCKS), (e_pad // chunk,))
+    offsets = KernelSpec.make(K.moe_offsets_kernel,
+                              (("counts_ptr", "*i32"), ("offsets_ptr", "*i32")),
+                              dict(E=E, EP=triton.next_power_of_2(E), TILE=row_tile(problem)), (1,))
+    scatter = KernelSpec.make(K.moe_scatter_kernel,
+                              (("ids_ptr", "*i32"), ("part_ptr", "*i32"), ("offsets_ptr", "*i32"),
+                               ("sorted_ptr", "*i32"), ("A", "i32")), block, blocks)
+    return (Stage(count, dict(ids_ptr="topk_ids", part_ptr=part, A=A)),
+            Stage(scan, dict(part_ptr=part, counts_ptr=home("counts"), NB=blocks[0])),
+            Stage(offsets, dict(counts_ptr=home("counts"), offsets_ptr=home("offsets"))),
+            Stage(scatter, dict(ids_ptr="topk_ids", part_ptr=part, offsets_ptr=home("offsets"),
+                                sorted_ptr=home("sorted"), A=A)))
 
 
-def combine_spec(problem) -> KernelSpec:
+def combine_stage(problem, buf, shared, out: str) -> Stage:
+    """out[t] = the sum over j (in order) of the fp32 rows ``buf`` (+ ``shared``), rounded once."""
     bh = min(256, max(16, triton.next_power_of_2(problem.hidden)))
-    return _spec(K.moe_combine_kernel,
-                 (("buf_ptr", "*fp32"), ("shared_ptr", "*fp32"), ("ids_ptr", "*i32"),
-                  ("out_ptr", pointer_type(problem.dtype)), ("T", "i32")),
-                 dict(K_TOP=problem.top_k, E=problem.experts, H=problem.hidden,
-                      HAS_SHARED=problem.has_shared, BT=16, BH=bh,
-                      EXACT=_numerics(problem)["EXACT"]), 4)
-
-
-def _weight_strides(problem, shared: bool):
-    """(W_up as [k = H, n = I], W_down as [k = I, n = H], W_down as [k = H, n = I],
-    W_up as [k = I, n = H]) strides (expert, k, n)."""
-    H, I = problem.hidden, problem.shared_intermediate if shared else problem.intermediate
-    return dict(up=(I * H, 1, H), down=(H * I, 1, I), down_t=(H * I, I, 1), up_t=(I * H, H, 1))
-
-
-def forward_specs(problem) -> dict[str, KernelSpec]:
-    H, I, Is = problem.hidden, problem.intermediate, problem.shared_intermediate
-    save = not problem.is_inference
-    specs = dispatch_specs(problem)
-    st = _weight_strides(problem, False)
-    specs["up"] = gemm_spec(problem, routed=True, kdim=H, ndim=I, strides=st["up"],
-                            epilogue=0, a_by_token=True, save_u=save)
-    specs["down"] = gemm_spec(problem, routed=True, kdim=I, ndim=H, strides=st["down"],
-                              epilogue=1, a_by_token=False, weighted=True, out_dtype=torch.float32)
+    args = (("buf_ptr", "*fp32"), ("shared_ptr", "*fp32" if problem.has_shared else None),
+            ("ids_ptr", "*i32"), ("out_ptr", pointer_type(problem.dtype)), ("T", "i32"))
+    const = dict(K_TOP=problem.top_k, E=problem.experts, H=problem.hidden,
+                 HAS_SHARED=problem.has_shared, BT=COMBINE_ROWS, BH=bh,
+                 EXACT=_numerics(problem)["EXACT"])
+    grid = (triton.cdiv(problem.tokens, COMBINE_ROWS), triton.cdiv(problem.hidden, bh))
+    spec = KernelSpec.make(K.moe_combine_kernel, args, const, grid)
+    bind = dict(buf_ptr=buf, ids_ptr="topk_ids", out_ptr=out, T=problem.tokens)
     if problem.has_shared:
-        st = _weight_strides(problem, True)
-        specs["shared_up"] = gemm_spec(problem, routed=False, kdim=H, ndim=Is, strides=st["up"],
-                                       epilogue=0, a_by_token=True, save_u=save)
-        specs["shared_down"] = gemm_spec(problem, routed=False, kdim=Is, ndim=H,
-                                         strides=st["down"], epilogue=1, a_by_token=False,
-                                         out_dtype=torch.float32)
-    specs["combine"] = combine_spec(problem)
-    return specs
+        bind["shared_ptr"] = shared
+    return Stage(spec, bind)
 
 
-def backward_specs(problem) -> dict[str, KernelSpec]:
-    H, I, Is = problem.hidden, problem.intermediate, problem.shared_intermediate
-    specs = {}
-    for prefix, routed, inter in (("", True, I), ("shared_", False, Is)):
-        if not routed and not problem.has_shared:
-            continue
-        st = _weight_strides(problem, not routed)
-        specs[prefix + "dgrad_down"] = gemm_spec(problem, routed=routed, kdim=H, ndim=inter,
-                                                 strides=st["down_t"], epilogue=2,
-                                                 a_by_token=True, weighted=routed)
-        specs[prefix + "dgrad_up"] = gemm_spec(problem, routed=routed, kdim=inter, ndim=H,
-                                               strides=st["up_t"], epilogue=1, a_by_token=False,
-                                               out_dtype=torch.float32)
-        specs[prefix + "wgrad_down"] = wgrad_spec(problem, routed=routed, m=H, n=inter,
-                                                  p_source=1, p_weighted=routed, q_source=2,
-                                                  q_relu2=True)
-        specs[prefix + "wgrad_up"] = wgrad_spec(problem, routed=routed, m=inter, n=H, p_source=0,
-                                                p_weighted=False, q_source=1, q_relu2=False)
-    specs["weight_grad_reduce"] = _spec(
-        K.moe_weight_grad_reduce_kernel,
-        (("part_ptr", "*fp32"), ("ids_ptr", "*i32"), ("dw_ptr", "*fp32"), ("A", "i32")),
-        dict(E=problem.experts, PARTS=_column_tiles(problem), BLOCK=256), 4)
-    specs["combine"] = combine_spec(problem)
-    return specs
+def weight_grad_reduce_stage(problem) -> Stage:
+    """d_topk_weights[a] = the sum over the column tiles (in order) of the <g, a> partials."""
+    spec = KernelSpec.make(K.moe_weight_grad_reduce_kernel,
+                           (("part_ptr", "*fp32"), ("ids_ptr", "*i32"), ("dw_ptr", "*fp32"),
+                            ("A", "i32")),
+                           dict(E=problem.experts, PARTS=_column_tiles(problem),
+                                BLOCK=REDUCE_BLOCK),
+                           (triton.cdiv(problem.assignments, REDUCE_BLOCK),))
+    return Stage(spec, dict(part_ptr=workspace_piece("dw_part"), ids_ptr="topk_ids",
+                            dw_ptr="d_topk_weights", A=problem.assignments))
 
 
-# -- the backend surface -------------------------------------------------------------------------
+# -- the backend surface ---------------------------------------------------------------------------
 def unsupported_reason(problem) -> str | None:
-    if problem.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        return f"the Triton MoE kernels take bf16/fp16/fp32, not {problem.dtype} (use backend='torch')"
-    return None
+    return kernel_dtype_reason("Triton MoE kernels", problem.dtype)
 
 
-def saved_size(problem) -> int:
-    return saved_layout(problem).size
+def _expert_forward_stages(problem, shared: bool, home) -> list[Stage]:
+    """The up GEMM (u saved unless is_inference, relu(u)² to the workspace) and the down GEMM
+    (fp32 rows, weighted when routed) of the routed experts or of the shared expert."""
+    H = problem.hidden
+    inter = problem.shared_intermediate if shared else problem.intermediate
+    routed = not shared
+    pre = "shared_" if shared else ""
+    ws = workspace_piece
+    st = _weight_strides(problem, shared)
+    u = None if problem.is_inference else saved_piece(pre + "u")
+    return [
+        gemm_stage(problem, routed=routed, kdim=H, ndim=inter, strides=st["up"], epilogue=EPI_UP,
+                   a_by_token=True, a="x", b=pre + "w_up", out=ws(pre + "act"), u=u, home=home),
+        gemm_stage(problem, routed=routed, kdim=inter, ndim=H, strides=st["down"],
+                   epilogue=EPI_SCATTER, a_by_token=False, a=ws(pre + "act"), b=pre + "w_down",
+                   out=ws(pre + "y"), out_dtype=torch.float32, weighted=routed, home=home)]
 
 
-def forward_workspace_size(problem) -> int:
-    return forward_workspace(problem).size
+def forward_program(problem) -> Program:
+    home = workspace_piece if problem.is_inference else saved_piece
+    stages = [*dispatch_stages(problem, home), *_expert_forward_stages(problem, False, home)]
+    if problem.has_shared:
+        stages += _expert_forward_stages(problem, True, home)
+    stages.append(combine_stage(problem, workspace_piece("y"), workspace_piece("shared_y"), "out"))
+    return Program(workspace=forward_workspace(problem),
+                   saved=EMPTY if problem.is_inference else saved_layout(problem),
+                   stages=tuple(stages))
 
 
-def backward_workspace_size(problem) -> int:
-    return backward_workspace(problem).size
+def _expert_backward_stages(problem, shared: bool) -> list[Stage]:
+    """dgrad down, dgrad up (and, routed, the routing-weight gradient), wgrad down, wgrad up of
+    the routed experts or of the shared expert."""
+    H = problem.hidden
+    inter = problem.shared_intermediate if shared else problem.intermediate
+    routed = not shared
+    pre = "shared_" if shared else ""
+    ws, u = workspace_piece, saved_piece(pre + "u")
+    st = _weight_strides(problem, shared)
+    stages = [
+        gemm_stage(problem, routed=routed, kdim=H, ndim=inter, strides=st["down_t"],
+                   epilogue=EPI_DGRAD_ACT, a_by_token=True, a="d_out", b=pre + "w_down",
+                   out=ws(pre + "d_u"), weighted=routed, u=u,
+                   part=ws("dw_part") if routed else None),
+        gemm_stage(problem, routed=routed, kdim=inter, ndim=H, strides=st["up_t"],
+                   epilogue=EPI_SCATTER, a_by_token=False, a=ws(pre + "d_u"), b=pre + "w_up",
+                   out=ws(pre + "dx"), out_dtype=torch.float32)]
+    if routed:
+        stages.append(weight_grad_reduce_stage(problem))
+    stages += [
+        wgrad_stage(problem, routed=routed, m=H, n=inter, p_source=BY_TOKEN, p_weighted=routed,
+                    q_source=BY_ASSIGNMENT, q_relu2=True, p="d_out", q=u, grad=f"d_{pre}w_down"),
+        wgrad_stage(problem, routed=routed, m=inter, n=H, p_source=BY_ROW, p_weighted=False,
+                    q_source=BY_TOKEN, q_relu2=False, p=ws(pre + "d_u"), q="x",
+                    grad=f"d_{pre}w_up")]
+    return stages
 
 
-def _gemm_grid(problem, spec: KernelSpec, routed: bool) -> tuple[tuple[int, int, int], int]:
-    c = dict(spec.constexprs)
-    rows = max_rows(problem) if routed else problem.tokens
-    m_tiles = triton.cdiv(rows, c["BM"])
-    return (m_tiles * triton.cdiv(c["NDIM"], c["BN"]), 1, 1), m_tiles
-
-
-def _wgrad_grid(spec: KernelSpec) -> tuple[int, int, int]:
-    c = dict(spec.constexprs)
-    return (c["E"], triton.cdiv(c["M"], c["BM"]), triton.cdiv(c["N"], c["BN"]))
-
-
-class _Launchers:
-    """make_launcher over a dict of specs, GEMMs on their (grid, row tiles)."""
-
-    def __init__(self, problem, specs):
-        self.fn, self.m_tiles = {}, {}
-        for name, spec in specs.items():
-            kernel = spec.kernel
-            if kernel is K.moe_gemm_kernel:
-                grid, self.m_tiles[name] = _gemm_grid(problem, spec, dict(spec.constexprs)["ROUTED"])
-            elif kernel is K.moe_wgrad_kernel:
-                grid = _wgrad_grid(spec)
-            elif kernel in (K.moe_count_kernel, K.moe_scatter_kernel):
-                grid = (_dispatch_blocks(problem), 1, 1)
-            elif kernel is K.moe_scan_kernel:
-                grid = (_experts_padded(problem) // _expert_chunk(problem), 1, 1)
-            elif kernel is K.moe_offsets_kernel:
-                grid = (1, 1, 1)
-            elif kernel is K.moe_combine_kernel:
-                c = dict(spec.constexprs)
-                grid = (triton.cdiv(problem.tokens, c["BT"]), triton.cdiv(problem.hidden, c["BH"]), 1)
-            else:
-                grid = (triton.cdiv(problem.assignments, dict(spec.constexprs)["BLOCK"]), 1, 1)
-            self.fn[name] = make_launcher(spec, grid, problem.device)
-
-    def gemm(self, name, *args, stream):
-        self.fn[name](*args, self.m_tiles[name], stream=stream)
-
-
-def _run_dispatch(run, problem, ids, part, d, *, stream):
-    A = problem.assignments
-    run.fn["count"](ids, part, A, stream=stream)
-    run.fn["scan"](part, d["counts"], _dispatch_blocks(problem), stream=stream)
-    run.fn["offsets"](d["counts"], d["offsets"], stream=stream)
-    run.fn["scatter"](ids, part, d["offsets"], d["sorted"], A, stream=stream)
-
-
-def forward_launcher(problem):
-    run = _Launchers(problem, forward_specs(problem))
-    ws_layout, saved = forward_workspace(problem), saved_layout(problem)
-    T = problem.tokens
-
-    def launch(t, *, stream):
-        ws = t["workspace"]
-        w = {k: ws_layout.carve(ws, k) for k in ws_layout.offsets}
-        home = w if problem.is_inference else {k: saved.carve(t["saved"], k) for k in saved.offsets}
-        d = {k: home[k] for k in ("counts", "offsets", "sorted")}
-        ids, weights, x = t["topk_ids"], t["topk_weights"], t["x"]
-        u = home.get("u", x)
-        _run_dispatch(run, problem, ids, w["part"], d, stream=stream)
-        dispatch = (d["sorted"], d["offsets"], d["counts"], weights)
-        run.gemm("up", x, t["w_up"], *dispatch, u, w["act"], weights, T, stream=stream)
-        run.gemm("down", w["act"], t["w_down"], *dispatch, x, w["y"], weights, T, stream=stream)
-        shared_y = w["y"]
-        if problem.has_shared:
-            shared_y = w["shared_y"]
-            run.gemm("shared_up", x, t["shared_w_up"], *dispatch, home.get("shared_u", x),
-                     w["shared_act"], weights, T, stream=stream)
-            run.gemm("shared_down", w["shared_act"], t["shared_w_down"], *dispatch, x, shared_y,
-                     weights, T, stream=stream)
-        run.fn["combine"](w["y"], shared_y, ids, t["out"], T, stream=stream)
-    return launch
-
-
-def backward_launcher(problem):
-    run = _Launchers(problem, backward_specs(problem))
-    ws_layout, saved = backward_workspace(problem), saved_layout(problem)
-    T = problem.tokens
-
-    def launch(t, *, stream):
-        w = {k: ws_layout.carve(t["workspace"], k) for k in ws_layout.offsets}
-        s = {k: saved.carve(t["saved"], k) for k in saved.offsets}
-        ids, weights, x, d_out = t["topk_ids"], t["topk_weights"], t["x"], t["d_out"]
-        dispatch = (s["sorted"], s["offsets"], s["counts"], weights)
-        run.gemm("dgrad_down", d_out, t["w_down"], *dispatch, s["u"], w["d_u"], w["dw_part"], T,
-                 stream=stream)
-        run.gemm("dgrad_up", w["d_u"], t["w_up"], *dispatch, x, w["dx"], w["dw_part"], T,
-                 stream=stream)
-        run.fn["weight_grad_reduce"](w["dw_part"], ids, t["d_topk_weights"], problem.assignments,
-                                     stream=stream)
-        run.fn["wgrad_down"](d_out, s["u"], *dispatch, t["d_w_down"], T, stream=stream)
-        run.fn["wgrad_up"](w["d_u"], x, *dispatch, t["d_w_up"], T, stream=stream)
-        shared_dx = w["dx"]
-        if problem.has_shared:
-            shared_dx = w["shared_dx"]
-            run.gemm("shared_dgrad_down", d_out, t["shared_w_down"], *dispatch, s["shared_u"],
-                     w["shared_d_u"], w["dw_part"], T, stream=stream)
-            run.gemm("shared_dgrad_up", w["shared_d_u"], t["shared_w_up"], *dispatch, x, shared_dx,
-                     w["dw_part"], T, stream=stream)
-            run.fn["shared_wgrad_down"](d_out, s["shared_u"], *dispatch, t["d_shared_w_down"], T,
-                                        stream=stream)
-            run.fn["shared_wgrad_up"](w["shared_d_u"], x, *dispatch, t["d_shared_w_up"], T,
-                                      stream=stream)
-        run.fn["combine"](w["dx"], shared_dx, ids, t["d_x"], T, stream=stream)
-    return launch
-
-
-def aot_specs():
-    """Every kernel at Nemotron 3 Nano shapes (H=2688, E=128, k=6, I=1856, shared 3712) for
-    t=8192 (row tile 128) and t=64 (decode-sized, tile 16), and at Super's expert shapes (latent
-    1024, E=512, k=22, I=2688, t=8192)."""
-    from fusedops.moe import MoEProblem
-    cpu = torch.device("cpu")
-    nano = MoEProblem(torch.bfloat16, 8192, 2688, 128, 1856, 6, 3712, False, True, torch.float32, cpu)
-    variants = (("nano t8192", nano, True),
-                ("nano t64", MoEProblem(**{**nano.__dict__, "tokens": 64}), False),
-                ("super t8192", MoEProblem(torch.bfloat16, 8192, 1024, 512, 2688, 22, 0, False,
-                                           True, torch.float32, cpu), True))
-    for label, problem, backward in variants:
-        specs = dict(forward_specs(problem))
-        if backward:
-            specs.update({f"bwd {k}": v for k, v in backward_specs(problem).items()})
-        for name, spec in specs.items():
-            yield f"moe {label} {name}", spec
+def backward_program(problem) -> Program:
+    stages = _expert_backward_stages(problem, shared=False)
+    if problem.has_shared:
+        stages += _expert_backward_stages(problem, shared=True)
+    stages.append(combine_stage(problem, workspace_piece("dx"), workspace_piece("shared_dx"),
+                                "d_x"))
+    return Program(workspace=backward_workspace(problem), saved=saved_layout(problem),
+                   stages=tuple(stages))

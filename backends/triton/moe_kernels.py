@@ -18,6 +18,11 @@ d_out: gathered) or by row (act, d_u); B is W[e] through strides, so one kernel 
     backward down   d_out[tok] · W_down[e]    epilogue DGRAD_ACT: d_u[r] and <g, a> partials
     backward up     d_u[r]     · W_up[e]      epilogue SCATTER:   dx_buf[a] (fp32)
 and, with ROUTED = False (one expert, row = token = assignment), the shared expert.
+
+Operands a launch does not have are constexpr None (the dispatch of a dense GEMM, the routing
+weights of an unweighted one, u where nothing saves it, the <g, a> partials outside the routed
+dgrad, the shared expert's rows in the combine): each kernel touches a pointer only under the
+flag that says it is present (ROUTED, WEIGHTED / P_WEIGHTED, SAVE_U, EPILOGUE, HAS_SHARED).
 """
 
 import triton

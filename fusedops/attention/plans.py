@@ -54,13 +54,15 @@ class _AttentionPlan(Plan):
             raise ValidationError(f"q: expected a head dim in [1, {MAX_HEAD_DIM}], got {d}")
         if packed:
             if cq is None or ck is None:
-                raise ValidationError("cu_seqlens_q, cu_seqlens_k: expected both for packed sequences, got one")
+                raise ValidationError(
+                    "cu_seqlens_q, cu_seqlens_k: expected both for packed sequences, got one")
             expect_dtype("cu_seqlens_q", cq, (torch.int32,))
             expect_ndim("cu_seqlens_q", cq, 1, "[nseq + 1]")
             expect_dtype("cu_seqlens_k", ck, (torch.int32,))
             expect_shape("cu_seqlens_k", ck, cq.shape, "[nseq + 1] like cu_seqlens_q")
             if cq.shape[0] < 2:
-                raise ValidationError(f"cu_seqlens_q: expected [nseq + 1] with nseq >= 1, got {list(cq.shape)}")
+                raise ValidationError(
+                    f"cu_seqlens_q: expected [nseq + 1] with nseq >= 1, got {list(cq.shape)}")
             for name, value, total in (("max_seqlen_q", max_seqlen_q, q.shape[0]),
                                        ("max_seqlen_k", max_seqlen_k, k.shape[0])):
                 if value is None or not value <= total:
@@ -219,7 +221,8 @@ class GQAAttentionDecode(Plan):
         k_cache, v_cache: contiguous [b, capacity, h_kv, d], or paged [num_pages, page_size,
             h_kv, d] (page_size a multiple of 16) with block_table [b, max_pages] int32; q's dtype,
             or float8_e4m3fn with k_scale, v_scale fp32 [1] (per tensor) or [h_kv] (per KV head):
-            the cache holds value / scale, saturated to +-448. Read and written in place.
+            the cache holds value / scale, saturated to +-448 (floating tensors 16-byte
+            aligned, the scales too). Read and written in place.
         cache_seqlens: [b] int32 on the device: keys already in each row's cache. The new tokens
             go to positions cache_seqlens .. cache_seqlens + T - 1 (not past the capacity);
             cache_seqlens itself is not advanced (the caller does, as with flash_attn_with_kvcache).
@@ -242,7 +245,7 @@ class GQAAttentionDecode(Plan):
     operands = (*inputs("q", "k_new", "v_new"), *updated("k_cache", "v_cache"),
                 *indices("cache_seqlens"), *outputs("o", "lse"),
                 *indices("block_table", optional=True),
-                *inputs("k_scale", "v_scale", optional=True, alignment=4))
+                *inputs("k_scale", "v_scale", optional=True))
     options = (Option("softmax_scale", softmax_scale, None),
                Option("num_splits", optional(functools.partial(expect_int, minimum=1)), None))
     returns = ("o", "lse")
@@ -276,13 +279,15 @@ class GQAAttentionDecode(Plan):
         expect_dtype("v_cache", vc, (kc.dtype,))
         expect_shape("v_cache", vc, kc.shape, "like k_cache")
         if kc.shape[2:] != (hkv, d):
-            raise ValidationError(f"k_cache: expected [..., h_kv, d] = [..., {hkv}, {d}], got {list(kc.shape)}")
+            raise ValidationError(
+                f"k_cache: expected [..., h_kv, d] = [..., {hkv}, {d}], got {list(kc.shape)}")
         table = descs.get("block_table")
         if table is not None:
             expect_dtype("block_table", table, (torch.int32,))
             expect_ndim("block_table", table, 2, "[b, max_pages]")
             if table.shape[0] != b:
-                raise ValidationError(f"block_table: expected [b, max_pages] with b = {b}, got {list(table.shape)}")
+                raise ValidationError(
+                    f"block_table: expected [b, max_pages] with b = {b}, got {list(table.shape)}")
             page_size, max_pages = kc.shape[1], table.shape[1]
             if page_size % PAGE_MULTIPLE:
                 raise ValidationError(f"k_cache: expected a page size that is a multiple of "
@@ -316,10 +321,12 @@ class GQAAttentionDecode(Plan):
             return False
         for name in ("k_scale", "v_scale"):
             if name not in descs:
-                raise ValidationError(f"{name}: expected an fp32 tensor [1] or [h_kv] with an FP8 cache, got None")
+                raise ValidationError(
+                    f"{name}: expected an fp32 tensor [1] or [h_kv] with an FP8 cache, got None")
             expect_dtype(name, descs[name], (torch.float32,))
             if tuple(descs[name].shape) not in ((1,), (hkv,)):
-                raise ValidationError(f"{name}: expected shape [1] or [h_kv] = [{hkv}], got {list(descs[name].shape)}")
+                raise ValidationError(f"{name}: expected shape [1] or [h_kv] = [{hkv}], got "
+                                      f"{list(descs[name].shape)}")
         if descs["v_scale"].shape != descs["k_scale"].shape:
             raise ValidationError("v_scale: expected the shape of k_scale")
         return descs["k_scale"].shape == (hkv,) and hkv > 1

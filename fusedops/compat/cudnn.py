@@ -1,4 +1,4 @@
-"""The Engram saved-state gate under cuDNN frontend's names (seeds/002): ``backend="frost"``
+"""The Engram saved-state gate under cuDNN frontend's names: ``backend="frost"``
 (cuDNN's engine name) selects fusedops' automatic choice; every other argument is the same."""
 
 from __future__ import annotations

@@ -64,7 +64,9 @@ class Plan:
     def __init_subclass__(cls, **kwargs) -> None:
         super().__init_subclass__(**kwargs)
         params = inspect.signature(cls.__init__).parameters
-        cls._constructor_tensors = frozenset(o.name for o in cls.operands if o.name in params)
+        names = frozenset(o.name for o in cls.operands if o.name in params)
+        if names:   # a subclass that only renames arguments (*args, **kwargs) keeps its parent's
+            cls._constructor_tensors = names
 
     def __init__(self, tensors: Mapping[str, Any], options: Mapping[str, Any],
                  backend: str = "auto") -> None:

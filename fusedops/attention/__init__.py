@@ -1,0 +1,9 @@
+"""GQA attention: training forward/backward and KV-cache decode (contract, plans, eager wrappers,
+torch op, samples and oracle). See docs/attention.md."""
+
+from .contract import DTYPES, FP8, MAX_HEAD_DIM, AttentionProblem, DecodeAttentionProblem
+from .plans import (GQAAttentionBackward, GQAAttentionDecode, GQAAttentionForward,
+                    gqa_attention_backward, gqa_attention_decode, gqa_attention_forward)
+
+__all__ = ["GQAAttentionBackward", "GQAAttentionDecode", "GQAAttentionForward",
+           "gqa_attention_backward", "gqa_attention_decode", "gqa_attention_forward"]

@@ -1,0 +1,246 @@
+"""Sample inputs of GQA attention, and runs through its plans (for the tests, the demo, the AOT
+compiles and the benchmark).
+
+Two kinds of case: training cases (q, k, v, do and, packed, cu_seqlens_q/k) that ``run``
+through the forward and backward plans, and decode cases (q, k_new, v_new, k_cache, v_cache,
+cache_seqlens, block_table, k_scale, v_scale) that ``run`` through the decode plan.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.desc import TensorDesc
+from ..core.dtypes import dtype_name
+from ..opinfo import Case, PlanCall
+from .contract import FP8, FP8_MAX
+from .plans import GQAAttentionBackward, GQAAttentionDecode, GQAAttentionForward
+
+TRAINING_TENSORS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
+DECODE_TENSORS = ("q", "k_new", "v_new", "k_cache", "v_cache", "cache_seqlens", "block_table",
+                  "k_scale", "v_scale")
+
+
+def _label(text: str, dtype, options) -> str:
+    extra = "".join(f" {k}={v}" for k, v in options.items() if k not in ("max_seqlen_q", "max_seqlen_k"))
+    return f"{text} {dtype_name(dtype)}{extra}"
+
+
+def make(b: int, sq: int, sk: int, hq: int, hkv: int, d: int, dtype=torch.float32, *,
+         seed: int = 0, device="cpu", **options) -> Case:
+    """A dense training case: q [b, sq, hq, d], k, v [b, sk, hkv, d] and do like q, N(0, 1)
+    drawn in that order from a generator seeded with ``seed``; ``options``: the plans' options
+    (causal, window_size, softmax_scale)."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = dict(q=(b, sq, hq, d), k=(b, sk, hkv, d), v=(b, sk, hkv, d), do=(b, sq, hq, d))
+    tensors = {n: torch.randn(*s, generator=gen).to(device, dtype) for n, s in shapes.items()}
+    return Case(_label(f"b={b} s_q={sq} s_k={sk} hq={hq} hkv={hkv} d={d}", dtype, options),
+                dict(tensors, cu_seqlens_q=None, cu_seqlens_k=None), options)
+
+
+def make_packed(lengths_q, lengths_k, hq: int, hkv: int, d: int, dtype=torch.float32, *,
+                seed: int = 0, device="cpu", **options) -> Case:
+    """A packed training case: sequences of ``lengths_q`` queries and ``lengths_k`` keys (0
+    allowed), q [total_q, hq, d], k, v [total_k, hkv, d], do like q (drawn in that order),
+    cu_seqlens_q/k int32 and the maxima as options."""
+    gen = torch.Generator().manual_seed(seed)
+    tq, tk = sum(lengths_q), sum(lengths_k)
+    shapes = dict(q=(tq, hq, d), k=(tk, hkv, d), v=(tk, hkv, d), do=(tq, hq, d))
+    tensors = {n: torch.randn(*s, generator=gen).to(device, dtype) for n, s in shapes.items()}
+
+    def cu(lengths):
+        return torch.tensor([0] + torch.tensor(lengths).cumsum(0).tolist(), dtype=torch.int32,
+                            device=device)
+    options = dict(options, max_seqlen_q=max(lengths_q), max_seqlen_k=max(lengths_k))
+    return Case(_label(f"packed q={list(lengths_q)} k={list(lengths_k)} hq={hq} hkv={hkv} d={d}",
+                       dtype, options),
+                dict(tensors, cu_seqlens_q=cu(lengths_q), cu_seqlens_k=cu(lengths_k)), options)
+
+
+def make_decode(b: int, T: int, hq: int, hkv: int, d: int, capacity: int, lengths,
+                dtype=torch.float32, *, page_size: int | None = None, fp8: str | None = None,
+                seed: int = 8, device="cpu", **options) -> Case:
+    """A decode case: q [b, T, hq, d], k_new, v_new [b, T, hkv, d] and contiguous caches
+    [b, capacity, hkv, d] (drawn in that order), cache_seqlens = ``lengths``. ``page_size``: the
+    caches cut into pages of that size, scattered by a random block table over b·capacity/page +
+    3 pages. ``fp8``: "tensor" or "head": e4m3 caches with k_scale 0.02, v_scale 0.015 per tensor
+    or per KV head. ``options``: softmax_scale, num_splits."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=gen).to(device, dtype)
+    t = dict(q=rnd(b, T, hq, d), k_new=rnd(b, T, hkv, d), v_new=rnd(b, T, hkv, d),
+             k_cache=rnd(b, capacity, hkv, d), v_cache=rnd(b, capacity, hkv, d),
+             cache_seqlens=torch.tensor(lengths, dtype=torch.int32, device=device),
+             block_table=None, k_scale=None, v_scale=None)
+    if fp8 is not None:
+        shape = (hkv,) if fp8 == "head" else (1,)
+        t["k_scale"] = torch.full(shape, 0.02, device=device)
+        t["v_scale"] = torch.full(shape, 0.015, device=device)
+        for cache, scale in (("k_cache", "k_scale"), ("v_cache", "v_scale")):
+            t[cache] = quantize(t[cache], t[scale])
+    if page_size is not None:
+        perm = torch.randperm(b * (capacity // page_size) + 3, generator=torch.Generator().manual_seed(1))
+        table = perm[: b * capacity // page_size].view(b, -1).int().to(device)
+        for cache in ("k_cache", "v_cache"):
+            t[cache] = to_pages(t[cache], page_size, table)
+        t["block_table"] = table
+    label = (f"decode b={b} T={T} hq={hq} hkv={hkv} d={d} capacity={capacity}"
+             f"{f' page={page_size}' if page_size else ''}{f' fp8 per {fp8}' if fp8 else ''}")
+    return Case(_label(label, dtype, options), t, options)
+
+
+def quantize(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """An e4m3 cache from ``values`` [..., h_kv, d]: fp32 values / scale ([1] or [h_kv]),
+    saturated to ±448."""
+    return (values.float() / scale.float().view(-1, 1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def to_pages(cache: torch.Tensor, page: int, table: torch.Tensor) -> torch.Tensor:
+    """The contiguous cache [b, capacity, h_kv, d] as pages [table.numel() + 3, page, h_kv, d]
+    (unused pages zero) placed by ``table`` [b, max_pages]."""
+    b, capacity = cache.shape[:2]
+    pages = torch.zeros(table.numel() + 3, page, *cache.shape[2:], dtype=cache.dtype, device=cache.device)
+    for i in range(b):
+        for j in range(table.shape[1]):
+            lo = j * page
+            if lo < capacity:
+                hi = min(capacity, lo + page)
+                pages[table[i, j]][: hi - lo] = cache[i, lo:hi]
+    return pages
+
+
+def cases(kind: str, *, dtype=torch.float32, device="cpu", backend: str = "torch") -> list[Case]:
+    """small: oracle shapes (dense, causal, windowed, packed); edge: a single token, tile
+    boundaries (16, 64 and their neighbours), d = 256, one-token packed sequences (every row sees
+    a key); decode: decode steps (T = 1 and 3, a full cache, paged, FP8 per tensor and per KV
+    head); demo: the demonstration's causal bf16 shape for ``backend`` (small ones on the CPU)."""
+    kw = dict(device=device)
+    if kind == "small":
+        return [make(2, 9, 9, 4, 2, 16, dtype, **kw),
+                make(2, 7, 12, 4, 2, 16, dtype, seed=1, causal=True, **kw),
+                make(1, 12, 12, 4, 1, 8, dtype, seed=2, window_size=(3, 2), **kw),
+                make_packed([3, 5], [4, 6], 4, 2, 16, dtype, seed=3, causal=True, **kw)]
+    if kind == "edge":
+        return [make(1, 1, 1, 2, 1, 8, dtype, **kw),
+                make(1, 17, 65, 2, 2, 24, dtype, seed=1, causal=True, **kw),
+                make(2, 64, 64, 4, 2, 64, dtype, seed=2, causal=True, **kw),
+                make(1, 33, 33, 2, 1, 256, dtype, seed=3, window_size=(16, 0), **kw),
+                make_packed([1, 17, 1], [1, 24, 2], 4, 2, 16, dtype, seed=4, causal=True, **kw)]
+    if kind == "decode":
+        return [make_decode(3, 1, 8, 2, 32, 100, [0, 37, 99], dtype, num_splits=3, **kw),
+                make_decode(3, 3, 8, 2, 32, 100, [0, 37, 98], dtype, **kw),
+                make_decode(3, 2, 8, 2, 32, 96, [5, 40, 90], dtype, page_size=16, seed=9, **kw),
+                make_decode(2, 2, 8, 2, 64, 80, [10, 60], dtype, fp8="tensor", seed=10, **kw),
+                make_decode(2, 2, 8, 2, 64, 80, [10, 60], dtype, fp8="head", seed=10, **kw)]
+    if kind == "demo":
+        on_cpu = torch.device(device).type == "cpu"
+        b, s, hq, hkv, d = ({"torch": (2, 512, 8, 2, 64), "triton": (1, 64, 4, 2, 64)}[backend]
+                            if on_cpu else (4, 4096, 32, 8, 128))
+        return [make(b, s, s, hq, hkv, d, dtype, seed=2, causal=True, **kw)]
+    raise ValueError(f"kind: expected small, edge, decode or demo, got {kind!r}")
+
+
+def production() -> list[tuple[str, list[PlanCall]]]:
+    """Training at b=4, s=4096, h_q=32 bf16: d=128 with h_kv 8 (causal) and 2, d=64 and d=256
+    (h_kv 8, causal); decode at b=64, h_q=32, h_kv=8, d=128 with 8192 positions: T=1 on a
+    contiguous bf16 cache, T=4 on a paged (64-position pages) FP8 cache with per-head scales;
+    as TensorDescs on the CPU."""
+    cpu = "cpu"
+    bf16 = torch.bfloat16
+    out = []
+    for hkv, d, causal in ((8, 128, True), (2, 128, False), (8, 64, True), (8, 256, True)):
+        b, s, hq = 4, 4096, 32
+        q = TensorDesc((b, s, hq, d), bf16, device=cpu)
+        kv = TensorDesc((b, s, hkv, d), bf16, device=cpu)
+        lse = TensorDesc((b, hq, s), torch.float32, device=cpu)
+        options = dict(causal=causal)
+        out.append((f"attn hkv{hkv} d{d}{' causal' if causal else ''}", [
+            PlanCall(GQAAttentionForward, dict(q=q, k=kv, v=kv), options),
+            PlanCall(GQAAttentionBackward, dict(q=q, k=kv, v=kv, o=q, lse=lse, do=q), options)]))
+    b, hq, hkv, d, capacity = 64, 32, 8, 128, 8192
+    for tokens, paged in ((1, False), (4, True)):
+        q = TensorDesc((b, tokens, hq, d), bf16, device=cpu)
+        new = TensorDesc((b, tokens, hkv, d), bf16, device=cpu)
+        tensors = dict(q=q, k_new=new, v_new=new,
+                       cache_seqlens=TensorDesc((b,), torch.int32, device=cpu))
+        if paged:
+            page = 64
+            cache = TensorDesc((b * capacity // page, page, hkv, d), FP8, device=cpu)
+            scale = TensorDesc((hkv,), torch.float32, device=cpu)
+            tensors.update(block_table=TensorDesc((b, capacity // page), torch.int32, device=cpu),
+                           k_scale=scale, v_scale=scale)
+        else:
+            cache = TensorDesc((b, capacity, hkv, d), bf16, device=cpu)
+        out.append((f"decode T{tokens} {'paged fp8' if paged else 'bf16'}", [
+            PlanCall(GQAAttentionDecode, dict(tensors, k_cache=cache, v_cache=cache),
+                     dict(num_splits=16))]))
+    return out
+
+
+def is_decode(case: Case) -> bool:
+    """Whether ``case`` is a decode case (it has caches)."""
+    return "k_cache" in case.tensors
+
+
+def _training_options(case: Case) -> dict:
+    return {k: v for k, v in case.options.items()
+            if k in ("causal", "softmax_scale", "window_size", "max_seqlen_q", "max_seqlen_k")}
+
+
+def continuation(case: Case) -> dict:
+    """The decode step that continues a training case (s_q, s_k >= 1): its last query token
+    attends to a contiguous cache holding its keys (the packed tokens as one row), the last key
+    and value appended as the new token. Fresh tensors (the caches are copies)."""
+    t = case.tensors
+    q, k, v = t["q"], t["k"], t["v"]
+    if q.dim() == 3:
+        q, k, v = q[None], k[None], v[None]
+    b, sk = k.shape[:2]
+    return dict(q=q[:, -1:].contiguous(), k_new=k[:, -1:].contiguous(), v_new=v[:, -1:].contiguous(),
+                k_cache=k.clone(), v_cache=v.clone(),
+                cache_seqlens=torch.full((b,), sk - 1, dtype=torch.int32, device=q.device))
+
+
+def plan_calls(case: Case, backend: str) -> list[PlanCall]:
+    """A training case: the forward, the backward (its o and lse from running the forward on
+    ``backend``) and the decode plan (``continuation``), in INFO.plans order. A decode case: the
+    decode plan's call only."""
+    t = case.tensors
+    if is_decode(case):
+        return [PlanCall(GQAAttentionDecode, {n: t[n] for n in DECODE_TENSORS}, case.options)]
+    options = _training_options(case)
+    forward = PlanCall(GQAAttentionForward, {n: t[n] for n in TRAINING_TENSORS}, options)
+    plan = forward.build(backend).compile()
+    o, lse = plan.execute(t["q"], t["k"], t["v"], **plan.allocate_outputs(),
+                          cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"])
+    backward = PlanCall(GQAAttentionBackward,
+                        dict({n: t[n] for n in TRAINING_TENSORS}, o=o, lse=lse, do=t["do"]), options)
+    decode = PlanCall(GQAAttentionDecode, continuation(case),
+                      {k: v for k, v in options.items() if k == "softmax_scale"})
+    return [forward, backward, decode]
+
+
+def run(case: Case, backend: str) -> dict[str, torch.Tensor]:
+    """Through the plans with caller-allocated buffers. A training case: forward then backward;
+    returns o, lse, dq, dk, dv. A decode case: one decode step on copies of the caches; returns
+    o, lse and the updated k_cache, v_cache."""
+    t = case.tensors
+    if is_decode(case):
+        args = {n: t[n] for n in DECODE_TENSORS}
+        args.update(k_cache=t["k_cache"].clone(), v_cache=t["v_cache"].clone())
+        plan = GQAAttentionDecode(**args, **case.options, backend=backend).compile()
+        out = plan.allocate_outputs()
+        plan.execute(**args, **out, workspace=plan.allocate_workspace())
+        return dict(out, k_cache=args["k_cache"], v_cache=args["v_cache"])
+    options = _training_options(case)
+    cu = dict(cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"])
+    fwd = GQAAttentionForward(t["q"], t["k"], t["v"], **cu, **options, backend=backend).compile()
+    out = fwd.allocate_outputs()
+    fwd.execute(t["q"], t["k"], t["v"], out["o"], out["lse"], **cu)
+    bwd = GQAAttentionBackward(t["q"], t["k"], t["v"], out["o"], out["lse"], t["do"], **cu,
+                               **options, backend=backend).compile()
+    grads = bwd.allocate_outputs()
+    bwd.execute(t["q"], t["k"], t["v"], out["o"], out["lse"], t["do"], **grads, **cu,
+                workspace=bwd.allocate_workspace())
+    return dict(out, **grads)

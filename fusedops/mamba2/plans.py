@@ -1,0 +1,253 @@
+"""Mamba2 chunked selective scan (SSD): training forward and backward plans and eager wrappers
+(the math: ``contract``, docs/mamba2.md).
+
+The names follow mamba_ssm's ``mamba_chunk_scan_combined``; the plans add caller-owned outputs,
+saved state and workspace.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.checks import expect_contiguous, expect_dtype, expect_ndim, expect_shape
+from ..core.options import Option, expect_bool
+from ..core.tupledict import TupleDict
+from ..errors import ValidationError
+from ..plan import Plan, indices, inputs, outputs, saved_buffer
+from .contract import (ACTIVATION_DTYPES, DEFAULT_CHUNK_SIZE, DEFAULT_DT_LIMIT, ScanProblem,
+                       check_dt, check_gate, check_heads, expect_chunk_size, expect_dt_limit,
+                       param_dtype_of)
+
+_OPTIONAL = ("D", "z", "dt_bias", "initial_states")
+_GRAD_OF = {"x": "dx", "dt": "ddt", "A": "dA", "B": "dB", "C": "dC", "D": "dD", "z": "dz",
+            "dt_bias": "ddt_bias", "initial_states": "dinitial_states"}
+_SCAN_OPTIONS = (Option("chunk_size", expect_chunk_size, DEFAULT_CHUNK_SIZE),
+                 Option("dt_softplus", expect_bool, False),
+                 Option("dt_limit", expect_dt_limit, DEFAULT_DT_LIMIT),
+                 Option("recompute_states", expect_bool, False))
+
+
+class _ScanPlan(Plan):
+    backend_module = "mamba2"
+    backends = ("torch", "triton")
+
+    def _validate_scan(self, descs) -> dict:
+        """The checks both plans share; returns the ScanProblem fields of the inputs."""
+        x = descs["x"]
+        expect_ndim("x", x, 4, "[b, l, h, p]")
+        expect_dtype("x", x, ACTIVATION_DTYPES)
+        b, l, h, p = x.shape
+        if min(b, l, h, p) < 1:
+            raise ValidationError(f"x: expected b, l, h, p >= 1 in [b, l, h, p], got {list(x.shape)}")
+        param = param_dtype_of(x.dtype)
+        check_dt(descs, x, (b, l, h), "[b, l, h]")
+        B = descs["B"]
+        expect_ndim("B", B, 4, "[b, l, g, n]")
+        expect_dtype("B", B, (x.dtype,))
+        g, n = B.shape[2], B.shape[3]
+        if B.shape[:2] != (b, l) or g < 1 or n < 1 or h % g:
+            raise ValidationError(
+                f"B: expected shape [b, l, g, n] with b = {b}, l = {l}, g >= 1 dividing h = {h} and "
+                f"n >= 1, got {list(B.shape)}")
+        expect_dtype("C", descs["C"], (x.dtype,))
+        expect_shape("C", descs["C"], (b, l, g, n), "[b, l, g, n] like B")
+        check_heads(descs, h, p, param)
+        check_gate(descs, x, "[b, l, h, p] like x")
+        nseq = None
+        if "cu_seqlens" in descs:
+            cu = descs["cu_seqlens"]
+            expect_dtype("cu_seqlens", cu, (torch.int32,))
+            expect_ndim("cu_seqlens", cu, 1, "[nseq + 1]")
+            if cu.shape[0] < 2:
+                raise ValidationError(f"cu_seqlens: expected [nseq + 1] with nseq >= 1, got {list(cu.shape)}")
+            if b != 1:
+                raise ValidationError(f"x: expected b == 1 with cu_seqlens (packed sequences), got b = {b}")
+            nseq = cu.shape[0] - 1
+        seqs = b if nseq is None else nseq
+        if "initial_states" in descs:
+            h0 = descs["initial_states"]
+            expect_dtype("initial_states", h0, (param,))
+            expect_shape("initial_states", h0, (seqs, h, p, n),
+                         "[nseq, h, p, n]" if nseq is not None else "[b, h, p, n]")
+        for name, desc in descs.items():
+            expect_contiguous(name, desc)
+        D = descs.get("D")
+        return dict(dtype=x.dtype, dt_dtype=descs["dt"].dtype, batch=b, length=l, heads=h,
+                    head_dim=p, groups=g, state=n, num_sequences=nseq, has_D=D is not None,
+                    D_per_channel=D is not None and D.ndim == 2, has_z="z" in descs,
+                    has_dt_bias="dt_bias" in descs, has_initial_states="initial_states" in descs,
+                    device=self.device)
+
+    @property
+    def saved_states_bytes(self) -> int:
+        """Bytes the saved segment-start states take (0 with recompute_states=True):
+        max_segments·h·p·n·4. With recompute_states=True the backward recomputes them instead."""
+        return 0 if self.problem.recompute_states else self.problem.states_bytes
+
+
+class Mamba2ChunkScanForward(_ScanPlan):
+    """Forward plan of the Mamba2 chunked scan.
+
+    Args (tensors or TensorDescs; all contiguous):
+        x: [b, l, h, p] bf16/fp16/fp32 (float64: reference precision, torch backend only).
+        dt: [b, l, h], x's dtype or fp32: raw time steps (bias, softplus and clamp applied here).
+        A: [h] fp32 (negative). B, C: [b, l, g, n], x's dtype; head i uses group i // (h / g).
+        chunk_size: 16, 32, 64, 128 or 256 tokens per segment.
+        D: [h] or [h, p] fp32. z: [b, l, h, p] gate, x's dtype. dt_bias: [h] fp32.
+        dt_softplus, dt_limit=(lo, hi): the dt transform (softplus threshold 20; the clamp).
+        initial_states: [nseq, h, p, n] fp32 (nseq = b, or len(cu_seqlens) - 1).
+        cu_seqlens: [nseq + 1] int32 packed-sequence boundaries (b must be 1); every sequence
+            starts from its initial state (or zero) and none mixes with another.
+        recompute_states: do not save the segment-start states (saved_states_bytes); the
+            backward recomputes them.
+
+    execute(x, dt, A, B, C, y, final_states, saved, ...) writes y [b, l, h, p] (x's dtype),
+    final_states [nseq, h, p, n] fp32 and ``saved`` (``saved_size`` bytes, for the backward:
+    the segment-start states unless recomputed, and y before the z gate when z is given).
+    Optional inputs are passed by keyword, exactly those the plan was built with.
+    """
+
+    op_name = "mamba2_chunk_scan_forward"
+    program_name = "forward"
+    operands = (*inputs("x", "dt", "A", "B", "C"), *outputs("y", "final_states"),
+                *saved_buffer("out"), *inputs(*_OPTIONAL, optional=True),
+                *indices("cu_seqlens", optional=True))
+    options = _SCAN_OPTIONS
+    returns = ("y", "final_states", "saved")
+
+    def __init__(self, x, dt, A, B, C, *, chunk_size: int = DEFAULT_CHUNK_SIZE, D=None, z=None,
+                 dt_bias=None, dt_softplus: bool = False, dt_limit=DEFAULT_DT_LIMIT,
+                 initial_states=None, cu_seqlens=None, recompute_states: bool = False,
+                 backend: str = "auto") -> None:
+        super().__init__(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
+                              initial_states=initial_states, cu_seqlens=cu_seqlens),
+                         dict(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                              recompute_states=recompute_states), backend)
+
+    def _validate(self, descs, *, chunk_size, dt_softplus, dt_limit, recompute_states) -> ScanProblem:
+        facts = self._validate_scan(descs)
+        problem = ScanProblem(**facts, chunk=chunk_size, dt_softplus=dt_softplus,
+                              dt_limit=dt_limit, recompute_states=recompute_states,
+                              accumulate=False, has_dfinal_states=False)
+        self._plan_tensor("y", (problem.batch, problem.length, problem.heads, problem.head_dim),
+                          problem.dtype)
+        self._plan_tensor("final_states", (problem.sequences, problem.heads, problem.head_dim,
+                                           problem.state), problem.param_dtype)
+        return problem
+
+    def execute(self, x, dt, A, B, C, y, final_states, saved, *, D=None, z=None, dt_bias=None,
+                initial_states=None, cu_seqlens=None, workspace=None,
+                current_stream=None) -> TupleDict:
+        """Runs the forward; returns TupleDict(y, final_states, saved)."""
+        return self._execute(dict(x=x, dt=dt, A=A, B=B, C=C, y=y, final_states=final_states,
+                                  saved=saved, D=D, z=z, dt_bias=dt_bias,
+                                  initial_states=initial_states, cu_seqlens=cu_seqlens,
+                                  workspace=workspace, current_stream=current_stream))
+
+
+class Mamba2ChunkScanBackward(_ScanPlan):
+    """Backward plan of the Mamba2 chunked scan.
+
+    Takes the forward's inputs and options (the same chunk_size, dt transform, cu_seqlens,
+    recompute_states and backend), dy [b, l, h, p] and optionally dfinal_states [nseq, h, p, n]
+    fp32, and the forward's ``saved`` buffer (``saved_size`` bytes, not verified on the device).
+    Writes dx, ddt (w.r.t. the raw dt, dt's dtype), dA [h] fp32, dB and dC (summed over the
+    heads of each group in fp32, rounded once) and, for the optional inputs the plan was built
+    with, dD, dz, ddt_bias and dinitial_states. dA, dD and ddt_bias are fp32 sums over every
+    token in fixed order (deterministic); with ``accumulate=True`` they are added to the
+    caller's buffers. ``workspace``: ``workspace_size`` bytes.
+    """
+
+    op_name = "mamba2_chunk_scan_backward"
+    program_name = "backward"
+    operands = (*inputs("x", "dt", "A", "B", "C", "dy"), *saved_buffer("in"),
+                *outputs("dx", "ddt", "dA", "dB", "dC"), *inputs(*_OPTIONAL, optional=True),
+                *indices("cu_seqlens", optional=True), *inputs("dfinal_states", optional=True),
+                *outputs("dD", "dz", "ddt_bias", "dinitial_states", optional=True))
+    options = (*_SCAN_OPTIONS, Option("accumulate", expect_bool, False))
+    returns = tuple(_GRAD_OF.values())
+
+    def __init__(self, x, dt, A, B, C, dy, *, chunk_size: int = DEFAULT_CHUNK_SIZE, D=None, z=None,
+                 dt_bias=None, dt_softplus: bool = False, dt_limit=DEFAULT_DT_LIMIT,
+                 initial_states=None, cu_seqlens=None, dfinal_states=None,
+                 recompute_states: bool = False, accumulate: bool = False,
+                 backend: str = "auto") -> None:
+        super().__init__(dict(x=x, dt=dt, A=A, B=B, C=C, dy=dy, D=D, z=z, dt_bias=dt_bias,
+                              initial_states=initial_states, cu_seqlens=cu_seqlens,
+                              dfinal_states=dfinal_states),
+                         dict(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
+                              recompute_states=recompute_states, accumulate=accumulate), backend)
+
+    def _validate(self, descs, *, chunk_size, dt_softplus, dt_limit, recompute_states,
+                  accumulate) -> ScanProblem:
+        scan = {k: v for k, v in descs.items() if k not in ("dy", "dfinal_states")}
+        facts = self._validate_scan(scan)
+        x = descs["x"]
+        expect_dtype("dy", descs["dy"], (x.dtype,))
+        expect_shape("dy", descs["dy"], tuple(x.shape), "[b, l, h, p] like x")
+        expect_contiguous("dy", descs["dy"])
+        problem = ScanProblem(**facts, chunk=chunk_size, dt_softplus=dt_softplus,
+                              dt_limit=dt_limit, recompute_states=recompute_states,
+                              accumulate=accumulate, has_dfinal_states="dfinal_states" in descs)
+        if "dfinal_states" in descs:
+            df = descs["dfinal_states"]
+            expect_dtype("dfinal_states", df, (problem.param_dtype,))
+            expect_shape("dfinal_states", df, (problem.sequences, problem.heads, problem.head_dim,
+                                               problem.state), "[nseq, h, p, n]")
+            expect_contiguous("dfinal_states", df)
+        for name, grad in _GRAD_OF.items():
+            if name in descs:
+                self._plan_tensor(grad, descs[name].shape, descs[name].dtype)
+        return problem
+
+    @property
+    def gradient_names(self) -> tuple[str, ...]:
+        """The gradients execute() writes, in TupleDict order."""
+        return tuple(g for g in _GRAD_OF.values() if g in self._descs)
+
+    def execute(self, x, dt, A, B, C, dy, saved, dx, ddt, dA, dB, dC, *, D=None, z=None,
+                dt_bias=None, initial_states=None, cu_seqlens=None, dfinal_states=None, dD=None,
+                dz=None, ddt_bias=None, dinitial_states=None, workspace=None,
+                current_stream=None) -> TupleDict:
+        """Runs the backward; returns a TupleDict of the gradients (``gradient_names``)."""
+        return self._execute(dict(x=x, dt=dt, A=A, B=B, C=C, dy=dy, saved=saved, dx=dx, ddt=ddt,
+                                  dA=dA, dB=dB, dC=dC, D=D, z=z, dt_bias=dt_bias,
+                                  initial_states=initial_states, cu_seqlens=cu_seqlens,
+                                  dfinal_states=dfinal_states, dD=dD, dz=dz, ddt_bias=ddt_bias,
+                                  dinitial_states=dinitial_states, workspace=workspace,
+                                  current_stream=current_stream))
+
+
+def mamba2_chunk_scan_forward(x, dt, A, B, C, chunk_size: int = DEFAULT_CHUNK_SIZE, *, D=None,
+                              z=None, dt_bias=None, dt_softplus: bool = False,
+                              dt_limit=DEFAULT_DT_LIMIT, initial_states=None, cu_seqlens=None,
+                              recompute_states: bool = False, backend: str = "auto",
+                              current_stream=None) -> TupleDict:
+    """Eager forward: allocates y, final_states, saved and the workspace; returns
+    TupleDict(y, final_states, saved). Pass ``saved`` and the same options to
+    ``mamba2_chunk_scan_backward``.
+
+    Example::
+
+        y, final_states, saved = fusedops.mamba2_chunk_scan_forward(x, dt, A, B, C, 64, D=D)
+    """
+    return Mamba2ChunkScanForward.eager(
+        dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
+             cu_seqlens=cu_seqlens),
+        backend=backend, current_stream=current_stream, chunk_size=chunk_size,
+        dt_softplus=dt_softplus, dt_limit=dt_limit, recompute_states=recompute_states)
+
+
+def mamba2_chunk_scan_backward(x, dt, A, B, C, dy, saved, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
+                               D=None, z=None, dt_bias=None, dt_softplus: bool = False,
+                               dt_limit=DEFAULT_DT_LIMIT, initial_states=None, cu_seqlens=None,
+                               dfinal_states=None, recompute_states: bool = False,
+                               backend: str = "auto", current_stream=None) -> TupleDict:
+    """Eager backward: allocates the gradients and workspace; returns TupleDict(dx, ddt, dA, dB,
+    dC[, dD][, dz][, ddt_bias][, dinitial_states])."""
+    return Mamba2ChunkScanBackward.eager(
+        dict(x=x, dt=dt, A=A, B=B, C=C, dy=dy, saved=saved, D=D, z=z, dt_bias=dt_bias,
+             initial_states=initial_states, cu_seqlens=cu_seqlens, dfinal_states=dfinal_states),
+        backend=backend, current_stream=current_stream, chunk_size=chunk_size,
+        dt_softplus=dt_softplus, dt_limit=dt_limit, recompute_states=recompute_states)
+

@@ -1,0 +1,178 @@
+"""Sample inputs of the chunked scan, and forward + backward through its plans (for the tests,
+the demo, the AOT compiles and the benchmark)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.desc import TensorDesc
+from ..opinfo import Case, PlanCall
+from .contract import DEFAULT_DT_LIMIT, param_dtype_of
+from .plans import Mamba2ChunkScanBackward, Mamba2ChunkScanForward
+
+OPTIONAL = ("D", "z", "dt_bias", "initial_states", "cu_seqlens")
+_FORWARD_TENSORS = ("x", "dt", "A", "B", "C", *OPTIONAL)
+
+
+def make(b: int, l: int, h: int, p: int, g: int, n: int, dtype=torch.float32, *, seed: int = 0,
+         device="cpu", D: str | None = None, z: bool = False, dt_bias: bool = False,
+         initial_states: bool = False, lengths=None, dfinal: bool = False, chunk: int = 16,
+         dt_softplus: bool = True, dt_limit=DEFAULT_DT_LIMIT,
+         recompute_states: bool = False) -> Case:
+    """Random inputs of one problem: x, dt, B, C, dy N(0, 1), A = -0.5 - U[0, 1); D ("h": [h],
+    "hp": [h, p]), z, dt_bias (0.5 N(0, 1)), initial_states and dfinal_states when asked;
+    ``lengths``: packed sequences (b = 1, cu_seqlens). Options: chunk_size, dt_softplus,
+    dt_limit, recompute_states."""
+    gen = torch.Generator().manual_seed(seed)
+    rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+    wdt = param_dtype_of(dtype)
+    t = dict(x=rnd(b, l, h, p).to(device, dtype), dt=rnd(b, l, h).to(device, dtype),
+             A=(-0.5 - torch.rand(h, generator=gen)).to(device, wdt),
+             B=rnd(b, l, g, n).to(device, dtype), C=rnd(b, l, g, n).to(device, dtype))
+    t.update(dict.fromkeys(OPTIONAL))
+    nseq = b
+    if lengths is not None:
+        if b != 1 or sum(lengths) != l:
+            raise ValueError(f"lengths: expected b == 1 and sum(lengths) == l = {l}, got b = {b}, {lengths}")
+        cu = [0]
+        for length in lengths:
+            cu.append(cu[-1] + length)
+        t["cu_seqlens"] = torch.tensor(cu, dtype=torch.int32, device=device)
+        nseq = len(lengths)
+    if D is not None:
+        t["D"] = rnd(*((h,) if D == "h" else (h, p))).to(device, wdt)
+    if z:
+        t["z"] = rnd(b, l, h, p).to(device, dtype)
+    if dt_bias:
+        t["dt_bias"] = (0.5 * rnd(h)).to(device, wdt)
+    if initial_states:
+        t["initial_states"] = rnd(nseq, h, p, n).to(device, wdt)
+    t["dy"] = rnd(b, l, h, p).to(device, dtype)
+    t["dfinal_states"] = rnd(nseq, h, p, n).to(device, wdt) if dfinal else None
+    extras = "".join(f" {k}" for k, on in (("D" + (D or ""), D), ("z", z), ("dt_bias", dt_bias),
+                                           ("h0", initial_states), ("dfinal", dfinal)) if on)
+    label = (f"b={b} l={l} h={h} p={p} g={g} n={n} Q={chunk} {str(dtype).removeprefix('torch.')}"
+             f"{extras}{f' varlen {list(lengths)}' if lengths is not None else ''}"
+             f"{' recompute' if recompute_states else ''}")
+    return Case(label, t, dict(chunk_size=chunk, dt_softplus=dt_softplus, dt_limit=tuple(dt_limit),
+                               recompute_states=recompute_states))
+
+
+ALL_OPTIONS = dict(D="h", z=True, dt_bias=True, initial_states=True, dfinal=True)
+
+SMALL = {
+    "varlen": dict(shape=(1, 41, 4, 8, 2, 8), chunk=16,
+                   options=dict(lengths=[5, 0, 16, 1, 19], **ALL_OPTIONS)),
+    "all-options": dict(shape=(2, 37, 4, 8, 2, 16), chunk=16, options=ALL_OPTIONS),
+    "plain": dict(shape=(2, 37, 4, 8, 2, 16), chunk=16, options={}),
+    "D-per-channel": dict(shape=(1, 40, 2, 8, 1, 8), chunk=16, options=dict(D="hp", z=True)),
+    "multi-tile": dict(shape=(1, 150, 2, 8, 1, 8), chunk=128, options=dict(D="h", initial_states=True)),
+    "odd-dims": dict(shape=(2, 21, 3, 20, 1, 24), chunk=16, options=dict(D="hp", dt_bias=True)),
+}
+"""The oracle configurations: packed sequences with every option, every option, none, D per
+channel, several row tiles per segment (chunk 128), head dim and state not powers of two."""
+
+EDGE = [
+    ((1, 1, 1, 1, 1, 1), 16, {}),                                    # one token, every size 1
+    ((1, 16, 2, 16, 2, 16), 16, dict(D="h", z=True)),                # exactly one chunk
+    ((2, 17, 2, 8, 1, 8), 16, dict(D="hp", initial_states=True, dfinal=True)),  # one token more
+    ((1, 33, 4, 8, 2, 8), 16, dict(lengths=[16, 0, 17, 0], **ALL_OPTIONS)),     # empty sequences
+    ((1, 64, 4, 16, 4, 16), 32, dict(dt_bias=True, recompute_states=True)),     # g = h, recompute
+]
+
+DEMO = {"torch": ((1, 512, 8, 32, 2, 32), 64), "triton": ((1, 40, 2, 16, 1, 16), 16)}
+"""The demonstration's shapes on the CPU (the Triton interpreter is slow); on a GPU b=2, l=4096,
+h=128, p=64, g=8, n=128, chunk 256 (Nemotron-H)."""
+DEMO_GPU = ((2, 4096, 128, 64, 8, 128), 256)
+
+
+def small(name: str, dtype=torch.float32, *, seed: int = 6, device="cpu", **overrides) -> Case:
+    """The SMALL configuration ``name`` (overrides: make()'s keyword arguments)."""
+    cfg = SMALL[name]
+    options = dict(cfg["options"], chunk=cfg["chunk"], **overrides)
+    return make(*cfg["shape"], dtype, seed=seed, device=device, **options)
+
+
+def cases(kind: str, *, dtype=torch.float32, device="cpu", backend: str = "torch") -> list[Case]:
+    """small: the oracle configurations (SMALL); edge: one token, one chunk and one more, empty
+    packed sequences, recomputed states; demo: the demonstration's shape for ``backend`` (D, z,
+    dt_bias, initial states)."""
+    if kind == "small":
+        return [small(name, dtype, device=device) for name in SMALL]
+    if kind == "edge":
+        return [make(*shape, dtype, seed=13 + i, device=device, chunk=chunk, **options)
+                for i, (shape, chunk, options) in enumerate(EDGE)]
+    if kind == "demo":
+        on_cpu = torch.device(device).type == "cpu"
+        shape, chunk = DEMO.get(backend, DEMO["triton"]) if on_cpu else DEMO_GPU
+        return [make(*shape, dtype, seed=1, device=device, chunk=chunk, D="h", z=True,
+                     dt_bias=True, initial_states=True)]
+    raise ValueError(f"kind: expected small, edge or demo, got {kind!r}")
+
+
+def production() -> list[tuple[str, list[PlanCall]]]:
+    """Nemotron-H shapes (h=128, p=64, n=128, g=8, bf16, every option) at chunk 256 and 128,
+    packed sequences (64 of them in 8192 tokens) and p = 80 with D per channel; forward and
+    backward, as TensorDescs on the CPU."""
+    def desc(*shape, dtype=torch.bfloat16):
+        return TensorDesc(shape, dtype, device="cpu")
+
+    out = []
+    for label, b, p, chunk, nseq, per_channel in (("h128 p64 n128 Q256", 2, 64, 256, None, False),
+                                                  ("h128 p64 n128 Q128", 2, 64, 128, None, False),
+                                                  ("varlen Q256", 1, 64, 256, 64, False),
+                                                  ("p80 Q128", 2, 80, 128, None, True)):
+        l, h, g, n = 8192, 128, 8, 128
+        seqs = b if nseq is None else nseq
+        f32 = torch.float32
+        tensors = dict(x=desc(b, l, h, p), dt=desc(b, l, h), A=desc(h, dtype=f32),
+                       B=desc(b, l, g, n), C=desc(b, l, g, n),
+                       D=desc(h, p, dtype=f32) if per_channel else desc(h, dtype=f32),
+                       z=desc(b, l, h, p), dt_bias=desc(h, dtype=f32),
+                       initial_states=desc(seqs, h, p, n, dtype=f32),
+                       cu_seqlens=None if nseq is None else desc(nseq + 1, dtype=torch.int32))
+        options = dict(chunk_size=chunk, dt_softplus=True)
+        out.append((f"scan {label}", [
+            PlanCall(Mamba2ChunkScanForward, tensors, options),
+            PlanCall(Mamba2ChunkScanBackward, dict(tensors, dy=desc(b, l, h, p),
+                                                   dfinal_states=desc(seqs, h, p, n, dtype=f32)),
+                     options)]))
+    return out
+
+
+def _forward_tensors(t) -> dict:
+    return {k: t[k] for k in _FORWARD_TENSORS}
+
+
+def plan_calls(case: Case, backend: str) -> list[PlanCall]:
+    """The forward and the backward plan of ``case`` (the backward's saved from the forward)."""
+    t = case.tensors
+    forward = PlanCall(Mamba2ChunkScanForward, _forward_tensors(t), case.options)
+    plan = forward.build(backend).compile()
+    outputs = plan.allocate_outputs()
+    plan.execute(**_forward_tensors(t), **outputs,
+                 workspace=plan.allocate_workspace() if plan.workspace_size else None)
+    backward = PlanCall(Mamba2ChunkScanBackward,
+                        dict(_forward_tensors(t), dy=t["dy"], dfinal_states=t["dfinal_states"],
+                             saved=outputs["saved"]), case.options)
+    return [forward, backward]
+
+
+def run(case: Case, backend: str, *, accumulate: bool = False,
+        grads: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Forward then backward through the plans with caller-allocated buffers; returns y,
+    final_states and every gradient the backward writes (``grads``: buffers to write or, with
+    ``accumulate``, to add dA, dD and ddt_bias into)."""
+    t = case.tensors
+    fwd = Mamba2ChunkScanForward(**_forward_tensors(t), **case.options, backend=backend).compile()
+    outputs = fwd.allocate_outputs()
+    fwd.execute(**_forward_tensors(t), **outputs, workspace=fwd.allocate_workspace())
+    bwd = Mamba2ChunkScanBackward(**_forward_tensors(t), dy=t["dy"],
+                                  dfinal_states=t["dfinal_states"], **case.options,
+                                  accumulate=accumulate, backend=backend).compile()
+    given = grads or {}
+    buffers = dict(bwd.allocate_outputs(exclude=tuple(given)), **given)
+    bwd.execute(**_forward_tensors(t), dy=t["dy"], saved=outputs["saved"],
+                dfinal_states=t["dfinal_states"], **buffers, workspace=bwd.allocate_workspace())
+    return dict(y=outputs["y"], final_states=outputs["final_states"],
+                **{k: buffers[k] for k in bwd.gradient_names})

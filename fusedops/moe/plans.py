@@ -1,0 +1,414 @@
+"""Routed ReLU2 MoE: the router and the expert path, as plans and eager wrappers (the math:
+``contract``). Nemotron 3's MoE layers: sigmoid router with a selection bias, top-k of E
+non-gated experts expert(x) = W_down · relu(W_up · x)², plus a shared expert."""
+
+from __future__ import annotations
+
+import torch
+
+from ..core.checks import expect_contiguous, expect_dtype, expect_ndim, expect_shape
+from ..core.dtypes import accumulator_dtype, dtype_name
+from ..core.options import (Option, expect_bool, expect_dtype_choice, expect_float, expect_int,
+                            optional)
+from ..core.tupledict import TupleDict
+from ..errors import ValidationError
+from ..plan import Plan, indices, inputs, outputs, saved_buffer
+from .contract import (DTYPES, LOGIT_DTYPES, MAX_GROUPS, MoEProblem, RouterProblem,
+                       weight_grad_dtypes)
+
+
+def _positive_int(name: str, value) -> int:
+    return expect_int(name, value, minimum=1)
+
+
+def _weight_grad_dtype(name: str, value) -> torch.dtype:
+    return expect_dtype_choice(name, value, DTYPES)
+
+
+def _all_contiguous(descs) -> None:
+    for name, desc in descs.items():
+        expect_contiguous(name, desc)
+
+
+_SCALE = Option("routed_scaling_factor", expect_float, 1.0)
+_NORM = Option("norm_topk_prob", expect_bool, True)
+
+
+# -- router ----------------------------------------------------------------------------------------
+class _RouterPlan(Plan):
+    backend_module = "moe_router"
+    backends = ("torch", "triton")
+    auto_order = ("triton", "torch")
+
+    def _validate_logits(self, descs) -> tuple[int, int]:
+        logits = descs["logits"]
+        expect_ndim("logits", logits, 2, "[t, E]")
+        expect_dtype("logits", logits, LOGIT_DTYPES)
+        t, E = logits.shape
+        if E < 1:
+            raise ValidationError(f"logits: expected E >= 1 experts in [t, E], got {list(logits.shape)}")
+        return t, E
+
+    @staticmethod
+    def _check_top_k(E: int, top_k: int) -> None:
+        if top_k > E:
+            raise ValidationError(f"top_k: expected at most E = {E} experts, got {top_k}")
+
+
+class MoERouter(_RouterPlan):
+    """The router's selection and weights (forward).
+
+    Args:
+        logits: [t, E] fp32 (bf16/fp16 are read and computed in fp32; fp64: torch backend).
+        top_k: experts per token.
+        correction_bias: optional [E] fp32 (fp64 with fp64 logits), added to the scores for the
+            selection only (Nemotron's e_score_correction_bias).
+        n_group, topk_group: group-limited selection: the E experts form n_group equal groups;
+            only the topk_group groups with the largest sum of their two best choice scores are
+            eligible (ties to the lower group index). n_group = 1 disables it.
+        norm_topk_prob: divide the k selected scores by their sum + 1e-20.
+        routed_scaling_factor: multiplies the weights after the normalisation.
+
+    execute(logits, topk_weights, topk_ids) writes topk_weights [t, k] fp32 (fp64 with fp64
+    logits) and topk_ids [t, k] int32, in descending order of the choice score with ties to the
+    lower expert index. NaN logits give unspecified ids. Deterministic; no workspace; saves
+    nothing (the backward reads logits and ids). The outputs must not overlap the inputs.
+    """
+
+    op_name = "moe_router"
+    program_name = "forward"
+    operands = (*inputs("logits"), *outputs("topk_weights"), *outputs("topk_ids", alignment=4),
+                *inputs("correction_bias", optional=True))
+    options = (Option("top_k", _positive_int), Option("n_group", _positive_int, 1),
+               Option("topk_group", _positive_int, 1), _NORM, _SCALE)
+    returns = ("topk_weights", "topk_ids")
+
+    def __init__(self, logits, *, top_k: int, correction_bias=None, n_group: int = 1,
+                 topk_group: int = 1, norm_topk_prob: bool = True,
+                 routed_scaling_factor: float = 1.0, backend: str = "auto") -> None:
+        super().__init__(dict(logits=logits, correction_bias=correction_bias),
+                         dict(top_k=top_k, n_group=n_group, topk_group=topk_group,
+                              norm_topk_prob=norm_topk_prob,
+                              routed_scaling_factor=routed_scaling_factor), backend)
+
+    def _validate(self, descs, *, top_k, n_group, topk_group, norm_topk_prob,
+                  routed_scaling_factor) -> RouterProblem:
+        t, E = self._validate_logits(descs)
+        self._check_top_k(E, top_k)
+        if E % n_group or n_group > MAX_GROUPS or (n_group > 1 and E // n_group < 2):
+            raise ValidationError(
+                f"n_group: expected a divisor of E = {E} of at most {MAX_GROUPS} giving groups of "
+                f">= 2 experts (1 disables grouping), got {n_group}")
+        if topk_group > n_group:
+            raise ValidationError(f"topk_group: expected at most n_group = {n_group}, got {topk_group}")
+        if n_group > 1 and top_k > topk_group * (E // n_group):
+            raise ValidationError(
+                f"top_k: expected at most topk_group · E / n_group = {topk_group * (E // n_group)} "
+                f"eligible experts, got {top_k}")
+        logits_dtype = descs["logits"].dtype
+        compute = accumulator_dtype(logits_dtype)
+        if "correction_bias" in descs:
+            expect_dtype("correction_bias", descs["correction_bias"], (compute,))
+            expect_shape("correction_bias", descs["correction_bias"], (E,), "[E]")
+        _all_contiguous(descs)
+        self._plan_tensor("topk_weights", (t, top_k), compute)
+        self._plan_tensor("topk_ids", (t, top_k), torch.int32)
+        grouped = n_group > 1
+        return RouterProblem(logits_dtype, t, E, top_k, n_group if grouped else 1,
+                             topk_group if grouped else 1, norm_topk_prob, routed_scaling_factor,
+                             "correction_bias" in descs, self.device)
+
+    def execute(self, logits, topk_weights, topk_ids, *, correction_bias=None, workspace=None,
+                current_stream=None) -> TupleDict:
+        """Runs the router; returns TupleDict(topk_weights, topk_ids)."""
+        return self._execute(dict(logits=logits, topk_weights=topk_weights, topk_ids=topk_ids,
+                                  correction_bias=correction_bias, workspace=workspace,
+                                  current_stream=current_stream))
+
+
+class MoERouterBackward(_RouterPlan):
+    """The router's backward: d_logits from d_topk_weights with the selection held fixed.
+
+    Args: logits [t, E] as in the forward; topk_ids [t, k] int32 (1 <= k <= E) from it;
+    d_topk_weights [t, k] fp32 (fp64 with fp64 logits); norm_topk_prob and
+    routed_scaling_factor as in the forward.
+
+    With r = sigmoid(logits)[ids], S = sum r + 1e-20 and c = routed_scaling_factor:
+    d_r_j = c · (d_w_j / S - sum_i d_w_i r_i / S²) when norm_topk_prob, else c · d_w_j; then
+    execute(logits, topk_ids, d_topk_weights, d_logits) writes d_logits [t, E] (logits' dtype)
+    = d_r_j · r_j (1 - r_j) at ids_j and zero for every unselected expert (the hard top-k and
+    the correction bias carry no gradient). Ids outside [0, E) are skipped. Deterministic; no
+    workspace.
+    """
+
+    op_name = "moe_router_backward"
+    program_name = "backward"
+    operands = (*inputs("logits"), *indices("topk_ids"), *inputs("d_topk_weights"),
+                *outputs("d_logits"))
+    options = (_NORM, _SCALE)
+    returns = ("d_logits",)
+
+    def __init__(self, logits, topk_ids, d_topk_weights, *, norm_topk_prob: bool = True,
+                 routed_scaling_factor: float = 1.0, backend: str = "auto") -> None:
+        super().__init__(dict(logits=logits, topk_ids=topk_ids, d_topk_weights=d_topk_weights),
+                         dict(norm_topk_prob=norm_topk_prob,
+                              routed_scaling_factor=routed_scaling_factor), backend)
+
+    def _validate(self, descs, *, norm_topk_prob, routed_scaling_factor) -> RouterProblem:
+        t, E = self._validate_logits(descs)
+        ids = descs["topk_ids"]
+        expect_ndim("topk_ids", ids, 2, "[t, k]")
+        expect_dtype("topk_ids", ids, (torch.int32,))
+        if ids.shape[0] != t or not 1 <= ids.shape[1] <= E:
+            raise ValidationError(f"topk_ids: expected [t, k] with t = {t} like logits and 1 <= k <= "
+                                  f"E = {E}, got {list(ids.shape)}")
+        top_k = ids.shape[1]
+        logits_dtype = descs["logits"].dtype
+        compute = accumulator_dtype(logits_dtype)
+        expect_dtype("d_topk_weights", descs["d_topk_weights"], (compute,))
+        expect_shape("d_topk_weights", descs["d_topk_weights"], (t, top_k), "[t, k] like topk_ids")
+        _all_contiguous(descs)
+        self._plan_tensor("d_logits", (t, E), logits_dtype)
+        return RouterProblem(logits_dtype, t, E, top_k, 1, 1, norm_topk_prob,
+                             routed_scaling_factor, False, self.device)
+
+    def execute(self, logits, topk_ids, d_topk_weights, d_logits, *, workspace=None,
+                current_stream=None) -> TupleDict:
+        """Runs the backward; returns TupleDict(d_logits)."""
+        return self._execute(dict(logits=logits, topk_ids=topk_ids, d_topk_weights=d_topk_weights,
+                                  d_logits=d_logits, workspace=workspace,
+                                  current_stream=current_stream))
+
+
+def moe_router(logits, top_k: int, *, correction_bias=None, n_group: int = 1, topk_group: int = 1,
+               norm_topk_prob: bool = True, routed_scaling_factor: float = 1.0,
+               backend: str = "auto", current_stream=None) -> TupleDict:
+    """Eager router: returns TupleDict(topk_weights [t, k] fp32, topk_ids [t, k] int32).
+
+    Example::
+
+        weights, ids = fusedops.moe_router(x.float() @ w_router.T, 6, correction_bias=bias,
+                                           routed_scaling_factor=2.5)
+    """
+    return MoERouter.eager(dict(logits=logits, correction_bias=correction_bias), top_k=top_k,
+                           n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+                           routed_scaling_factor=routed_scaling_factor, backend=backend,
+                           current_stream=current_stream)
+
+
+def moe_router_backward(logits, topk_ids, d_topk_weights, *, norm_topk_prob: bool = True,
+                        routed_scaling_factor: float = 1.0, backend: str = "auto",
+                        current_stream=None) -> TupleDict:
+    """Eager router backward: returns TupleDict(d_logits [t, E], logits' dtype)."""
+    return MoERouterBackward.eager(
+        dict(logits=logits, topk_ids=topk_ids, d_topk_weights=d_topk_weights),
+        norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
+        backend=backend, current_stream=current_stream)
+
+
+# -- experts ---------------------------------------------------------------------------------------
+_WEIGHT_GRADS = (("w_up", "d_w_up"), ("w_down", "d_w_down"), ("shared_w_up", "d_shared_w_up"),
+                 ("shared_w_down", "d_shared_w_down"))
+_EXPERT_INPUTS = (*inputs("x", "w_up", "w_down"), *indices("topk_ids"), *inputs("topk_weights"))
+_SHARED_INPUTS = inputs("shared_w_up", "shared_w_down", optional=True)
+
+
+class _ExpertPlan(Plan):
+    backend_module = "moe"
+    backends = ("torch", "triton")
+    auto_order = ("triton", "torch")
+
+    def _validate_experts(self, descs) -> dict:
+        """The checks shared by the forward and the backward; returns the problem's shape facts."""
+        x = descs["x"]
+        expect_ndim("x", x, 2, "[t, H]")
+        expect_dtype("x", x, DTYPES)
+        t, H = x.shape
+        if t < 1 or H < 1:
+            raise ValidationError(f"x: expected t, H >= 1 in [t, H], got {list(x.shape)}")
+        w_up = descs["w_up"]
+        expect_ndim("w_up", w_up, 3, "[E, I, H]")
+        expect_dtype("w_up", w_up, (x.dtype,))
+        E, I = w_up.shape[0], w_up.shape[1]
+        if E < 1 or I < 1 or w_up.shape[2] != H:
+            raise ValidationError(
+                f"w_up: expected [E, I, H] with E, I >= 1 and H = {H} like x, got {list(w_up.shape)}")
+        expect_dtype("w_down", descs["w_down"], (x.dtype,))
+        expect_shape("w_down", descs["w_down"], (E, H, I), "[E, H, I]")
+        ids = descs["topk_ids"]
+        expect_ndim("topk_ids", ids, 2, "[t, k]")
+        expect_dtype("topk_ids", ids, (torch.int32,))
+        k = ids.shape[1]
+        if ids.shape[0] != t or k < 1:
+            raise ValidationError(
+                f"topk_ids: expected [t, k] with t = {t} like x and k >= 1, got {list(ids.shape)}")
+        expect_dtype("topk_weights", descs["topk_weights"], (accumulator_dtype(x.dtype),))
+        expect_shape("topk_weights", descs["topk_weights"], (t, k), "[t, k] like topk_ids")
+        if ("shared_w_up" in descs) != ("shared_w_down" in descs):
+            alone = "shared_w_up" if "shared_w_up" in descs else "shared_w_down"
+            raise ValidationError(
+                f"shared_w_up, shared_w_down: expected both (a shared expert) or neither, got {alone} alone")
+        shared = 0
+        if "shared_w_up" in descs:
+            su = descs["shared_w_up"]
+            expect_ndim("shared_w_up", su, 2, "[I_shared, H]")
+            expect_dtype("shared_w_up", su, (x.dtype,))
+            shared = su.shape[0]
+            if shared < 1 or su.shape[1] != H:
+                raise ValidationError(
+                    f"shared_w_up: expected [I_shared, H] with H = {H} like x, got {list(su.shape)}")
+            expect_dtype("shared_w_down", descs["shared_w_down"], (x.dtype,))
+            expect_shape("shared_w_down", descs["shared_w_down"], (H, shared), "[H, I_shared]")
+        return dict(dtype=x.dtype, tokens=t, hidden=H, experts=E, intermediate=I, top_k=k,
+                    shared_intermediate=shared, device=self.device)
+
+
+class ReLU2MoEForward(_ExpertPlan):
+    """Forward of the routed ReLU2 experts (and an optional shared expert).
+
+    Args (tensors or TensorDescs; all contiguous):
+        x: [t, H] bf16/fp16/fp32 (fp64: reference precision, torch backend only).
+        w_up: [E, I, H], w_down: [E, H, I], x's dtype (transformers' NemotronHExperts layout).
+        topk_ids: [t, k] int32 (ids outside [0, E) drop the assignment); topk_weights: [t, k]
+            fp32 (fp64 with fp64 x), e.g. from MoERouter.
+        shared_w_up: [I_s, H], shared_w_down: [H, I_s]: a shared expert applied to every token
+            with weight 1 (nn.Linear layout), added into the same fp32 sum.
+        is_inference: no ``saved`` buffer (no backward will follow).
+
+    execute(...) writes out [t, H] (x's dtype; the fp32 sum over the k experts and the shared
+    expert rounded once) and, unless is_inference, ``saved`` (``saved_size`` bytes: the
+    dispatch and u, see docs/moe.md for the byte formula; 0 bytes on the torch backend, whose
+    backward recomputes). ``workspace_size`` bytes of workspace. Keep the inputs and saved
+    unchanged until the backward has run. The dispatch runs on the device: no host
+    synchronisation, so the plan is CUDA-graph capturable for any routing.
+    """
+
+    op_name = "relu2_moe_forward"
+    program_name = "forward"
+    operands = (*_EXPERT_INPUTS, *outputs("out"), *saved_buffer("out", optional=True),
+                *_SHARED_INPUTS)
+    options = (Option("is_inference", expect_bool, False),)
+    returns = ("out", "saved")
+
+    def __init__(self, x, w_up, w_down, topk_ids, topk_weights, *, shared_w_up=None,
+                 shared_w_down=None, is_inference: bool = False, backend: str = "auto") -> None:
+        super().__init__(dict(x=x, w_up=w_up, w_down=w_down, topk_ids=topk_ids,
+                              topk_weights=topk_weights, shared_w_up=shared_w_up,
+                              shared_w_down=shared_w_down),
+                         dict(is_inference=is_inference), backend)
+
+    def _validate(self, descs, *, is_inference) -> MoEProblem:
+        facts = self._validate_experts(descs)
+        _all_contiguous(descs)
+        self._plan_tensor("out", (facts["tokens"], facts["hidden"]), facts["dtype"])
+        return MoEProblem(**facts, is_inference=is_inference, accumulate=False,
+                          weight_grad_dtype=torch.float32)
+
+    def _declare_program_buffers(self) -> None:
+        if not self.is_inference:       # an inference plan has no saved buffer at all
+            super()._declare_program_buffers()
+
+    def _result(self, binding) -> TupleDict:
+        return TupleDict(out=binding["out"], saved=binding.get("saved"))
+
+    def execute(self, x, w_up, w_down, topk_ids, topk_weights, out, saved=None, *,
+                shared_w_up=None, shared_w_down=None, workspace=None,
+                current_stream=None) -> TupleDict:
+        """Runs the forward; returns TupleDict(out, saved) (saved is None for is_inference)."""
+        return self._execute(dict(x=x, w_up=w_up, w_down=w_down, topk_ids=topk_ids,
+                                  topk_weights=topk_weights, out=out, saved=saved,
+                                  shared_w_up=shared_w_up, shared_w_down=shared_w_down,
+                                  workspace=workspace, current_stream=current_stream))
+
+
+class ReLU2MoEBackward(_ExpertPlan):
+    """Backward of the routed ReLU2 experts (docs/moe.md).
+
+    Takes the forward's inputs (the same shared expert and backend), d_out [t, H] (x's dtype)
+    and the forward's ``saved`` buffer. Writes d_x [t, H] (x's dtype: the fp32 sum over the k
+    experts and the shared expert rounded once), d_topk_weights [t, k] fp32 (<d_out_t, y_tj>;
+    zero for dropped assignments), and d_w_up [E, I, H], d_w_down [E, H, I] (and
+    d_shared_w_up, d_shared_w_down) in ``weight_grad_dtype`` (default fp32 main-grad buffers,
+    fp64 for fp64 inputs; or the weights' dtype), summed over each expert's tokens in fp32 in a
+    fixed order; with ``accumulate=True`` added to the buffers' contents. ``workspace_size``
+    bytes of workspace. Deterministic: no float atomics.
+    """
+
+    op_name = "relu2_moe_backward"
+    program_name = "backward"
+    operands = (*_EXPERT_INPUTS, *inputs("d_out"), *saved_buffer("in"),
+                *outputs("d_x", "d_topk_weights", "d_w_up", "d_w_down"), *_SHARED_INPUTS,
+                *outputs("d_shared_w_up", "d_shared_w_down", optional=True))
+    options = (Option("accumulate", expect_bool, False),
+               Option("weight_grad_dtype", optional(_weight_grad_dtype), None))
+    returns = ("d_x", "d_topk_weights", "d_w_up", "d_w_down", "d_shared_w_up", "d_shared_w_down")
+
+    def __init__(self, x, w_up, w_down, topk_ids, topk_weights, d_out, *, shared_w_up=None,
+                 shared_w_down=None, accumulate: bool = False,
+                 weight_grad_dtype: torch.dtype | None = None, backend: str = "auto") -> None:
+        super().__init__(dict(x=x, w_up=w_up, w_down=w_down, topk_ids=topk_ids,
+                              topk_weights=topk_weights, d_out=d_out, shared_w_up=shared_w_up,
+                              shared_w_down=shared_w_down),
+                         dict(accumulate=accumulate, weight_grad_dtype=weight_grad_dtype), backend)
+
+    def _validate(self, descs, *, accumulate, weight_grad_dtype) -> MoEProblem:
+        facts = self._validate_experts(descs)
+        allowed = weight_grad_dtypes(facts["dtype"])
+        grad_dtype = allowed[0] if weight_grad_dtype is None else weight_grad_dtype
+        if grad_dtype not in allowed:
+            names = " or ".join(dtype_name(d) for d in allowed)
+            raise ValidationError(f"weight_grad_dtype: expected {names}, got {weight_grad_dtype!r}")
+        t, H = facts["tokens"], facts["hidden"]
+        expect_dtype("d_out", descs["d_out"], (facts["dtype"],))
+        expect_shape("d_out", descs["d_out"], (t, H), "[t, H] like x")
+        _all_contiguous(descs)
+        self._plan_tensor("d_x", (t, H), facts["dtype"])
+        self._plan_tensor("d_topk_weights", (t, facts["top_k"]), accumulator_dtype(facts["dtype"]))
+        for weight, grad in _WEIGHT_GRADS:
+            if weight in descs:
+                self._plan_tensor(grad, descs[weight].shape, grad_dtype)
+        return MoEProblem(**facts, is_inference=False, accumulate=accumulate,
+                          weight_grad_dtype=grad_dtype)
+
+    @property
+    def gradient_names(self) -> tuple[str, ...]:
+        """The gradients execute() writes, in TupleDict order."""
+        return ("d_x", "d_topk_weights") + tuple(g for w, g in _WEIGHT_GRADS if w in self._descs)
+
+    def execute(self, x, w_up, w_down, topk_ids, topk_weights, d_out, saved, d_x, d_topk_weights,
+                d_w_up, d_w_down, *, shared_w_up=None, shared_w_down=None, d_shared_w_up=None,
+                d_shared_w_down=None, workspace=None, current_stream=None) -> TupleDict:
+        """Runs the backward; returns a TupleDict of the gradients (``gradient_names``)."""
+        return self._execute(dict(x=x, w_up=w_up, w_down=w_down, topk_ids=topk_ids,
+                                  topk_weights=topk_weights, d_out=d_out, saved=saved, d_x=d_x,
+                                  d_topk_weights=d_topk_weights, d_w_up=d_w_up, d_w_down=d_w_down,
+                                  shared_w_up=shared_w_up, shared_w_down=shared_w_down,
+                                  d_shared_w_up=d_shared_w_up, d_shared_w_down=d_shared_w_down,
+                                  workspace=workspace, current_stream=current_stream))
+
+
+def relu2_moe_forward(x, w_up, w_down, topk_ids, topk_weights, *, shared_w_up=None,
+                      shared_w_down=None, is_inference: bool = False, backend: str = "auto",
+                      current_stream=None) -> TupleDict:
+    """Eager forward: returns TupleDict(out, saved) (saved is None with is_inference=True).
+    Pass ``saved`` to ``relu2_moe_backward``.
+
+    Example::
+
+        out, saved = fusedops.relu2_moe_forward(x, w_up, w_down, ids, weights)
+    """
+    return ReLU2MoEForward.eager(
+        dict(x=x, w_up=w_up, w_down=w_down, topk_ids=topk_ids, topk_weights=topk_weights,
+             shared_w_up=shared_w_up, shared_w_down=shared_w_down),
+        is_inference=is_inference, backend=backend, current_stream=current_stream)
+
+
+def relu2_moe_backward(x, w_up, w_down, topk_ids, topk_weights, d_out, saved, *, shared_w_up=None,
+                       shared_w_down=None, weight_grad_dtype: torch.dtype | None = None,
+                       backend: str = "auto", current_stream=None) -> TupleDict:
+    """Eager backward: allocates the gradients; returns TupleDict(d_x, d_topk_weights, d_w_up,
+    d_w_down[, d_shared_w_up, d_shared_w_down])."""
+    return ReLU2MoEBackward.eager(
+        dict(x=x, w_up=w_up, w_down=w_down, topk_ids=topk_ids, topk_weights=topk_weights,
+             d_out=d_out, saved=saved, shared_w_up=shared_w_up, shared_w_down=shared_w_down),
+        weight_grad_dtype=weight_grad_dtype, backend=backend, current_stream=current_stream)

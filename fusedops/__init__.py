@@ -3,30 +3,22 @@ and eager wrappers. See docs/getting_started.md.
 
 Each operator family is a package (``fusedops.engram``, ``fusedops.mamba2``,
 ``fusedops.mamba2_inference``, ``fusedops.attention``, ``fusedops.moe``) whose ``__all__`` (its
-plans and eager functions) is re-exported here.
+plans and eager functions) is re-exported here; ``fusedops.ops`` holds the differentiable torch
+ops and ``fusedops.layers`` the nn.Modules built on them.
 """
 
-from . import errors
+from . import attention, engram, errors, mamba2, mamba2_inference, moe
+from .attention import *  # noqa: F401,F403
 from .core import TensorDesc, TupleDict, cache_clear, cache_info
-from . import engram
-from .engram import *  # noqa: E402,F401,F403
-from . import mamba2
-from .mamba2 import *  # noqa: E402,F401,F403
-from . import mamba2_inference
-from .mamba2_inference import *  # noqa: E402,F401,F403
-from . import attention
-from .attention import *  # noqa: E402,F401,F403
-from . import moe
-from .moe import *  # noqa: E402,F401,F403
+from .engram import *  # noqa: F401,F403
+from .mamba2 import *  # noqa: F401,F403
+from .mamba2_inference import *  # noqa: F401,F403
+from .moe import *  # noqa: F401,F403
 
 __version__ = "0.1.0"
 
-__all__ = ["TensorDesc", "TupleDict", "cache_clear", "cache_info", "errors", *engram.__all__]
-__all__ += mamba2.__all__
-__all__ += mamba2_inference.__all__
-__all__ += attention.__all__
-__all__ += moe.__all__
+__all__ = ["TensorDesc", "TupleDict", "cache_clear", "cache_info", "errors", "layers", "ops",
+           *engram.__all__, *mamba2.__all__, *mamba2_inference.__all__, *attention.__all__,
+           *moe.__all__]
 
-from . import ops  # noqa: E402  (registers torch.ops.fusedops.*: the differentiable torch ops)
-from . import layers  # noqa: E402  (torch.nn layers on fusedops.ops)
-__all__ += ["ops", "layers"]
+from . import layers, ops  # noqa: E402  (ops registers torch.ops.fusedops.*)

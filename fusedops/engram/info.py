@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ..core.dtypes import accumulator_dtype
 from ..opinfo import ROUNDED_ONCE, OpInfo, accumulated
 from . import samples
 from .oracle import oracle
@@ -18,7 +19,7 @@ def tolerance(name: str, dtype: torch.dtype):
     if name == "grad_weight":
         return accumulated(dtype)
     if name == "saved":
-        return ROUNDED_ONCE[torch.float64 if dtype == torch.float64 else torch.float32]
+        return ROUNDED_ONCE[accumulator_dtype(dtype)]
     return ROUNDED_ONCE[dtype]
 
 

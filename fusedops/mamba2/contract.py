@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.dtypes import accumulator_dtype
+
 from ..core.checks import expect_dtype, expect_shape
 from ..core.desc import TensorDesc
 from ..core.options import expect_float_range
@@ -81,11 +83,6 @@ def check_gate(descs: dict[str, TensorDesc], x: TensorDesc, layout: str) -> None
         expect_shape("z", descs["z"], tuple(x.shape), layout)
 
 
-def param_dtype_of(dtype: torch.dtype) -> torch.dtype:
-    """A, D, dt_bias and the states: fp32, or float64 in a reference plan."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
 # -- the problem ------------------------------------------------------------------------------------
 def max_segments(batch: int, length: int, chunk: int, num_sequences: int | None) -> int:
     """Segments a problem can have: batch·ceil(l/Q) without cu_seqlens, else ceil(l/Q) + nseq
@@ -127,7 +124,7 @@ class ScanProblem:
 
     @property
     def param_dtype(self) -> torch.dtype:
-        return param_dtype_of(self.dtype)
+        return accumulator_dtype(self.dtype)
 
     @property
     def max_segments(self) -> int:

@@ -10,13 +10,13 @@ from __future__ import annotations
 import torch
 
 from ..core.checks import expect_contiguous, expect_dtype, expect_ndim, expect_shape
+from ..core.dtypes import accumulator_dtype
 from ..core.options import Option, expect_bool
 from ..core.tupledict import TupleDict
 from ..errors import ValidationError
 from ..plan import Plan, indices, inputs, outputs, saved_buffer
 from .contract import (ACTIVATION_DTYPES, DEFAULT_CHUNK_SIZE, DEFAULT_DT_LIMIT, ScanProblem,
-                       check_dt, check_gate, check_heads, expect_chunk_size, expect_dt_limit,
-                       param_dtype_of)
+                       check_dt, check_gate, check_heads, expect_chunk_size, expect_dt_limit)
 
 _OPTIONAL = ("D", "z", "dt_bias", "initial_states")
 _GRAD_OF = {"x": "dx", "dt": "ddt", "A": "dA", "B": "dB", "C": "dC", "D": "dD", "z": "dz",
@@ -39,7 +39,7 @@ class _ScanPlan(Plan):
         b, l, h, p = x.shape
         if min(b, l, h, p) < 1:
             raise ValidationError(f"x: expected b, l, h, p >= 1 in [b, l, h, p], got {list(x.shape)}")
-        param = param_dtype_of(x.dtype)
+        param = accumulator_dtype(x.dtype)
         check_dt(descs, x, (b, l, h), "[b, l, h]")
         B = descs["B"]
         expect_ndim("B", B, 4, "[b, l, g, n]")

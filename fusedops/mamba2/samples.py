@@ -6,8 +6,9 @@ from __future__ import annotations
 import torch
 
 from ..core.desc import TensorDesc
+from ..core.dtypes import accumulator_dtype
 from ..opinfo import Case, PlanCall
-from .contract import DEFAULT_DT_LIMIT, param_dtype_of
+from .contract import DEFAULT_DT_LIMIT
 from .plans import Mamba2ChunkScanBackward, Mamba2ChunkScanForward
 
 OPTIONAL = ("D", "z", "dt_bias", "initial_states", "cu_seqlens")
@@ -25,7 +26,7 @@ def make(b: int, l: int, h: int, p: int, g: int, n: int, dtype=torch.float32, *,
     dt_limit, recompute_states."""
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
-    wdt = param_dtype_of(dtype)
+    wdt = accumulator_dtype(dtype)
     t = dict(x=rnd(b, l, h, p).to(device, dtype), dt=rnd(b, l, h).to(device, dtype),
              A=(-0.5 - torch.rand(h, generator=gen)).to(device, wdt),
              B=rnd(b, l, g, n).to(device, dtype), C=rnd(b, l, g, n).to(device, dtype))

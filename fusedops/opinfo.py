@@ -83,7 +83,9 @@ class OpInfo:
     from running the forward on ``backend``). ``run(case, backend)``: forward and backward
     through the plans; every output and gradient by name. ``oracle(case)``: the same names from
     independent float64 math. ``tolerance(name, dtype)``: the allowed error of result ``name``.
-    ``demo_limit``: the demonstration's allowed relative L2 error (bf16 inputs) against the
+    ``index_fuzz(seed, backend, device)``: for families whose plans read index tensors, drawn
+    ``fusedops.testing.fuzz.FuzzCase``s (valid and invalid index data) for the memory-safety
+    fuzz test. ``demo_limit``: the demonstration's allowed relative L2 error (bf16 inputs) against the
     float64 reference: ``demo_reference`` "torch" (the torch backend on the case in float64, the
     cheap reference at large shapes) or "oracle" (``oracle(case)``, for families whose plans
     take no float64). ``bench``: the scripts in bench/ that measure the family.
@@ -104,6 +106,7 @@ class OpInfo:
     demo_limit: float
     bench: Sequence[str] = ()
     demo_reference: str = "torch"
+    index_fuzz: Callable[..., list] | None = None
 
     @property
     def backends(self) -> tuple[str, ...]:

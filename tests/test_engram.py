@@ -150,6 +150,29 @@ def test_masked_tokens_output_x_bit_for_bit(backend, dtype):
     assert torch.all(r["grad_kv"].view(9, 3, 64)[masked, :2] == 0)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # the poisoned tokens' statistics
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_masked_tokens_are_isolated_even_when_not_finite(backend, poison):
+    """Nothing of a masked token's x or kv reaches an output or a gradient, bit for bit: the
+    results equal those of the same tokens holding zeros."""
+    t = make_inputs(12, 3, 64, torch.float32, mask="some", seed=31)
+    masked, live = ~t["mask"], t["mask"]
+    clean = {k: (v.clone() if v is not None else None) for k, v in t.items()}
+    clean["x"][masked] = 0
+    clean["kv"][masked] = 0
+    t["x"][masked] = poison
+    t["kv"][masked] = poison
+    r, ref = run_plans(t, backend), run_plans(clean, backend)
+    assert torch.equal(r["out"][masked].view(torch.int32), t["x"][masked].view(torch.int32))
+    assert torch.equal(r["grad_x"][masked], t["grad_out"][masked])
+    assert torch.all(r["grad_kv"].view(12, 4, 64)[masked, :3] == 0)
+    assert torch.all(r["saved"][masked][..., 0] == 0)
+    assert torch.equal(r["grad_weight"], ref["grad_weight"])
+    for name in ("out", "grad_x", "grad_kv", "saved"):
+        assert torch.equal(r[name][live], ref[name][live]), name
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_fully_masked(backend):
     t = make_inputs(5, 4, 64, torch.bfloat16, mask="nothing", seed=6)

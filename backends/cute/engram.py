@@ -223,12 +223,12 @@ def gate_bwd_kernel(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer,
             n = Int64(start + t)  # 64-bit token coordinate, see the forward
             for i in cutlass.range_constexpr(ITERS):
                 j, valid = vector_slot(tidx, i, THREADS, NV)
+                acc_v.fill(0.0)
                 for s in cutlass.range_constexpr(S):
                     cute.copy(atom, gG[None, s, j, n], rG[None, i])
-                    if cutlass.const_expr(s == 0):
-                        acc_v.store(gSaved[0, s, n] * rG[None, i].load().to(Float32))
-                    else:
-                        acc_v.store(acc_v.load() + gSaved[0, s, n] * rG[None, i].load().to(Float32))
+                    gate_s = gSaved[0, s, n]
+                    if gate_s != Float32(0.0):    # a masked stream adds nothing, even a NaN g
+                        acc_v.store(acc_v.load() + gate_s * rG[None, i].load().to(Float32))
                 rGV.store(acc_v.load().to(DTYPE))
                 if valid:
                     cute.copy(atom, rGV, gGKV[None, S, j, n])
@@ -276,17 +276,22 @@ def gate_bwd_kernel(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer,
             coef = ddot * rx * rk / Float32(SQRT_D)
             c_x = ddot * dot * rx * rx / Float32(D)
             c_k = ddot * dot * rk * rk / Float32(D)
+            token = gate != Float32(0.0)
             for i in cutlass.range_constexpr(ITERS):
                 j, valid = vector_slot(tidx, i, THREADS, NV)
-                x = rX[None, i].load().to(Float32)
-                k = rK[None, i].load().to(Float32)
-                w = rW[None, i].load()
-                rGX.store((rG[None, i].load().to(Float32) + coef * w * k - c_x * x).to(DTYPE))
-                rGK.store((coef * w * x - c_k * k).to(DTYPE))
+                if token:
+                    x = rX[None, i].load().to(Float32)
+                    k = rK[None, i].load().to(Float32)
+                    w = rW[None, i].load()
+                    rGX.store((rG[None, i].load().to(Float32) + coef * w * k - c_x * x).to(DTYPE))
+                    rGK.store((coef * w * x - c_k * k).to(DTYPE))
+                    acc[None, i].store(acc[None, i].load() + coef * x * k)
+                else:  # a masked token is isolated: grad_x = g, grad_k = 0, nothing to grad_weight
+                    rGX.store(rG[None, i].load())
+                    rGK.fill(0.0)
                 if valid:
                     cute.copy(atom, rGX, gGX[None, s, j, n])
                     cute.copy(atom, rGK, gGKV[None, s, j, n])
-                acc[None, i].store(acc[None, i].load() + coef * x * k)
         gPartial = cute.make_tensor(ppartial, cute.make_layout(
             (VEC, S, NV, 1 + block), stride=(1, D, VEC, S * D)))
         for i in cutlass.range_constexpr(ITERS):

@@ -25,3 +25,10 @@ def direct_program(run: Callable[[Mapping[str, Any]], None]) -> Program:
         with torch.no_grad():
             run(binding)
     return Program(run=launch)
+
+
+def report(status: torch.Tensor | None, bit: int, bad: torch.Tensor) -> None:
+    """ORs ``bit`` into the status word when any element of ``bad`` is true: device ops only,
+    no host read (so the torch backend stays capturable and never synchronises on it)."""
+    if status is not None:
+        status.bitwise_or_(torch.where(bad.any(), bit, 0).to(status.dtype))

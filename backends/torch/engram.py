@@ -46,15 +46,21 @@ def gate_backward(x, kv, weight, saved, grad_out, compute_dtype=torch.float32):
     g = grad_out.to(compute_dtype)
     gate, dot, rx, rk = saved.to(compute_dtype).unbind(-1)
     dgate = (g * v[:, None]).sum(-1)
-    # gate == 0 (masked tokens) contributes no derivative even when a masked value is not finite
-    live = (dot.abs() >= DOT_CLAMP) & (gate != 0)
+    # a masked token (gate == 0) is isolated: nothing of its x, kv or saved statistics reaches a
+    # gradient, even when they are not finite (selected away, never multiplied by zero)
+    token = gate != 0
+    live = (dot.abs() >= DOT_CLAMP) & token
+    zero = torch.zeros((), dtype=compute_dtype, device=x.device)
     slope = 0.5 / torch.sqrt(dot.abs().clamp_min(DOT_CLAMP))
-    ddot = torch.where(live, dgate * gate * (1 - gate) * slope, torch.zeros_like(dgate))
-    coef = ddot * rx * rk / math.sqrt(d)
-    grad_x = g + coef[..., None] * w * k - (ddot * dot * rx * rx / d)[..., None] * xf
-    grad_k = coef[..., None] * w * xf - (ddot * dot * rk * rk / d)[..., None] * k
-    grad_v = (gate[..., None] * g).sum(1)
-    grad_weight = (coef[..., None] * xf * k).sum(0)
+    ddot = torch.where(live, dgate * gate * (1 - gate) * slope, zero)
+    coef = torch.where(token, ddot * rx * rk / math.sqrt(d), zero)
+    c_x = torch.where(token, ddot * dot * rx * rx / d, zero)
+    c_k = torch.where(token, ddot * dot * rk * rk / d, zero)
+    keep = token[..., None]
+    grad_x = g + torch.where(keep, coef[..., None] * w * k - c_x[..., None] * xf, zero)
+    grad_k = torch.where(keep, coef[..., None] * w * xf - c_k[..., None] * k, zero)
+    grad_v = torch.where(keep, gate[..., None] * g, zero).sum(1)
+    grad_weight = torch.where(keep, coef[..., None] * xf * k, zero).sum(0)
     grad_kv = torch.cat((grad_k.reshape(n, s * d), grad_v), dim=1)
     return grad_x.to(x.dtype), grad_kv.to(x.dtype), grad_weight
 

@@ -132,7 +132,7 @@ def engram_gate_bwd_kernel(x, kv, weight, saved, grad_out, grad_x, grad_kv, part
             for j_s in tl.static_range(S):
                 gate = tl.load(saved + (i_n * S + j_s) * 4)
                 b_g = tl.load(grad_out + i_n * (S * D) + j_s * D + o_c, mask=m_c, other=0.0)
-                b_gv += gate * b_g.to(tl.float32)
+                b_gv += tl.where(gate != 0.0, gate * b_g.to(tl.float32), 0.0)
             tl.store(grad_kv + i_n * ((S + 1) * D) + S * D + o_c,
                      b_gv.to(grad_kv.dtype.element_ty), mask=m_c)
     else:
@@ -171,13 +171,15 @@ def engram_gate_bwd_kernel(x, kv, weight, saved, grad_out, grad_x, grad_kv, part
             b_x = tl.load(x + i_n * (S * D) + i_s * D + o_c, mask=m_c, other=0.0).to(tl.float32)
             b_k = tl.load(kv + i_n * ((S + 1) * D) + i_s * D + o_c, mask=m_c,
                           other=0.0).to(tl.float32)
-            b_gx = b_g + coef * b_w * b_k - c_x * b_x
-            b_gk = coef * b_w * b_x - c_k * b_k
+            # a masked token (gate 0) is isolated: its x, k and statistics are selected away
+            token = gate != 0.0
+            b_gx = b_g + tl.where(token, coef * b_w * b_k - c_x * b_x, 0.0)
+            b_gk = tl.where(token, coef * b_w * b_x - c_k * b_k, 0.0)
             tl.store(grad_x + i_n * (S * D) + i_s * D + o_c, b_gx.to(grad_x.dtype.element_ty),
                      mask=m_c)
             tl.store(grad_kv + i_n * ((S + 1) * D) + i_s * D + o_c,
                      b_gk.to(grad_kv.dtype.element_ty), mask=m_c)
-            b_acc += coef * b_x * b_k
+            b_acc += tl.where(token, coef * b_x * b_k, 0.0)
         tl.store(partials + (i_b.to(tl.int64) * S + i_s) * D + o_c, b_acc, mask=m_c)
 
 

@@ -28,3 +28,21 @@ def last_at_most(ptr, value, n, STEPS: tl.constexpr):
         lo = tl.where(up, mid, lo)
         hi = tl.where(up, hi, mid - 1)
     return lo
+
+
+@triton.jit
+def report(status, bad, BIT: tl.constexpr, HAS_STATUS: tl.constexpr):
+    """ORs BIT into the status word when any element of ``bad`` (a block of bools) is true
+    (an integer OR: order-independent, deterministic). ``status`` is compiled out (a constexpr
+    None) when the plan has no status word."""
+    if HAS_STATUS:
+        if tl.max(bad.to(tl.int32)) != 0:
+            tl.atomic_or(status, BIT)
+
+
+@triton.jit
+def report_if(status, bad, BIT: tl.constexpr, HAS_STATUS: tl.constexpr):
+    """``report`` for one scalar condition."""
+    if HAS_STATUS:
+        if bad:
+            tl.atomic_or(status, BIT)

@@ -32,6 +32,7 @@ import torch
 
 from ..core.checks import check_execute_tensor, check_no_overlap, check_workspace, expect_aligned
 from ..core.desc import TensorDesc
+from ..core.index_checks import check_inputs_requested
 from ..core.device import bind_device
 from ..core.options import Option
 from ..core.program import Program
@@ -95,6 +96,10 @@ class Plan:
         """Checks the declared inputs against the contract, declares the outputs
         (``_plan_tensor``) and returns the problem (plan-time facts) for the backend."""
         raise NotImplementedError
+
+    def _check_index_values(self, tensors: Mapping[str, Any]) -> None:
+        """Host checks of the index tensors' values (``check_index_values``); plans that read
+        index data override it with the ``fusedops.core.index_checks`` helpers."""
 
     def _declare_program_buffers(self) -> None:
         """Declares the opaque saved buffer, sized by the selected backend's program."""
@@ -195,6 +200,14 @@ class Plan:
         d = self._descs[name]
         return torch.empty(d.shape, dtype=d.dtype, device=self._device)
 
+    def check_index_values(self, **tensors) -> None:
+        """Checks the values of the index tensors among ``tensors`` (by name) on the host and
+        raises ValidationError naming the argument and the first bad entry. It copies them to
+        the host, a synchronisation: for eager use and debugging (the eager wrappers'
+        ``check_inputs=True`` or FUSEDOPS_CHECK_INPUTS=1), never inside execute(), where the
+        kernels clamp or mask and report through the ``status`` word instead."""
+        self._check_index_values(tensors)
+
     def compile(self) -> Plan:
         """Builds every launcher execute() will use (compiled artifacts are cached process-wide
         by plan-time values). Allocates no device memory. Returns the plan."""
@@ -262,10 +275,15 @@ class Plan:
 
     @classmethod
     def eager(cls, tensors: Mapping[str, Any], *, backend: str = "auto", current_stream=None,
-              **options) -> Any:
+              check_inputs: bool | None = None, **options) -> Any:
         """Builds (cached) the plan, allocates its outputs, saved buffer and workspace on the
-        launch stream and executes; returns execute()'s result."""
+        launch stream and executes; returns execute()'s result. ``check_inputs`` (default: the
+        FUSEDOPS_CHECK_INPUTS environment switch) first checks the index tensors' values on the
+        host (``check_index_values``)."""
+        check = check_inputs_requested(check_inputs)
         plan = cls.cached(tensors, backend=backend, **options)
+        if check:
+            plan.check_index_values(**tensors)
         given = {n for n, v in tensors.items() if isinstance(v, torch.Tensor)}
         with allocation_stream(current_stream, plan.device):
             buffers = plan.allocate_outputs(exclude=given)

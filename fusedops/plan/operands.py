@@ -64,3 +64,9 @@ def saved_buffer(role: str, *, optional: bool = False) -> tuple[Operand, ...]:
     """The opaque ``saved`` byte buffer: written by a forward ("out"), read by its backward
     ("in")."""
     return (Operand("saved", role, optional, ALIGNMENT, saved_buffer=True),)
+
+
+def status_word() -> tuple[Operand, ...]:
+    """The optional int32 [1] status word the kernels OR violation bits into
+    (``fusedops.core.status``): given at construction to compile the reporting in."""
+    return (Operand("status", "inout", optional=True, alignment=4),)

@@ -1,6 +1,7 @@
-"""Engram saved-state gate benchmark: fusedops' kernel backends against the torch backend's
-reference math, eager and under torch.compile, with achieved GB/s against the copy bandwidth
-measured in the same run.
+"""Engram saved-state gate benchmark: fusedops' kernel backends (eager and under CUDA Graph
+replay) against the torch backend's reference math, eager and under torch.compile. GB/s counts
+the bytes the operator requires (its floor, plan.floor()); "% copy" sets them against the copy
+bandwidth measured in the same run, "% floor" the roofline floor time against the time.
 
     python bench/engram_gate.py [--tokens 4096 8192 16384] [--json out.json] [--png out.png]
 """
@@ -17,15 +18,6 @@ import harness  # noqa: E402
 
 import fusedops  # noqa: E402
 from fusedops.testing import runnable_backends  # noqa: E402
-
-
-def forward_bytes(n, s, d, e):
-    return n * (2 * s * d * e + (s + 1) * d * e + 1 + 16 * s)
-
-
-def backward_bytes(n, s, d, e, workspace):
-    # reads x, kv, grad_out, saved; writes grad_x, grad_kv; partials written and read; grad_weight
-    return n * (3 * s * d * e + 2 * (s + 1) * d * e + 16 * s) + 2 * workspace + 4 * s * d
 
 
 def kernel_backends(device) -> list[str]:
@@ -61,9 +53,10 @@ def main(argv=None) -> None:
     if args.quick:
         args.tokens, args.hidden = [64], 256
     dtype, s, d = torch.bfloat16, args.streams, args.hidden
-    copy_gbs = harness.copy_bandwidth_gbs(device)
-    report = harness.Report("Engram saved-state gate", harness.device_name(device),
-                            {"copy GB/s": copy_gbs}, versions=harness.versions())
+    ceilings = harness.measured_ceilings(device)
+    report = harness.Report("Engram saved-state gate", harness.device_name(device), ceilings,
+                            versions=harness.versions())
+    reps = 5 if args.quick else 20
     for n in args.tokens:
         gen = torch.Generator(device=device).manual_seed(n)
         x = torch.randn(n, s, d, device=device, dtype=dtype, generator=gen)
@@ -71,32 +64,35 @@ def main(argv=None) -> None:
         w = 1 + 0.1 * torch.randn(s, d, device=device, generator=gen)
         mask = torch.rand(n, device=device, generator=gen) > 0.1
         g = torch.randn_like(x)
-        candidates, overheads = [], {}
+        candidates, overheads, floors = [], {}, {}
         for backend in kernel_backends(device):
-            run_fwd, run_bwd, workspace, _, _ = plan_runners(backend, x, kv, w, mask, g)
-            candidates.append((f"fusedops {backend}", run_fwd, run_bwd))
+            run_fwd, run_bwd, _, (fwd, _), (bwd, _) = plan_runners(backend, x, kv, w, mask, g)
+            floors = dict(fwd=fwd.floor(), bwd=bwd.floor())
+            candidates.append((f"fusedops {backend}", run_fwd, run_bwd, True))
             overheads[backend] = harness.host_overhead_us(run_fwd, device,
                                                           calls=200 if args.quick else 2000)
-        fb = forward_bytes(n, s, d, x.element_size())
-        bb = backward_bytes(n, s, d, x.element_size(), workspace)
         # the peers: the torch backend's reference math, eager and under torch.compile
         eager_f, eager_b, _, (ref_f, f_bind), (ref_b, b_bind) = plan_runners("torch", x, kv, w, mask, g)
-        candidates.append(("torch eager", eager_f, eager_b))
+        floors = floors or dict(fwd=ref_f.floor(), bwd=ref_b.floor())
+        candidates.append(("torch eager", eager_f, eager_b, False))
         if not args.no_compile:
             compiled_f = torch.compile(lambda: ref_f.program.run(f_bind, None))
             compiled_b = torch.compile(lambda: ref_b.program.run(b_bind, None))
-            candidates.append(("torch.compile", compiled_f, compiled_b))
-        times = {(name, direction): harness.time_ms(fn, device, reps=5 if args.quick else 20)
-                 for name, f_fn, b_fn in candidates
-                 for direction, fn in (("fwd", f_fn), ("bwd", b_fn))}
-        for (name, direction), ms in times.items():
-            gbs = (fb if direction == "fwd" else bb) / ms / 1e6
-            peer = times.get(("torch.compile", direction))
-            report.add(case=f"N={n} {direction}", impl=name, us=ms * 1e3, **{"GB/s": gbs},
-                       **{"% copy": 100 * gbs / copy_gbs,
-                          "speedup vs compile": peer / ms if peer else None})
+            candidates.append(("torch.compile", compiled_f, compiled_b, False))
+        for name, f_fn, b_fn, ours in candidates:
+            for direction, fn in (("fwd", f_fn), ("bwd", b_fn)):
+                timings = [(name, harness.time_ms(fn, device, reps=reps))]
+                graph = harness.graph_time_ms(fn, device, reps=reps) if ours else None
+                if graph is not None:
+                    timings.append((f"{name} (graph)", graph))
+                floor = floors[direction]
+                for impl, ms in timings:
+                    report.add(case=f"N={n} {direction}", impl=impl, us=ms * 1e3,
+                               **{"GB/s": floor.bytes / ms / 1e6,
+                                  "% copy": 100 * floor.bytes / ms / 1e6 / ceilings["copy GB/s"]},
+                               floor_ms=harness.roofline_ms(floor, ceilings))
         for backend, us in overheads.items():
-            report.add(case=f"N={n} fwd execute() host time", impl=f"fusedops {backend}", us=us)
+            report.add(case=f"N={n} execute() host µs", impl=f"fusedops {backend}", us=us)
     report.finish(args, "GB/s")
 
 

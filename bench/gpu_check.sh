@@ -1,26 +1,51 @@
 #!/usr/bin/env bash
-# The GPU check for a lent CUDA machine: the test suite (GPU tests included; the AOT compile tests,
-# CPU-only work that CI runs, are left out) and every benchmark, in under 8 minutes on one H200.
+# The GPU check for a lent CUDA machine, in under 8 minutes on one H200: the test suite (GPU tests
+# included; the AOT compiles and the kernel report, CPU work that CI runs, are left out), the
+# index-data fuzz cases under compute-sanitizer memcheck, every benchmark of the registry with
+# its peers (carried by bench/pack_peers.sh, found by bench/peers.py), and a one-page summary.
 # Logs, JSON and plots go to $OUT (default bench_out).
-# Run from the repository root: bash bench/gpu_check.sh
+#   bash bench/gpu_check.sh            on the GPU machine, from the repository root
+#   bash bench/gpu_check.sh --dry-run  on any machine: the same steps on tiny CPU shapes (CI runs
+#                                      it, so the first GPU run cannot fail on a script error)
 set -uo pipefail
+DRY=0
+[ "${1:-}" = "--dry-run" ] && DRY=1
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
-$PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
-nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
-$PY -m fusedops check
+if [ -d .carry/peers ]; then export PYTHONPATH="$PWD/.carry/peers${PYTHONPATH:+:$PYTHONPATH}"; fi
 status=0
-timeout 150 $PY -m pytest -q -x -rs -k "not aot" tests 2>&1 | tee "$OUT/pytest.log" || status=1
-timeout 45 $PY bench/engram_gate.py --json "$OUT/engram_gate.json" --png "$OUT/engram_gate.png" \
-    2>&1 | tee "$OUT/bench_engram_gate.log" || status=1
-timeout 75 $PY bench/mamba2_scan.py --json "$OUT/mamba2_scan.json" --png "$OUT/mamba2_scan.png" \
-    2>&1 | tee "$OUT/bench_mamba2_scan.log" || status=1
-timeout 45 $PY bench/mamba2_decode.py --json "$OUT/mamba2_decode.json" --png "$OUT/mamba2_decode.png" \
-    2>&1 | tee "$OUT/bench_mamba2_decode.log" || status=1
-timeout 90 $PY bench/attention.py --json "$OUT/attention.json" --png "$OUT/attention.png" \
-    2>&1 | tee "$OUT/bench_attention.log" || status=1
-timeout 75 $PY bench/moe.py --tokens 8192 32768 --json "$OUT/moe.json" --png "$OUT/moe.png" \
-    2>&1 | tee "$OUT/bench_moe.log" || status=1
+step() {  # step SECONDS LOG COMMAND...: run with a time limit, tee the log, remember a failure
+    local limit=$1 log=$2; shift 2
+    timeout "$limit" "$@" 2>&1 | tee "$OUT/$log" || { echo "FAILED ($log): $*"; status=1; }
+}
+if [ $DRY = 0 ]; then
+    $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
+    nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
+fi
+step 60 check.log $PY -m fusedops check
+step 60 peers.log $PY bench/peers.py
+if [ $DRY = 0 ]; then
+    step 120 pytest.log $PY -m pytest -q -x -rs -k "not aot and not kernel_report and not index_fuzz" tests
+    if command -v compute-sanitizer >/dev/null; then
+        step 45 memcheck.log compute-sanitizer --tool memcheck --error-exitcode 9 \
+            $PY -m pytest -q -x tests/test_index_fuzz.py -k "triton or cute"
+    else
+        echo "compute-sanitizer is not on PATH: the fuzz cases run without memcheck" | tee "$OUT/memcheck.log"
+        step 45 memcheck.log $PY -m pytest -q -x tests/test_index_fuzz.py
+    fi
+fi
+QUICK=()
+[ $DRY = 1 ] && QUICK=(--quick)
+DRY_LIMIT=240   # the dry run's tiny shapes run on CPU (the Triton interpreter), not against the clock
+declare -A LIMIT=([engram_gate]=40 [mamba2_scan]=70 [mamba2_decode]=40 [mamba2_state_storage]=30
+                  [attention]=75 [moe]=60)
+for name in $($PY -c "from fusedops.__main__ import benchmarks; print(' '.join(benchmarks()))"); do
+    limit=${LIMIT[$name]:-60}
+    [ $DRY = 1 ] && limit=$DRY_LIMIT
+    step "$limit" "bench_$name.log" $PY "bench/$name.py" "${QUICK[@]}" \
+        --json "$OUT/$name.json" --png "$OUT/$name.png"
+done
+step 30 summary.log $PY bench/summary.py "$OUT"
 exit $status

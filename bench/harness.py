@@ -71,6 +71,36 @@ def matmul_tflops(device: torch.device, size: int = 8192) -> float:
     return 2 * size ** 3 / ms / 1e9
 
 
+def graph_time_ms(fn: Callable[[], object], device: torch.device, *, reps: int = 20,
+                  flush_l2: bool = True) -> float | None:
+    """Median milliseconds of replaying ``fn`` captured once in a CUDA Graph (None off CUDA):
+    the time without host launch overhead."""
+    if device.type != "cuda":
+        return None
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.stream(stream):
+        fn()
+        with torch.cuda.graph(graph, stream=stream):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(stream)
+    return time_ms(graph.replay, device, reps=reps, flush_l2=flush_l2)
+
+
+def roofline_ms(cost, ceilings: dict) -> float:
+    """The floor time of ``cost`` (a fusedops.core.cost.Cost) at the ceilings measured in this
+    run: tensor-core FLOPs at the matmul rate, bytes at the copy bandwidth."""
+    compute = cost.mma_flops / (ceilings["bf16 matmul TFLOP/s"] * 1e9)
+    memory = cost.bytes / (ceilings["copy GB/s"] * 1e6)
+    return max(compute, memory)
+
+
+def measured_ceilings(device: torch.device) -> dict:
+    """The ceilings every report states: copy bandwidth and dense bf16 matmul rate, measured."""
+    return {"copy GB/s": copy_bandwidth_gbs(device), "bf16 matmul TFLOP/s": matmul_tflops(device)}
+
+
 def host_overhead_us(fn: Callable[[], object], device: torch.device, calls: int = 2000) -> float:
     """Host microseconds per call of ``fn`` (launches queue asynchronously on CUDA)."""
     fn()
@@ -97,6 +127,11 @@ class Report:
     versions: dict = field(default_factory=dict)
 
     def add(self, **row) -> None:
+        """One row; with ``floor_ms`` (the roofline floor of the case) and ``us``, the row also
+        states ``% floor`` (floor time over measured time)."""
+        floor = row.pop("floor_ms", None)
+        if floor is not None and row.get("us"):
+            row["% floor"] = 100 * floor * 1e3 / row["us"]
         self.rows.append(row)
 
     def print(self) -> None:

@@ -1,194 +1,196 @@
-"""Mamba2 chunked scan benchmark (forward, backward, forward+backward).
+"""Mamba2 chunked scan benchmark: forward, and forward + backward, at the registry's production
+shape (b=2, l=8192, h=128, p=64, n=128, g=8, chunk 256, bf16, with D, z, dt_bias and softplus).
 
-GPU: fusedops (triton) against mamba_ssm's Triton ``mamba_chunk_scan_combined`` and
-flash-linear-attention's ``chunk_simple_gla`` when installed, and ``torch.compile`` of the
-torch backend, at h=128 p=64 n=128 g=8 for l = 2K/8K/32K; ratios are against fusedops.
-CPU: the torch backend against transformers' ``mamba2_chunk_scan`` (time and peak memory, each
-measured in a fresh process).
+Rows per case: fusedops (Triton) eager and under CUDA Graph replay, also with the tokens packed
+as 4 sequences and a status word (the cost of the index-data guards); the torch backend; and the
+peers users would otherwise pick: mamba_ssm's ``mamba_chunk_scan_combined`` (the same problem)
+and flash-linear-attention's ``chunk_simple_gla`` with the problem mapped onto it (per-head
+scalar decay g = dt·A, q = C, k = B·dt, v = x; what the mapping leaves out is in the row's note).
+A missing peer is a row saying why. Every row states its % of the roofline floor: the plans'
+floors (``plan.floor()``, fusedops.core.cost) at the copy bandwidth and matmul rate measured in
+the same run. ``--quick`` runs tiny shapes on any device (CI's dry run).
 
-    python bench/mamba2_scan.py [--lengths 2048 8192 32768] [--json out.json] [--png out.png]
+    python bench/mamba2_scan.py [--batch 2] [--lengths 8192] [--json out.json] [--png out.png]
 """
 
 from __future__ import annotations
 
 import os
-import resource
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import harness  # noqa: E402
+import peers as found_peers  # noqa: E402
 
 import fusedops  # noqa: E402
+from fusedops.testing import runnable_backends  # noqa: E402
+
+PACKED_SEQUENCES = 4
+FLA_NOTE = ("mapped: q = C and k = B·dt expanded from g groups to h heads, v = x, g = dt·A; the "
+            "dt transform, D, the z gate and their gradients are left out (done once outside "
+            "the timing), fp32 states inside FLA's kernels")
 
 
 def inputs(b, l, h, p, g, n, device, dtype, seed=0):
+    """The scan's inputs (every option of the production plans but the initial states) and
+    dy."""
     gen = torch.Generator(device=device).manual_seed(seed)
     rnd = lambda *s: torch.randn(*s, device=device, generator=gen)  # noqa: E731
-    return dict(x=rnd(b, l, h, p).to(dtype), dt=rnd(b, l, h).to(dtype),
-                A=-torch.rand(h, device=device, generator=gen) - 0.5,
-                B=rnd(b, l, g, n).to(dtype), C=rnd(b, l, g, n).to(dtype),
-                D=rnd(h), dt_bias=rnd(h)), rnd(b, l, h, p).to(dtype)
+    t = dict(x=rnd(b, l, h, p).to(dtype), dt=rnd(b, l, h).to(dtype),
+             A=-torch.rand(h, device=device, generator=gen) - 0.5,
+             B=rnd(b, l, g, n).to(dtype), C=rnd(b, l, g, n).to(dtype),
+             D=rnd(h), z=rnd(b, l, h, p).to(dtype), dt_bias=rnd(h) - 4.0)
+    return t, rnd(b, l, h, p).to(dtype)
 
 
-def fusedops_runners(t, dy, chunk, backend):
-    opts = dict(chunk_size=chunk, D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True, backend=backend)
-    core = [t[k] for k in ("x", "dt", "A", "B", "C")]
-    fwd = fusedops.Mamba2ChunkScanForward(*core, **opts).compile()
-    bwd = fusedops.Mamba2ChunkScanBackward(*core, dy, **opts).compile()
-    y = torch.empty_like(t["x"])
-    fin = torch.empty(fwd.desc("final_states").shape, device=y.device)
-    saved, wf, wb = fwd.allocate_saved(), fwd.allocate_workspace(), bwd.allocate_workspace()
-    grads = {k: torch.empty(bwd.desc(k).shape, dtype=bwd.desc(k).dtype, device=y.device)
-             for k in bwd.gradient_names}
-    extra = dict(D=t["D"], dt_bias=t["dt_bias"])
-    run_f = lambda: fwd.execute(*core, y, fin, saved, **extra, workspace=wf)  # noqa: E731
-    run_b = lambda: bwd.execute(*core, dy, saved, **grads, **extra, workspace=wb)  # noqa: E731
+def fusedops_runners(t, dy, chunk, backend, packed=False):
+    """(forward, backward, floors) through compiled plans and their buffers; ``packed``: the
+    b·l tokens as one row of PACKED_SEQUENCES sequences (cu_seqlens) with a status word: the
+    same tokens and segments as the b rows when b·l / PACKED_SEQUENCES is a multiple of the
+    chunk."""
+    device = t["x"].device
+    b, l = t["x"].shape[:2]
+    flat = (lambda v: v.reshape(1, b * l, *v.shape[2:])) if packed else (lambda v: v)
+    core = {k: (v if k in ("A", "D", "dt_bias") else flat(v)) for k, v in t.items()}
+    dy = flat(dy)
+    extra = dict(D=core.pop("D"), z=core.pop("z"), dt_bias=core.pop("dt_bias"))
+    if packed:
+        extra["cu_seqlens"] = (torch.arange(PACKED_SEQUENCES + 1, device=device) * (b * l)
+                               // PACKED_SEQUENCES).to(torch.int32)
+        extra["status"] = torch.zeros(1, dtype=torch.int32, device=device)
+    opts = dict(chunk_size=chunk, dt_softplus=True, backend=backend)
+    fwd = fusedops.Mamba2ChunkScanForward(**core, **extra, **opts).compile()
+    bwd = fusedops.Mamba2ChunkScanBackward(**core, dy=dy, **extra, **opts).compile()
+    outputs = fwd.allocate_outputs()
+    grads = bwd.allocate_outputs()
+    wf = fwd.allocate_workspace() if fwd.workspace_size else None
+    wb = bwd.allocate_workspace() if bwd.workspace_size else None
+    run_f = lambda: fwd.execute(**core, **outputs, **extra, workspace=wf)  # noqa: E731
+    run_b = lambda: bwd.execute(**core, dy=dy, saved=outputs["saved"], **grads, **extra,  # noqa: E731
+                                workspace=wb)
+    run_f()
+    return run_f, run_b, (fwd.floor(), bwd.floor())
+
+
+def autograd_runners(fn, leaves: dict, dy):
+    """(forward, backward) of an autograd-differentiable fn(**leaves) -> y."""
+    leaves = {k: v.detach().requires_grad_(v.is_floating_point()) for k, v in leaves.items()}
+    state = {}
+    wrt = [v for v in leaves.values() if v.requires_grad]
+
+    def run_f():
+        state["y"] = fn(**leaves)
+
+    def run_b():
+        torch.autograd.grad(state["y"], wrt, dy, allow_unused=True)
     run_f()
     return run_f, run_b
 
 
+def peer_runners(device, chunk, t, dy):
+    """name -> (forward, backward, note) for each peer, or name -> the reason it is missing."""
+    out = {}
+    mamba, reason = found_peers.find_mamba_chunk_scan()
+    fla, fla_reason = found_peers.find_fla_simple_gla()
+    if device.type != "cuda":
+        reason = fla_reason = "Triton kernels: needs a CUDA device"
+    if mamba is None:
+        out["mamba_ssm mamba_chunk_scan_combined"] = reason
+    else:
+        def run(x, dt, A, B, C, D, z, dt_bias):
+            return mamba(x, dt, A, B, C, chunk, D=D, z=z, dt_bias=dt_bias, dt_softplus=True)
+        out["mamba_ssm mamba_chunk_scan_combined"] = (*autograd_runners(run, t, dy), "")
+    if fla is None:
+        out["fla chunk_simple_gla"] = fla_reason
+    else:
+        h, g = t["x"].shape[2], t["B"].shape[2]
+        dt = torch.nn.functional.softplus(t["dt"].float() + t["dt_bias"])
+        mapped = dict(q=t["C"].repeat_interleave(h // g, 2),
+                      k=(t["B"].repeat_interleave(h // g, 2) * dt[..., None]).to(t["x"].dtype),
+                      v=t["x"], g=(dt * t["A"]).contiguous())
+
+        def run(q, k, v, g):
+            return fla(q, k, v, g=g, scale=1.0)[0]
+        out["fla chunk_simple_gla"] = (*autograd_runners(run, mapped, dy), FLA_NOTE)
+    return out
+
+
 def compiled_reference_runners(t, dy, chunk):
-    """torch.compile of the torch backend's forward and backward programs, reached through the
-    plans (backend="torch"): the reference math, compiled."""
-    opts = dict(chunk_size=chunk, D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True, backend="torch")
+    """torch.compile of the torch backend's forward and backward programs (opt-in)."""
+    opts = dict(chunk_size=chunk, dt_softplus=True, backend="torch")
     core = {k: t[k] for k in ("x", "dt", "A", "B", "C")}
-    fwd = fusedops.Mamba2ChunkScanForward(**core, **opts)
-    bwd = fusedops.Mamba2ChunkScanBackward(**core, dy=dy, **opts)
+    extra = dict(D=t["D"], z=t["z"], dt_bias=t["dt_bias"])
+    fwd = fusedops.Mamba2ChunkScanForward(**core, **extra, **opts)
+    bwd = fusedops.Mamba2ChunkScanBackward(**core, dy=dy, **extra, **opts)
     run_fwd, run_bwd = torch.compile(fwd.program.run), torch.compile(bwd.program.run)
-    extra = dict(D=t["D"], dt_bias=t["dt_bias"], workspace=None)
-    f_binding = dict(core, **extra, **fwd.allocate_outputs())
-    b_binding = dict(core, **extra, dy=dy, saved=f_binding["saved"], **bwd.allocate_outputs())
+    f_binding = dict(core, **extra, workspace=None, **fwd.allocate_outputs())
+    b_binding = dict(core, **extra, workspace=None, dy=dy, saved=f_binding["saved"],
+                     **bwd.allocate_outputs())
     run_f = lambda: run_fwd(f_binding, None)  # noqa: E731
     run_b = lambda: run_bwd(b_binding, None)  # noqa: E731
     run_f()
     return run_f, run_b
 
 
-def autograd_runners(fn, t, dy):
-    """(forward, backward) of an autograd-differentiable fn(x, dt, A, B, C, D, dt_bias) -> y."""
-    leaves = {k: v.detach().requires_grad_() for k, v in t.items()}
-    state = {}
-
-    def run_f():
-        state["y"] = fn(**leaves)
-
-    def run_b():
-        torch.autograd.grad(state["y"], list(leaves.values()), dy, allow_unused=True)
-    run_f()
-    return run_f, run_b
-
-
-def peers(device, chunk):
-    """name -> fn(x, dt, A, B, C, D, dt_bias) -> y for the installed peers (differentiated by
-    autograd), or name -> runners(t, dy) -> (forward, backward) for the compiled reference."""
-    found = {}
-    if device.type == "cuda":
-        found["torch.compile(torch backend)"] = lambda t, dy: compiled_reference_runners(t, dy, chunk)
-        try:
-            from mamba_ssm.ops.triton.ssd_combined import mamba_chunk_scan_combined
-            found["mamba_ssm"] = lambda x, dt, A, B, C, D, dt_bias: mamba_chunk_scan_combined(
-                x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias, dt_softplus=True)
-        except ImportError:
-            pass
-        try:
-            from fla.ops.simple_gla import chunk_simple_gla
-
-            def gla(x, dt, A, B, C, D, dt_bias):
-                h, g = x.shape[2], B.shape[2]
-                dtv = torch.nn.functional.softplus(dt.float() + dt_bias)
-                q = C.repeat_interleave(h // g, 2)
-                k = B.repeat_interleave(h // g, 2)
-                v = (x * dtv[..., None]).to(x.dtype)
-                y, _ = chunk_simple_gla(q, k, v, g=dtv * A, scale=1.0)
-                return y + D[:, None] * x
-            found["fla chunk_simple_gla"] = gla
-        except ImportError:
-            pass
-    else:
-        try:
-            from transformers.models.nemotron_h.modeling_nemotron_h import mamba2_chunk_scan
-            found["transformers mamba2_chunk_scan"] = lambda x, dt, A, B, C, D, dt_bias: mamba2_chunk_scan(
-                x, dt, A, B, C, chunk, D=D, dt_bias=dt_bias, dt_softplus=True)
-        except ImportError:
-            pass
-    return found
-
-
-def measure(name, shape, chunk, device, dtype, reps):
-    b, l, h, p, g, n = shape
-    t, dy = inputs(b, l, h, p, g, n, device, dtype)
-    if name.startswith("fusedops"):
-        run_f, run_b = fusedops_runners(t, dy, chunk, name.split()[1])
-    elif name.startswith("torch.compile"):
-        run_f, run_b = peers(device, chunk)[name](t, dy)
-    else:
-        run_f, run_b = autograd_runners(peers(device, chunk)[name], t, dy)
-    fwd_ms = harness.time_ms(run_f, device, reps=reps)
-    both_ms = harness.time_ms(lambda: (run_f(), run_b()), device, reps=reps)
-    return fwd_ms, both_ms
-
-
-def _child(conn, args):
-    """Runs one measurement in a fresh process and reports its peak resident memory."""
-    torch.set_num_threads(torch.get_num_threads())
-    fwd_ms, both_ms = measure(*args)
-    conn.send((fwd_ms, both_ms, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
-
-
 def main(argv=None) -> None:
     p = harness.parser(__doc__)
-    p.add_argument("--lengths", type=int, nargs="+")
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--lengths", type=int, nargs="+", default=[8192])
     p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--compile-max-length", type=int, default=8192,
-                   help="skip the torch.compile peer above this length (its compile and memory grow)")
+    p.add_argument("--torch-compile", action="store_true",
+                   help="add torch.compile of the torch backend (minutes of compilation)")
     args = p.parse_args(argv)
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    if device.type == "cuda":
-        shape_of = lambda l: (1, l, 128, 64, 8, 128)  # noqa: E731
-        lengths, dtype, reps = args.lengths or [2048, 8192, 32768], torch.bfloat16, 10
-        candidates = ["fusedops triton"]
-    else:
-        shape_of = lambda l: (1, l, 16, 64, 2, 64)  # noqa: E731
-        lengths, dtype, reps = args.lengths or [1024, 4096], torch.float32, 3
-        candidates = ["fusedops torch"]
-    if args.quick:
-        lengths, reps, args.chunk = [256], 2, 64
-    candidates += list(peers(device, args.chunk))
-    ceilings = {"copy GB/s": harness.copy_bandwidth_gbs(device)}
-    if device.type == "cuda":
-        ceilings["bf16 matmul TFLOP/s"] = harness.matmul_tflops(device)
-    report = harness.Report("Mamba2 chunked scan", harness.device_name(device), ceilings,
-                            versions=harness.versions())
-    for l in lengths:
-        shape = shape_of(l)
-        baseline = None
-        for name in candidates:
-            if name.startswith("torch.compile") and l > args.compile_max_length:
+    h, pd, g, n = 128, 64, 8, 128
+    dtype, reps = torch.bfloat16, 10
+    if args.quick or device.type != "cuda":
+        args.batch, args.lengths, args.chunk, reps = 2, [256], 64, 2
+        h, pd, g, n, dtype = 4, 16, 2, 16, torch.float32
+    ceilings = harness.measured_ceilings(device)
+    report = harness.Report(f"Mamba2 chunked scan (h={h} p={pd} n={n} g={g} Q={args.chunk})",
+                            harness.device_name(device), ceilings, versions=harness.versions())
+    ours = [b for b in runnable_backends(device) if b != "torch"
+            and b in fusedops.Mamba2ChunkScanForward.backends] if device.type == "cuda" else []
+    for l in args.lengths:
+        b = args.batch
+        t, dy = inputs(b, l, h, pd, g, n, device, dtype)
+        case = f"b={b} l={l}"
+        rows = []           # (impl, forward, backward, floors or None, graph?, note)
+        floors = None
+        for backend in ours:
+            run_f, run_b, floors = fusedops_runners(t, dy, args.chunk, backend)
+            rows.append((f"fusedops {backend}", run_f, run_b, True, ""))
+            run_f, run_b, _ = fusedops_runners(t, dy, args.chunk, backend, packed=True)
+            rows.append((f"fusedops {backend} packed+status", run_f, run_b, True,
+                         f"the b·l tokens as {PACKED_SEQUENCES} packed sequences"))
+        run_f, run_b, torch_floors = fusedops_runners(t, dy, args.chunk, "torch")
+        floors = floors or torch_floors
+        rows.append(("fusedops torch", run_f, run_b, False, "the reference backend"))
+        for name, entry in peer_runners(device, args.chunk, t, dy).items():
+            if isinstance(entry, str):
+                for direction in ("fwd", "fwd+bwd"):
+                    report.add(case=f"{case} {direction}", impl=name, note=f"missing: {entry}")
                 continue
-            job = (name, shape, args.chunk, device, dtype, reps)
-            try:
-                if device.type == "cuda":
-                    torch.cuda.reset_peak_memory_stats()
-                    fwd_ms, both_ms = measure(*job)
-                    peak_mb = torch.cuda.max_memory_allocated() / 2**20
-                else:
-                    import multiprocessing as mp
-                    ctx = mp.get_context("spawn")
-                    parent, child = ctx.Pipe()
-                    proc = ctx.Process(target=_child, args=(child, job))
-                    proc.start()
-                    fwd_ms, both_ms, peak_mb = parent.recv()
-                    proc.join()
-            except Exception as error:  # a peer that cannot run this shape: say so, go on
-                report.add(case=f"l={l}", impl=name, error=str(error)[:80])
-                continue
-            baseline = baseline or both_ms
-            report.add(case=f"l={l} h={shape[2]} p={shape[3]} n={shape[5]}", impl=name,
-                       fwd_ms=fwd_ms, bwd_ms=both_ms - fwd_ms, fwd_bwd_ms=both_ms,
-                       peak_MiB=peak_mb, **{"fusedops speedup": both_ms / baseline})
-    report.finish(args, "fwd_bwd_ms")
+            rows.append((name, entry[0], entry[1], False, entry[2]))
+        if args.torch_compile and device.type == "cuda":
+            run_f, run_b = compiled_reference_runners(t, dy, args.chunk)
+            rows.append(("torch.compile(torch backend)", run_f, run_b, False, ""))
+        fwd_floor, bwd_floor = floors
+        both = fwd_floor + bwd_floor
+        for impl, run_f, run_b, graph, note in rows:
+            for direction, fn, floor in (("fwd", run_f, fwd_floor),
+                                         ("fwd+bwd", lambda: (run_f(), run_b()), both)):
+                timings = [(impl, harness.time_ms(fn, device, reps=reps))]
+                replay = harness.graph_time_ms(fn, device, reps=reps) if graph else None
+                if replay is not None:
+                    timings.append((f"{impl} (graph)", replay))
+                for name, ms in timings:
+                    report.add(case=f"{case} {direction}", impl=name, us=ms * 1e3,
+                               **{"floor GB/s": floor.bytes / ms / 1e6},
+                               floor_ms=harness.roofline_ms(floor, ceilings), note=note)
+    report.finish(args, "us")
 
 
 if __name__ == "__main__":

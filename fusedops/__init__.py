@@ -17,8 +17,8 @@ from .moe import *  # noqa: F401,F403
 
 __version__ = "0.1.0"
 
-__all__ = ["TensorDesc", "TupleDict", "cache_clear", "cache_info", "errors", "layers", "ops",
+__all__ = ["TensorDesc", "TupleDict", "cache_clear", "cache_info", "distributed", "errors", "layers", "ops",
            *engram.__all__, *mamba2.__all__, *mamba2_inference.__all__, *attention.__all__,
            *moe.__all__]
 
-from . import layers, ops  # noqa: E402  (ops registers torch.ops.fusedops.*)
+from . import distributed, layers, ops  # noqa: E402  (ops registers torch.ops.fusedops.*)

@@ -1,7 +1,6 @@
 """``fusedops demo | check | bench | memory`` (also ``python -m fusedops ...``)."""
 
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -21,6 +20,10 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--no-interpreter", action="store_true",
                       help="on a machine without CUDA, skip the Triton interpreter and PTX emulator rows")
     sub.add_parser("check", help="environment report: versions, device, backends per operator")
+    sub.add_parser("kernels", add_help=False,
+                   help="every kernel of every plan at production shapes, compiled for sm_90a/"
+                        "sm_100a: registers, spills, occupancy, MMA kind, traffic model and "
+                        "roofline (fusedops kernels --help)")
     bench = sub.add_parser("bench", help="run the benchmarks of a source checkout's bench/ and "
                                          "write their JSON and PNG plots")
     bench.add_argument("names", nargs="*", metavar="NAME",
@@ -29,7 +32,8 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("--quick", action="store_true", help="tiny shapes: a smoke run")
     memory = sub.add_parser("memory", help="decode state / KV cache and training saved/workspace "
                                            "bytes per layer of a NemotronH config")
-    memory.add_argument("config", help="a transformers NemotronH config.json")
+    memory.add_argument("config", help="a NemotronH model directory or config.json (read by "
+                                       "transformers' NemotronHConfig.from_pretrained)")
     memory.add_argument("--tokens", type=int, default=8192, help="tokens per training step")
     memory.add_argument("--sequences", type=int, default=1, help="sequences packed in the step")
     memory.add_argument("--context", type=int, default=65536, help="decode context length")
@@ -38,6 +42,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["kernels"]:
+        from .kernel_report.cli import main as kernels_main
+        return kernels_main(argv[1:])
     args = _parser().parse_args(argv)
     if args.command == "bench":
         known = benchmarks()
@@ -92,15 +100,22 @@ def run_benchmarks(names, out: Path, quick: bool) -> int:
 
 def run_memory(args) -> int:
     import torch
-    from .memory import format_model_bytes, load_nemotron_h_config, model_bytes
+    from .memory import format_model_bytes, load_config, missing_fields, model_bytes
+    where = f"fusedops memory: {args.config}"
     try:
-        config = load_nemotron_h_config(json.loads(Path(args.config).read_text()))
-    except (OSError, ValueError) as error:
-        raise SystemExit(f"fusedops memory: config: expected a readable NemotronH config.json, "
-                         f"got {args.config!r} ({error})")
+        config = load_config(args.config)
+    except Exception as error:  # noqa: BLE001  (the CLI's boundary: one line, never a traceback)
+        raise SystemExit(f"{where}: expected a NemotronH model directory or config.json "
+                         f"transformers can read ({type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''})")
+    missing = missing_fields(config)
+    if missing:
+        raise SystemExit(f"{where}: the config lacks {', '.join(missing)}")
     kv = torch.float8_e4m3fn if args.kv_dtype == "fp8" else torch.bfloat16
-    rows = model_bytes(config, tokens=args.tokens, context=args.context, sequences=args.sequences,
-                       kv_dtype=kv)
+    try:
+        rows = model_bytes(config, tokens=args.tokens, context=args.context, sequences=args.sequences,
+                           kv_dtype=kv)
+    except Exception as error:  # noqa: BLE001  (the CLI's boundary: one line, never a traceback)
+        raise SystemExit(f"{where}: {type(error).__name__}: {str(error).splitlines()[0]}")
     print(f"{args.config}: bf16 activations, fp32 recurrent state, {args.kv_dtype} KV cache")
     print(format_model_bytes(rows, tokens=args.tokens, context=args.context))
     return 0

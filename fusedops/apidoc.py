@@ -10,6 +10,7 @@ import sys
 
 MODULES = (
     ("fusedops.layers", "Layers"),
+    ("fusedops.distributed", "Beyond one GPU (torch.distributed)"),
     ("fusedops.compat", "Drop-in compatibility"),
     ("fusedops.memory", "Memory arithmetic"),
     ("fusedops.testing", "Testing helpers"),

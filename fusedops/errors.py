@@ -4,6 +4,8 @@ Every error that comes from a caller's input names the argument, what was expect
 given. Catch ``FusedOpsError`` for all of them, or the narrower types below.
 """
 
+__all__ = ["FusedOpsError", "PlanStateError", "UnsupportedError", "ValidationError"]
+
 
 class FusedOpsError(Exception):
     """Base class of every fusedops exception."""

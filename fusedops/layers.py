@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import ops
+from .core.dtypes import accumulator_dtype
 from .engram import DEFAULT_EPS
 from .errors import UnsupportedError, ValidationError
 from .mamba2 import CHUNK_SIZES
@@ -86,11 +87,11 @@ class GatedRMSNorm(nn.Module):
         self.group_size, self.variance_epsilon = group_size, eps
 
     def forward(self, x, gate):
-        dtype = x.dtype
-        h = x.float() * F.silu(gate.float())
-        g = h.view(*h.shape[:-1], -1, self.group_size)
+        dtype, compute = x.dtype, accumulator_dtype(x.dtype)
+        h = x.to(compute) * F.silu(gate.to(compute))
+        g = h.unflatten(-1, (h.shape[-1] // self.group_size, self.group_size))
         g = g * torch.rsqrt(g.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * g.view(h.shape).to(dtype)
+        return self.weight * g.flatten(-2).to(dtype)
 
 
 class Mamba2Mixer(nn.Module):
@@ -158,8 +159,9 @@ class Mamba2Mixer(nn.Module):
         x, B, C = xbc.split([self.intermediate_size, gn, gn], dim=-1)
         x = x.reshape(b, l, self.num_heads, self.head_dim)
         B, C = B.reshape(b, l, self.n_groups, self.state_size), C.reshape(b, l, self.n_groups, self.state_size)
-        A = -torch.exp(self.A_log.float())
-        options = dict(D=self.D.float(), dt_bias=self.dt_bias.float(), dt_softplus=True,
+        param = accumulator_dtype(x.dtype)
+        A = -torch.exp(self.A_log.to(param))
+        options = dict(D=self.D.to(param), dt_bias=self.dt_bias.to(param), dt_softplus=True,
                        dt_limit=self.time_step_limit, backend=self.backend)
         if state is not None and state.tokens > 0:
             from .mamba2_inference import mamba2_state_update
@@ -314,3 +316,13 @@ class ReLU2MoE(nn.Module):
         E, I, _ = self.experts.up_proj.shape
         return (f"experts={E}, intermediate={I}, top_k={self.top_k}, groups={self.n_group}/"
                 f"{self.topk_group}, scaling={self.routed_scaling_factor:g}")
+
+
+# layers that take a process group (expert and context parallelism); imported last because they
+# subclass the layers above
+from .distributed.layers import (ContextParallelGQAAttention, ContextParallelMamba2Mixer,  # noqa: E402
+                                 ExpertParallelReLU2MoE)
+
+__all__ = ["ContextParallelGQAAttention", "ContextParallelMamba2Mixer", "EngramGate",
+           "ExpertParallelReLU2MoE", "GQAAttention", "GatedRMSNorm", "KVState", "Mamba2Mixer",
+           "Mamba2State", "ReLU2MoE"]

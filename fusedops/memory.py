@@ -15,6 +15,9 @@ from .core.desc import TensorDesc
 
 MIB = 2 ** 20
 
+__all__ = ["HybridCacheConfig", "LayerBytes", "NEMOTRON_3_ULTRA", "format_model_bytes", "load_config",
+           "load_nemotron_h_config", "model_bytes"]
+
 
 def dtype_bytes(dtype) -> int:
     """Bytes per element of a torch dtype, or the int itself (e.g. 1 for FP8)."""
@@ -87,6 +90,44 @@ def load_nemotron_h_config(values: dict):
             values["layers_block_type"] = [PATTERN_LAYERS[c] for c in pattern]
         return SimpleNamespace(**values)
     return NemotronHConfig(**values)
+
+
+def load_config(path: str):
+    """The NemotronH config of a model directory or config.json file, through transformers' own
+    loader (``NemotronHConfig.from_pretrained``: every field transformers writes, such as its
+    encoded infinities, reads back); without transformers, the plain JSON through
+    ``load_nemotron_h_config``."""
+    import json
+    import pathlib
+    target = pathlib.Path(path)
+    if not target.exists():
+        raise FileNotFoundError(f"no such file or directory: {path}")
+    try:
+        from transformers import NemotronHConfig
+    except ImportError:
+        file = target / "config.json" if target.is_dir() else target
+        return load_nemotron_h_config(json.loads(file.read_text()))
+    return NemotronHConfig.from_pretrained(str(target))
+
+
+MODEL_FIELDS = ("layers_block_type", "hidden_size", "mamba_num_heads", "mamba_head_dim", "n_groups",
+                "ssm_state_size", "conv_kernel", "chunk_size", "num_attention_heads",
+                "num_key_value_heads", "n_routed_experts", "moe_intermediate_size",
+                "moe_shared_expert_intermediate_size", "num_experts_per_tok")
+
+
+def missing_fields(config) -> list[str]:
+    """The fields ``model_bytes`` reads that the config lacks (those of layer kinds it has)."""
+    kinds = set(getattr(config, "layers_block_type", None) or ())
+    needed = ["layers_block_type", "hidden_size"]
+    if "linear_attention" in kinds:
+        needed += ["mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel",
+                   "chunk_size"]
+    if "full_attention" in kinds:
+        needed += ["num_attention_heads", "num_key_value_heads"]
+    if "moe" in kinds:
+        needed += ["n_routed_experts", "moe_intermediate_size", "num_experts_per_tok"]
+    return [f for f in needed if getattr(config, f, None) is None]
 
 
 def _count(kinds, name) -> int:

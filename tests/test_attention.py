@@ -15,8 +15,9 @@ from fusedops import GQAAttentionBackward, GQAAttentionDecode, GQAAttentionForwa
 from fusedops.attention import AttentionProblem, DecodeAttentionProblem
 from fusedops.attention.info import INFO, KERNEL_TOLERANCE
 from fusedops.attention.samples import make, make_decode, make_packed, quantize, to_pages
+from fusedops.core.status import Status, read_status
 from fusedops.errors import UnsupportedError, ValidationError
-from fusedops.opinfo import Tolerance
+from fusedops.opinfo import Case, Tolerance
 from fusedops.testing import assert_close
 
 from helpers import BACKENDS as RUNNABLE, DEVICE, dtype_id, requires_cuda
@@ -234,8 +235,16 @@ def test_kernel_specialisation_ignores_batch_and_compiles_out_absent_operands():
     d = DecodeAttentionProblem(torch.bfloat16, torch.bfloat16, 2, 1, 8, 2, 64, False, 64, 1, 64,
                                0.125, False, 1, CPU)
     for spec in kernels.decode_specs(d).values():
-        absent = [n for n in ("block_table_ptr", "k_scale_ptr", "v_scale_ptr") if n in dict(spec.signature)]
+        absent = [n for n in ("block_table_ptr", "k_scale_ptr", "v_scale_ptr", "status_ptr")
+                  if n in dict(spec.signature)]
         assert all(spec.constexpr(n) is None for n in absent), spec.name
+    # packed: the sanitising stage and the kernels do not specialise on nseq or the tokens
+    p2 = AttentionProblem(torch.bfloat16, 2, 512, 512, 8, 2, 64, True, (-1, -1), 0.125, True, 700, 700, CPU, True)
+    p7 = AttentionProblem(torch.bfloat16, 7, 512, 512, 8, 2, 64, True, (-1, -1), 0.125, True, 3000, 3000, CPU, True)
+    assert kernels.sanitise_spec(p2) == kernels.sanitise_spec(p7)
+    assert kernels.forward_spec(p2) == kernels.forward_spec(p7)
+    assert kernels.backward_specs(p2) == kernels.backward_specs(p7)
+    assert kernels.sanitise_spec(p2).constexpr("HAS_STATUS") is True
 
 
 # -- 4. decode ----------------------------------------------------------------------------------
@@ -378,10 +387,13 @@ def test_torch_op_refuses_what_the_plan_refuses():
 
 def test_packed_requires_static_maxima():
     (q, k, v, _), opts = packed([3, 4], [3, 4], 4, 2, 16)
-    with pytest.raises(ValidationError, match=r"max_seqlen_q: expected an int in \[0, 7\]"):
+    with pytest.raises(ValidationError, match=r"max_seqlen_q: expected an int >= 0 \(the longest "
+                                              r"sequence\) with packed sequences, got None"):
         GQAAttentionForward(q, k, v, **dict(opts, max_seqlen_q=None))
-    with pytest.raises(ValidationError, match=r"max_seqlen_k: expected an int in \[0, 7\]"):
-        GQAAttentionForward(q, k, v, **dict(opts, max_seqlen_k=8))
+    with pytest.raises(ValidationError, match=r"max_seqlen_k: expected an int >= 0, got -1"):
+        GQAAttentionForward(q, k, v, **dict(opts, max_seqlen_k=-1))
+    loose = GQAAttentionForward(q, k, v, **dict(opts, max_seqlen_k=100))
+    assert loose.max_seqlen_k == 100 and loose.problem.seqlen_k == 7   # no sequence covers more
     with pytest.raises(ValidationError, match=r"cu_seqlens_q, cu_seqlens_k: expected both"):
         GQAAttentionForward(q, k, v, cu_seqlens_q=opts["cu_seqlens_q"], max_seqlen_q=4, max_seqlen_k=4)
 
@@ -443,3 +455,396 @@ def test_gpu_graph_capture_of_training_and_decode_steps():
     for name, value in dict(o=o, dq=dq, dk=dk, dv=dv).items():
         assert torch.equal(value, expected[name]), name
     assert t["cache_seqlens"].tolist() == [101, 2001, 4001, 1] and torch.isfinite(o_d).all()
+
+
+# -- 7. index data: sanitised offsets, invalid decode rows, the status word, host checks -----------
+def status_word():
+    return torch.zeros(1, dtype=torch.int32, device=DEVICE)
+
+
+def sanitised(cu, total, longest):
+    """(c', covered lengths) by the rule of docs/plans.md, in plain python."""
+    out, prev = [], 0
+    for i, c in enumerate(cu):
+        prev = min(max(c, 0 if i == 0 else prev), total)
+        out.append(prev)
+    return out, [min(b - a, longest) for a, b in zip(out, out[1:])]
+
+
+PACKED_INVALID = [
+    # (cu_q, cu_k, max_q, max_k): q and k hold 20 tokens each
+    ([0, 8, 30], [0, 8, 30], 22, 22),            # the second sequence ends past the tokens
+    ([3, 8, 5], [0, 6, 20], 12, 14),             # q: not from 0, then decreasing
+    ([0, 15, 20], [0, 9, 20], 10, 11),           # q, k: a sequence longer than max_seqlen
+    ([-4, 2, 9], [0, 2**31 - 1, 5], 20, 20),     # negative start; k: int32 extreme, decreasing
+    ([0, 12, 12], [0, 12, 12], 12, 12),          # valid, 8 padding tokens after the last sequence
+]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("cu_q,cu_k,max_q,max_k", PACKED_INVALID, ids=lambda v: str(v))
+def test_packed_offsets_are_sanitised(backend, cu_q, cu_k, max_q, max_k):
+    """Every covered token as if the sanitised offsets (each sequence truncated to max_seqlen)
+    had been given; tokens no sequence covers: o = 0, lse = -inf, dq = 0, dk = dv = 0 exactly;
+    Status.CU_SEQLENS exactly when the offsets needed it (nothing else is written to the word)."""
+    g = torch.Generator().manual_seed(30)
+    q, do = (torch.randn(20, 4, 16, generator=g).to(DEVICE) for _ in range(2))
+    k, v = (torch.randn(20, 2, 16, generator=g).to(DEVICE) for _ in range(2))
+    opts = dict(causal=True, max_seqlen_q=max_q, max_seqlen_k=max_k,
+                cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=DEVICE),
+                cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32, device=DEVICE))
+    status = status_word()
+    f = fusedops.gqa_attention_forward(q, k, v, status=status, backend=backend, **opts)
+    g_ = fusedops.gqa_attention_backward(q, k, v, f["o"], f["lse"], do, status=status,
+                                         backend=backend, **opts)
+    sq, lq = sanitised(cu_q, 20, max_q)
+    sk, lk = sanitised(cu_k, 20, max_k)
+    valid = sq == cu_q and sk == cu_k and lq == [b - a for a, b in zip(cu_q, cu_q[1:])] and \
+        lk == [b - a for a, b in zip(cu_k, cu_k[1:])]
+    assert read_status(status) == (Status.OK if valid else Status.CU_SEQLENS)
+    covered_q, covered_k = torch.zeros(20, dtype=torch.bool), torch.zeros(20, dtype=torch.bool)
+    tol = KERNEL_TOLERANCE[torch.float32]
+    for i in range(len(lq)):
+        a, c = sq[i], sk[i]
+        covered_q[a:a + lq[i]], covered_k[c:c + lk[i]] = True, True
+        if lq[i] == 0:
+            continue
+        if lk[i] == 0:
+            assert torch.all(f["o"][a:a + lq[i]] == 0) and torch.all(f["lse"][:, a:a + lq[i]] == float("-inf"))
+            continue
+        alone = run("torch", q[a:a + lq[i]][None], k[c:c + lk[i]][None], v[c:c + lk[i]][None],
+                    do[a:a + lq[i]][None], causal=True)
+        assert_close(f["o"][a:a + lq[i]], alone["o"][0], tol, f"o of sequence {i}")
+        assert_close(g_["dq"][a:a + lq[i]], alone["dq"][0], tol, f"dq of sequence {i}")
+        assert_close(g_["dk"][c:c + lk[i]], alone["dk"][0], tol, f"dk of sequence {i}")
+        assert_close(g_["dv"][c:c + lk[i]], alone["dv"][0], tol, f"dv of sequence {i}")
+    uq, uk = (~covered_q).to(DEVICE), (~covered_k).to(DEVICE)
+    assert torch.all(f["o"][uq] == 0) and torch.all(f["lse"][:, uq] == float("-inf"))
+    assert torch.all(g_["dq"][uq] == 0) and torch.all(g_["dk"][uk] == 0) and torch.all(g_["dv"][uk] == 0)
+    for name, value in dict(**f, **g_).items():
+        assert not torch.isnan(value).any(), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_uncovered_rows_are_written_into_poisoned_outputs(backend):
+    """Through the plans with NaN-poisoned outputs: the rows no sequence covers are written too
+    (not left as whatever the buffers held)."""
+    (q, k, v, do), opts = packed([3, 5], [4, 6], 4, 2, 16, seed=31)
+    cu = dict(cu_seqlens_q=torch.tensor([2, 9, 5], dtype=torch.int32, device=DEVICE),
+              cu_seqlens_k=torch.tensor([0, 4, 99], dtype=torch.int32, device=DEVICE))
+    options = dict(causal=False, max_seqlen_q=5, max_seqlen_k=6)
+    status = status_word()
+    fwd = GQAAttentionForward(q, k, v, **cu, **options, status=status, backend=backend).compile()
+    o, lse = torch.full_like(q, float("nan")), torch.full((4, 8), float("nan"), device=DEVICE)
+    fwd.execute(q, k, v, o, lse, **cu, workspace=fwd.allocate_workspace(), status=status)
+    bwd = GQAAttentionBackward(q, k, v, o, lse, do, **cu, **options, status=status, backend=backend).compile()
+    grads = {n: torch.full_like(t, float("nan")) for n, t in (("dq", q), ("dk", k), ("dv", v))}
+    bwd.execute(q, k, v, o, lse, do, **grads, **cu, workspace=bwd.allocate_workspace(), status=status)
+    assert read_status(status) == Status.CU_SEQLENS
+    # q: sequence 0 covers [2, 7) (5 = max_seqlen_q of its 7 tokens), sequence 1 nothing
+    for rows in (slice(0, 2), slice(7, 8)):
+        assert torch.all(o[rows] == 0) and torch.all(lse[:, rows] == float("-inf"))
+        assert torch.all(grads["dq"][rows] == 0)
+    # k: sequence 0 covers [0, 4), sequence 1 [4, 10) (clamped to the 10 keys)
+    for name, value in dict(o=o, lse=lse, **grads).items():
+        assert not torch.isnan(value).any(), name
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_status_word_is_sticky_and_absent_status_still_clamps(backend):
+    (q, k, v, _), opts = packed([3, 5], [4, 6], 4, 2, 16, seed=32)
+    status = torch.full((1,), int(Status.SLOT_INDEX), dtype=torch.int32, device=DEVICE)
+    fusedops.gqa_attention_forward(q, k, v, status=status, backend=backend, **opts)
+    assert read_status(status) == Status.SLOT_INDEX            # valid offsets: nothing added
+    bad = dict(opts, cu_seqlens_q=torch.tensor([0, 3, 50], dtype=torch.int32, device=DEVICE))
+    with_status = fusedops.gqa_attention_forward(q, k, v, status=status, backend=backend, **bad)
+    assert read_status(status) == Status.SLOT_INDEX | Status.CU_SEQLENS
+    without = fusedops.gqa_attention_forward(q, k, v, backend=backend, **bad)
+    assert torch.equal(with_status["o"], without["o"]) and torch.equal(with_status["lse"], without["lse"])
+    with pytest.raises(ValidationError, match=r"status: expected dtype int32, got int64"):
+        GQAAttentionForward(q, k, v, **opts, status=torch.zeros(1, dtype=torch.int64, device=DEVICE))
+    with pytest.raises(ValidationError, match=r"status: expected shape \[1\] = \[1\], got \[2\]"):
+        GQAAttentionDecode(**decode_inputs(2, 1, 8, 2, 32, 64, [3, 4]),
+                           status=torch.zeros(2, dtype=torch.int32, device=DEVICE))
+
+
+def _decode_case(paged, fp8=None, lengths=(5, -3, 95, 40), T=2):
+    case = make_decode(4, T, 8, 2, 32, 96, list(lengths), page_size=16 if paged else None,
+                       fp8=fp8, seed=33, device=DEVICE)
+    return case, dict(case.tensors)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("paged,fp8", [(False, None), (True, None), (True, "head")],
+                         ids=["contiguous", "paged", "paged-fp8"])
+def test_decode_invalid_rows_append_nothing_and_see_nothing(backend, paged, fp8):
+    """Rows with a negative cache length, one without room for the T new tokens and (paged) one
+    needing a page past the pool write nothing anywhere and get o = 0, lse = -inf; the valid
+    rows are exact (the oracle), pages no row needs may hold anything."""
+    case, t = _decode_case(paged, fp8)
+    expected_status = Status.CACHE_SEQLENS
+    if paged:
+        table = t["block_table"].clone()
+        table[3, 1] = 10_000                    # row 3 (40 + 2 keys) needs pages 0..2
+        table[0, 2:] = -5                       # row 0 (5 + 2 keys) needs page 0 only: still valid
+        t["block_table"] = table
+        expected_status |= Status.BLOCK_TABLE
+    invalid = [1, 2, 3] if paged else [1, 2]
+    old = {n: t[n].clone() for n in ("k_cache", "v_cache")}
+    status = status_word()
+    plan = GQAAttentionDecode(**t, status=status, backend=backend).compile()
+    o, lse = torch.full_like(t["q"], float("nan")), torch.full((4, 8, 2), float("nan"), device=DEVICE)
+    plan.execute(**t, o=o, lse=lse, workspace=plan.allocate_workspace(), status=status)
+    assert read_status(status) == expected_status
+    assert torch.all(o[invalid] == 0) and torch.all(lse[invalid] == float("-inf"))
+    results = dict(o=o, lse=lse, k_cache=t["k_cache"], v_cache=t["v_cache"])
+    check_against_oracle(Case(case.label, t, case.options), results)
+    written = torch.zeros(t["k_cache"].shape[:2], dtype=torch.bool, device=DEVICE)
+    for row in (0, 3) if not paged else (0,):
+        for pos in range(int(t["cache_seqlens"][row]), int(t["cache_seqlens"][row]) + 2):
+            page, off = (int(t["block_table"][row, pos // 16]), pos % 16) if paged else (row, pos)
+            written[page, off] = True
+    for name in ("k_cache", "v_cache"):
+        a, b = t[name][~written], old[name][~written]
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), f"{name} changed outside the valid rows' slots"
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_decode_status_bits(backend):
+    cases = [((5, 0, 94, 40), None, Status.OK),
+             ((5, 0, 95, 40), None, Status.CACHE_SEQLENS),
+             ((5, -1, 9, 40), None, Status.CACHE_SEQLENS),
+             ((5, 0, 94, 40), (2, 5, 12), Status.BLOCK_TABLE),        # row 2 needs all 6 pages
+             ((5, 0, 94, 40), (2, 5, -1), Status.BLOCK_TABLE),
+             ((5, 0, 94, 40), (1, 3, 999), Status.OK),                # row 1 needs page 0 only
+             ((5, 0, 2**31 - 1, 40), (1, 0, 999), Status.CACHE_SEQLENS | Status.BLOCK_TABLE)]
+    for lengths, bad_page, expected in cases:
+        case, t = _decode_case(True, lengths=lengths)
+        if bad_page is not None:
+            table = t["block_table"].clone()
+            pages = t["k_cache"].shape[0]
+            table[bad_page[0], bad_page[1]] = bad_page[2] if bad_page[2] != 12 else pages
+            t["block_table"] = table
+        status = status_word()
+        fusedops.gqa_attention_decode(**t, status=status, backend=backend)
+        assert read_status(status) == expected, (lengths, bad_page)
+
+
+def test_check_inputs_names_the_argument_and_the_entry(monkeypatch):
+    g = torch.Generator().manual_seed(34)
+    q, k, v = torch.randn(20, 4, 16, generator=g), torch.randn(20, 2, 16, generator=g), torch.randn(20, 2, 16, generator=g)
+
+    def forward(cu_q, cu_k, max_q=20, max_k=20, **kw):
+        return fusedops.gqa_attention_forward(
+            q, k, v, cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32),
+            cu_seqlens_k=torch.tensor(cu_k, dtype=torch.int32), max_seqlen_q=max_q,
+            max_seqlen_k=max_k, backend="torch", **kw)
+    for cu_q, cu_k, max_q, match in [
+            ([0, 8, 30], [0, 8, 20], 20, r"cu_seqlens_q: expected offsets up to the 20 packed tokens, got cu_seqlens_q\[2\] = 30"),
+            ([1, 8, 20], [0, 8, 20], 20, r"cu_seqlens_q: expected offsets starting at 0, got cu_seqlens_q\[0\] = 1"),
+            ([0, 8, 20], [0, 9, 7], 20, r"cu_seqlens_k: expected non-decreasing offsets, got cu_seqlens_k\[2\] = 7 < cu_seqlens_k\[1\] = 9"),
+            ([0, 15, 20], [0, 8, 20], 10, r"cu_seqlens_q: expected sequences of at most max_seqlen_q = 10 tokens, got cu_seqlens_q\[1\] - cu_seqlens_q\[0\] = 15")]:
+        with pytest.raises(ValidationError, match=match):
+            forward(cu_q, cu_k, max_q, check_inputs=True)
+        forward(cu_q, cu_k, max_q)                                  # unchecked: clamped, no error
+        monkeypatch.setenv("FUSEDOPS_CHECK_INPUTS", "1")
+        with pytest.raises(ValidationError, match=match):
+            forward(cu_q, cu_k, max_q)
+        monkeypatch.delenv("FUSEDOPS_CHECK_INPUTS")
+    o, lse = forward([0, 8, 20], [0, 8, 20], check_inputs=True)
+    with pytest.raises(ValidationError, match=r"cu_seqlens_k: expected offsets up to the 20"):
+        fusedops.gqa_attention_backward(q, k, v, o, lse, torch.ones_like(q), cu_seqlens_q=torch.tensor([0, 8, 20], dtype=torch.int32),
+                                        cu_seqlens_k=torch.tensor([0, 8, 21], dtype=torch.int32), max_seqlen_q=20,
+                                        max_seqlen_k=20, check_inputs=True, backend="torch")
+    from fusedops.ops import gqa_attention as attention_op
+    with pytest.raises(ValidationError, match=r"cu_seqlens_q: expected offsets starting at 0, got cu_seqlens_q\[0\] = 2"):
+        attention_op(q, k, v, cu_seqlens_q=torch.tensor([2, 8, 20], dtype=torch.int32),
+                                   cu_seqlens_k=torch.tensor([0, 8, 20], dtype=torch.int32), max_seqlen_q=20,
+                                   max_seqlen_k=20, check_inputs=True, backend="torch")
+    # decode: cache lengths first, then the pages the rows need; nothing is written when refused
+    case, t = _decode_case(True, lengths=(5, 0, 94, 40))
+    t = {n_: (v_.cpu() if isinstance(v_, torch.Tensor) else v_) for n_, v_ in t.items()}
+    table = t["block_table"].clone()
+    table[3, 2] = 10_000
+    table[1, 4] = -1                            # not needed by row 1: not an error
+    before = t["k_cache"].clone()
+    with pytest.raises(ValidationError, match=rf"block_table: expected entries in \[0, {t['k_cache'].shape[0]}\), got block_table\[3, 2\] = 10000"):
+        fusedops.gqa_attention_decode(**dict(t, block_table=table), check_inputs=True, backend="torch")
+    with pytest.raises(ValidationError, match=r"cache_seqlens: expected cache_seqlens\[1\] in \[0, 94\] \(room for the T = 2 new tokens in a capacity of 96\), got -3"):
+        fusedops.gqa_attention_decode(**dict(t, cache_seqlens=torch.tensor([5, -3, 94, 40], dtype=torch.int32)),
+                                      check_inputs=True, backend="torch")
+    assert torch.equal(before, t["k_cache"])
+    plan = GQAAttentionDecode(**t, backend="torch")
+    plan.check_index_values(cache_seqlens=t["cache_seqlens"], block_table=t["block_table"])
+    with pytest.raises(ValidationError, match=r"block_table: expected entries in"):
+        plan.check_index_values(cache_seqlens=t["cache_seqlens"], block_table=table)
+
+
+WRONG_OPTIONS = [("check_inputs", "yes"), ("backend", 3), ("status", [0]),
+                 ("current_stream", "the default")]
+
+
+def test_wrong_typed_options_of_the_eager_wrappers_and_the_torch_op_name_the_option():
+    from fusedops.ops import gqa_attention as attention_op
+    (q, k, v, do), opts = packed([3, 5], [4, 6], 4, 2, 16, seed=35)
+    o, lse = fusedops.gqa_attention_forward(q, k, v, backend="torch", **opts)
+    dec = decode_inputs(2, 1, 8, 2, 32, 64, [3, 4])
+    calls = {      # every option of each: a wrong type raises ValidationError naming it
+        "gqa_attention_forward": (lambda **kw: fusedops.gqa_attention_forward(q, k, v, **{**opts, **kw}),
+                                  [("causal", "yes"), ("softmax_scale", "0.1"), ("window_size", 1.5),
+                                   ("max_seqlen_q", 2.0), ("max_seqlen_k", None)] + WRONG_OPTIONS),
+        "gqa_attention_backward": (lambda **kw: fusedops.gqa_attention_backward(q, k, v, o, lse, do, **{**opts, **kw}),
+                                   [("causal", 1), ("softmax_scale", True), ("window_size", (1, 2, 3)),
+                                    ("max_seqlen_q", "4")] + WRONG_OPTIONS),
+        "gqa_attention_decode": (lambda **kw: fusedops.gqa_attention_decode(**dec, **kw),
+                                 [("softmax_scale", float("inf")), ("num_splits", 2.0)] + WRONG_OPTIONS),
+        "ops.gqa_attention": (lambda **kw: attention_op(q, k, v, **{**opts, **kw}),
+                              [("causal", "yes"), ("softmax_scale", "0.1"), ("window_size", 1.5),
+                               ("max_seqlen_q", 2.0), ("check_inputs", "yes"), ("backend", 3)]),
+    }
+    for call, wrong in calls.values():
+        for name, value in wrong:
+            with pytest.raises(ValidationError, match=rf"^{name}: expected"):
+                call(**{name: value})
+
+
+# -- 8. performance model: floors, kernel cost models, tile tables, autotune ---------------------
+def _problem(b=1, s=128, hq=4, hkv=2, d=64, causal=True, packed=False, dtype=torch.bfloat16):
+    return AttentionProblem(dtype, b, s, s, hq, hkv, d, causal, (-1, -1), 0.125, packed, b * s,
+                            b * s, CPU)
+
+
+def test_floors_read_inputs_once_and_count_the_math():
+    from fusedops.attention.contract import (backward_floor, decode_floor, forward_floor,
+                                             visible_pairs)
+    assert visible_pairs(128, 128, True, (-1, -1)) == 128 * 129 // 2
+    assert visible_pairs(1, 50, True, (-1, -1)) == 50              # bottom-right: sees every key
+    assert visible_pairs(10, 10, False, (2, 0)) == 3 * 10 - 1 - 2
+    p = _problem(b=2, s=128, hq=4, hkv=2, d=64)
+    f, g = forward_floor(p), backward_floor(p)
+    q, kv = 2 * 128 * 4 * 64 * 2, 2 * 128 * 2 * 64 * 2
+    assert f.bytes_read == q + 2 * kv and f.bytes_written == q + 2 * 128 * 4 * 4
+    assert f.flops == f.mma_flops == 4 * 64 * 4 * 2 * (128 * 129 // 2)
+    assert g.flops == 2.5 * f.flops and g.bytes_written == q + 2 * kv
+    assert g.bytes_read == 3 * q + 2 * kv + 2 * 128 * 4 * 4
+    d = DecodeAttentionProblem(torch.bfloat16, torch.bfloat16, 2, 1, 8, 2, 64, False, 256, 1, 256,
+                               0.125, False, 1, CPU)
+    cache = 2 * 2 * 255 * 2 * 64 * 2                   # k and v at the fullest context, 255
+    assert decode_floor(d).bytes_read == cache + (2 * 8 * 64 + 2 * 2 * 2 * 64) * 2 + 4 * 2
+    assert decode_floor(d).mma_flops == 4 * 64 * 8 * 2 * 256
+
+
+def test_forward_cost_counts_every_programs_loads_and_the_duplicated_work():
+    """Two query blocks of 64 rows, causal: the first visits one key block, the second two; every
+    query head re-reads its KV head's blocks. At 64 rows on 8 warps, sm_90's two warpgroups both
+    compute S (1.5x the products), sm_80 and sm_100 do not."""
+    from fusedops.backends.triton.attention_cost import forward_cost
+    from fusedops.backends.triton.attention_tiles import Tiles
+    p = _problem(b=1, s=128, hq=4, hkv=2, d=128)
+    tiles = Tiles(64, 64, 8)
+    cost = forward_cost(p, tiles, 128, "sm_80")
+    e, rows = 2, 128 * 4
+    assert cost.bytes_read == rows * 128 * e + 4 * (1 + 2) * 2 * 64 * 128 * e
+    assert cost.bytes_written == rows * (128 * e + 4)
+    assert cost.mma_flops == 4 * (1 + 2) * 2 * 2 * 64 * 64 * 128 and cost.mma_rows == 64
+    assert forward_cost(p, tiles, 128, "sm_90").mma_flops == 1.5 * cost.mma_flops
+    assert forward_cost(p, tiles, 128, "sm_100").mma_flops == cost.mma_flops
+    # 128 rows: one warpgroup per 64-row slab, no duplication; one block visits both key blocks
+    assert forward_cost(p, Tiles(128, 64, 8), 128, "sm_90").mma_flops == 4 * 2 * 2 * 2 * 128 * 64 * 128
+    # 8 warps along 64 rows of mma.sync at d = 64 (the [64, 64] P·V puts them on the rows): 2x
+    assert forward_cost(_problem(d=64), tiles, 64, "sm_80").mma_flops == \
+        2 * forward_cost(_problem(d=64), Tiles(64, 64, 4), 64, "sm_80").mma_flops
+
+
+def test_duplication_factors_are_those_of_the_compiled_kernels():
+    """The factors ``fusedops kernels --dump`` shows (MMA FLOPs of each kernel's inner loop in its
+    PTX against the tile's), per table entry: see attention_cost.duplication."""
+    from fusedops.backends.triton.attention_cost import duplication
+
+    def fwd(arch, bm, bn, bd, warps):
+        return duplication(arch, warps, [(bm, bn, True), (bm, bd, False)], 1)
+
+    def dkdv(arch, bm, bn, bd, warps):
+        return duplication(arch, warps, [(bm, bn, True), (bm, bn, True), (bn, bd, False),
+                                         (bn, bd, False)], 3)
+
+    def dq(arch, bm, bn, bd, warps):
+        return duplication(arch, warps, [(bm, bn, True), (bm, bn, True), (bm, bd, False)], 2)
+    assert fwd("sm_90", 64, 64, 128, 8) == [2, 1] and fwd("sm_90", 64, 32, 256, 8) == [2, 1]
+    assert fwd("sm_80", 64, 32, 256, 8) == [2, 1] and fwd("sm_80", 64, 64, 128, 8) == [1, 1]
+    assert fwd("sm_100", 64, 64, 128, 8) == [1, 1] and fwd("sm_90", 64, 64, 64, 4) == [1, 1]
+    for arch in ("sm_80", "sm_90", "sm_100"):
+        assert dkdv(arch, 16, 32, 256, 8) == [2, 2, 1, 1] and dq(arch, 16, 32, 256, 8) == [2, 2, 1]
+        assert dkdv(arch, 32, 64, 128, 8) == [1, 1, 1, 1] and dq(arch, 32, 64, 128, 8) == [1, 1, 1]
+    assert dkdv("sm_80", 32, 64, 64, 4) == [2, 2, 1, 1]        # why sm_80 has its own entry
+    assert dkdv("sm_80", 32, 64, 64, 8) == [4, 4, 2, 2] and dkdv("sm_80", 32, 32, 64, 4) == [1] * 4
+
+
+def test_tile_tables_follow_the_target_arch_and_offer_candidates():
+    from fusedops.backends.triton import attention as kernels
+    from fusedops.backends.triton import attention_tiles as T
+    from fusedops.core.target import compiling_for
+    for d in (64, 128, 256):
+        p = _problem(s=4096, d=d, causal=False)
+        dec = DecodeAttentionProblem(torch.bfloat16, torch.bfloat16, 2, 1, 8, 2, d, True, 64, 4, 256,
+                                     0.125, False, 2, CPU, pages=8)
+        for arch in ("sm_80", "sm_90", "sm_100"):
+            (fwd, why_f), (bwd, why_b), (dt, why_d) = (T.FORWARD[arch][max(64, d)],
+                                                        T.BACKWARD[arch][max(64, d)], T.DECODE[arch])
+            assert why_f and why_b and why_d
+            with compiling_for(arch):
+                assert T.forward_tiles(p) == fwd and T.backward_tiles(p) == bwd
+                assert kernels.forward_candidates(p)[0] == fwd
+                assert kernels.backward_candidates(p)[0] == bwd
+                assert kernels.decode_candidates(dec)[0] == dt
+                spec = kernels.forward_spec(p)
+                assert (spec.constexpr("BM"), spec.num_warps, spec.maxnreg) == (fwd.bm, fwd.warps,
+                                                                                 fwd.maxnreg)
+                assert spec.cost is not None and spec.cost.mma_rows == fwd.bm
+                for config in kernels.forward_candidates(p)[1:]:
+                    assert kernels.forward_program(p, config=config).kernels[0].constexpr("BM") == config.bm
+                for config in kernels.backward_candidates(p):
+                    specs = kernels.backward_specs(p, config)
+                    assert specs["dq"].constexpr("BM") == config.dq.bm
+                    assert all(s.cost is not None for s in specs.values())
+                assert all(s.cost is not None for s in kernels.decode_specs(dec).values())
+    small = _problem(s=40, d=64)                  # tiles cut to the longest sequence
+    assert T.forward_tiles(small).bm == 64 and T.forward_tiles(_problem(s=10)).bm == 16
+
+
+def test_tuning_tensors_are_valid_index_data_at_the_modelled_lengths():
+    """Autotune times candidates on the index data the cost models assume: packed offsets of the
+    longest sequences the plan allows, every decode row at the fullest context, a block table
+    within the pool; the host checks accept them."""
+    from fusedops.attention.contract import sequence_lengths
+    from fusedops.attention.samples import production
+    from fusedops.core.desc import TensorDesc
+    plans = {label: [c.build("torch") for c in calls] for label, calls in production()}
+    fwd = plans["attn packed hkv8 d128 causal status"][0]
+    t = fwd._tuning_tensors()
+    assert t["cu_seqlens_q"].tolist() == [0, 4096, 8192, 12288, 16384, 16384, 16384, 16384, 16384]
+    assert sequence_lengths(fwd.problem)[:5] == [(4096, 4096)] * 4 + [(0, 0)]
+    fwd.check_index_values(**t)
+    dec = plans["decode T4 paged fp8"][0]
+    t = dec._tuning_tensors()
+    assert t["cache_seqlens"].tolist() == [8192 - 4] * 64 and t["k_scale"].shape == (8,)
+    dec.check_index_values(cache_seqlens=t["cache_seqlens"], block_table=t["block_table"])
+    q = TensorDesc((2, 8, 4, 16), torch.float32, device=CPU)
+    dense = GQAAttentionForward(q, TensorDesc((2, 8, 2, 16), torch.float32, device=CPU),
+                                TensorDesc((2, 8, 2, 16), torch.float32, device=CPU))
+    assert dense._tuning_tensors() == {}
+
+
+@pytest.mark.skipif(not KERNELS, reason="needs the triton backend")
+def test_every_backward_candidate_computes_the_same_gradients():
+    from fusedops.backends.triton import attention as kernels
+    q, k, v, do = qkv(1, 70, 70, 4, 2, 32, seed=41)
+    expected = run("triton", q, k, v, do, causal=True)
+    plan = GQAAttentionBackward(q, k, v, expected["o"], expected["lse"], do, causal=True,
+                                backend="triton")
+    for config in kernels.backward_candidates(plan.problem)[1:]:
+        plan._program, plan._launch = kernels.backward_program(plan.problem, config=config), None
+        got = plan.compile().execute(q, k, v, expected["o"], expected["lse"], do,
+                                     **plan.allocate_outputs(), workspace=plan.allocate_workspace())
+        for name in ("dq", "dk", "dv"):
+            assert_close(got[name], expected[name], KERNEL_TOLERANCE[torch.float32], name)

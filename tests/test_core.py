@@ -241,3 +241,39 @@ def test_backend_selection_reasons(monkeypatch):
         select_backend("op", 3, cpu, None, "engram", ("torch",), ("torch",))
     if not HAS_CUDA:
         assert backend_unavailable_reason("torch", cpu) is None
+
+
+def _bytes_of(t):
+    import itertools
+    e, base, out = t.element_size(), t.data_ptr(), set()
+    for index in itertools.product(*[range(n) for n in t.shape]):
+        offset = sum(i * s for i, s in zip(index, t.stride())) * e
+        out.update(range(base + offset, base + offset + e))
+    return out
+
+
+def test_overlap_is_exact_for_strided_views():
+    """Slices of one fused buffer whose elements never meet are not refused; views that share a
+    byte are; drawn strided views agree with a byte-by-byte count."""
+    import random
+    from fusedops.core.overlap import shares_bytes
+    qkv = torch.zeros(2, 5, 3 * 64)
+    q, k, v = qkv[..., :64], qkv[..., 64:128], qkv[..., 128:]
+    check_no_overlap({"q": q, "k": k}, {"v": v})
+    with pytest.raises(ValidationError, match=r"o: must not overlap k; they share bytes"):
+        check_no_overlap({"q": q, "k": k}, {"o": qkv[..., 100:164]})
+    assert not shares_bytes(qkv[:, ::2], qkv[:, 1::2])
+    assert shares_bytes(qkv.view(torch.uint8)[..., 3:5], qkv[..., :1])
+    rng = random.Random(7)
+    storage = torch.zeros(1200)
+    for _ in range(400):
+        views = []
+        for _ in range(2):
+            dtype = rng.choice([torch.float32, torch.float16, torch.uint8])
+            flat = storage.view(dtype)
+            shape = [rng.randint(1, 4) for _ in range(rng.randint(1, 3))]
+            strides = [rng.choice([1, 2, 3, 7, 16, 40]) for _ in shape]
+            extent = sum((n - 1) * s for n, s in zip(shape, strides))
+            views.append(flat.as_strided(shape, strides, rng.randint(0, min(80, flat.numel() - 1 - extent))))
+        a, b = views
+        assert shares_bytes(a, b) == bool(_bytes_of(a) & _bytes_of(b)), (a.stride(), b.stride())

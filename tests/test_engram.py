@@ -284,8 +284,8 @@ def _aligned_offset_view(like: torch.Tensor, offset_elems: int) -> torch.Tensor:
           mask=None), r"x: expected N, S and D >= 1"),
     (dict(x=torch.zeros(8, 4, 4, dtype=torch.bfloat16), kv=torch.zeros(8, 20, dtype=torch.bfloat16),
           weight=torch.zeros(4, 4)), r"x: expected rows of a multiple of 16 bytes.*D = 4"),
-    (dict(x=torch.zeros(8, 64, 4, dtype=torch.bfloat16).transpose(1, 2)), r"x: expected a contiguous tensor"),
-    (dict(kv=torch.zeros(8, 640, dtype=torch.bfloat16)[:, ::2]), r"kv: expected a contiguous tensor"),
+    (dict(x=torch.zeros(8, 64, 4, dtype=torch.bfloat16).transpose(1, 2)), r"x: expected the last dimension contiguous"),
+    (dict(kv=torch.zeros(8, 640, dtype=torch.bfloat16)[:, ::2]), r"kv: expected the last dimension contiguous"),
     (dict(x=_aligned_offset_view(torch.zeros(8, 4, 64, dtype=torch.bfloat16), 1)),
      r"x: expected a data pointer aligned to 16 bytes"),
     (dict(kv=TensorDesc((8, 320), torch.bfloat16, device="meta")), r"kv: expected device cpu"),
@@ -502,3 +502,49 @@ def test_gpu_cute_kernels_agree_with_their_ptx_emulated(monkeypatch):
     for name, value in emulated.items():
         tolerance = ROUNDED_ONCE[dtype] if value.dtype == dtype else FP32_REDUCTION
         assert_close(gpu[name].cpu(), value, tolerance, name)
+
+
+def _in_wider(t: torch.Tensor, pad: int, fill=0.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """(buffer, view): ``t`` as a view of the first columns of a buffer ``pad`` columns wider."""
+    buffer = torch.full((*t.shape[:-1], t.shape[-1] + pad), fill, dtype=t.dtype, device=t.device)
+    view = buffer[..., :t.shape[-1]]
+    view.copy_(t)
+    return buffer, view
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_views_go_in_and_out_without_copies(backend):
+    """x, kv and grad_out as views of wider buffers, out, grad_x and grad_kv written straight
+    into views of wider buffers: the same bits as contiguous tensors, nothing written beside."""
+    t = make_inputs(11, 3, 64, torch.bfloat16, seed=17)
+    reference = run_plans(t, backend)
+    _, x = _in_wider(t["x"], 16)
+    _, kv = _in_wider(t["kv"], 8)
+    _, g = _in_wider(t["grad_out"], 24)
+    fwd = EngramGateSavedForward(x, kv, t["weight"], t["mask"], backend=backend).compile()
+    out_buffer, out = _in_wider(torch.empty_like(t["x"]), 8, float("nan"))
+    saved = torch.empty(11, 3, 4, device=DEVICE)
+    fwd.execute(x, kv, t["weight"], t["mask"], out, saved)
+    bwd = EngramGateSavedBackward(x, kv, t["weight"], saved, g, backend=backend).compile()
+    gx_buffer, gx = _in_wider(torch.empty_like(t["x"]), 16, float("nan"))
+    gkv_buffer, gkv = _in_wider(torch.empty_like(t["kv"]), 8, float("nan"))
+    gw = torch.empty_like(t["weight"])
+    bwd.execute(x, kv, t["weight"], saved, g, gx, gkv, gw, bwd.allocate_workspace())
+    for name, value in dict(out=out, saved=saved, grad_x=gx, grad_kv=gkv, grad_weight=gw).items():
+        assert torch.equal(value, reference[name]), name
+    for buffer, width in ((out_buffer, 64), (gx_buffer, 64), (gkv_buffer, 256)):
+        assert torch.isnan(buffer[..., width:].float()).all()
+
+
+def test_strides_must_keep_rows_aligned():
+    t = make_inputs(4, 2, 64, torch.bfloat16)
+    x = torch.zeros(4, 2, 67, dtype=torch.bfloat16)[..., :64]        # rows 134 bytes apart
+    with pytest.raises(ValidationError, match=r"x: expected strides of multiples of 16 bytes"):
+        EngramGateSavedForward(x, t["kv"], t["weight"], t["mask"])
+    with pytest.raises(ValidationError, match=r"x: expected the last dimension contiguous"):
+        EngramGateSavedForward(torch.zeros(4, 64, 2, dtype=torch.bfloat16).transpose(1, 2),
+                               t["kv"], t["weight"], t["mask"])
+    plan = EngramGateSavedForward(t["x"], t["kv"], t["weight"], t["mask"]).compile()
+    out = torch.zeros(4, 2, 67, dtype=torch.bfloat16)[..., :64]
+    with pytest.raises(ValidationError, match=r"out: expected the last dimension contiguous and the other strides multiples of 16 bytes"):
+        plan.execute(t["x"], t["kv"], t["weight"], t["mask"], out, torch.empty(4, 2, 4))

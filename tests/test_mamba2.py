@@ -5,13 +5,18 @@ graph capture) is tested for every plan in test_plan_contract.py."""
 
 from __future__ import annotations
 
+import inspect
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedops
+import fusedops.ops
 from fusedops import Mamba2ChunkScanBackward, Mamba2ChunkScanForward, TensorDesc
+from fusedops.core.status import Status
 from fusedops.errors import ValidationError
+from fusedops.plan import EAGER_PLANS
 from fusedops.mamba2 import samples
 from fusedops.mamba2.info import INFO
 from fusedops.mamba2.oracle import scan_with_gradients
@@ -292,7 +297,8 @@ def test_triton_programs_compile_absent_operands_out():
     plans = (Mamba2ChunkScanForward(**descs, chunk_size=32, backend="torch"),
              Mamba2ChunkScanBackward(**descs, dy=descs["x"], chunk_size=32, backend="torch"))
     optional = {"D_ptr", "z_ptr", "bias_ptr", "h0_ptr", "cu_ptr", "off_ptr", "ypre_ptr",
-                "dfinal_ptr", "dh0_ptr", "dD_part_ptr", "dbias_part_ptr", "dbias_ptr", "dD_ptr"}
+                "dfinal_ptr", "dh0_ptr", "dD_part_ptr", "dbias_part_ptr", "dbias_ptr", "dD_ptr",
+                "cu_out_ptr", "status_ptr"}
     for plan in plans:
         program = plan.kernel_program("triton")
         for kernel in program.kernels:
@@ -300,7 +306,354 @@ def test_triton_programs_compile_absent_operands_out():
         assert "gate" not in " ".join(k.name for k in program.kernels)
 
 
-# -- 4. GPU checks -------------------------------------------------------------------------------
+# -- 4. index data: sanitised offsets, the status word, host checks, option types -----------------
+def sanitised(cu: list[int], total: int) -> list[int]:
+    """docs/plans.md: c'[0] = clamp(c[0], 0, total), c'[i] = clamp(c[i], c'[i-1], total)."""
+    out = [min(max(cu[0], 0), total)]
+    for value in cu[1:]:
+        out.append(min(max(value, out[-1]), total))
+    return out
+
+
+INVALID_CU = {
+    "start-not-0": [3, 5, 5, 21, 22, 41],
+    "decreasing": [0, 5, 30, 21, 22, 41],
+    "past-tokens": [0, 5, 16, 21, 22, 100],
+    "negative-and-short": [-4, 5, 2, 21, 22, 30],
+    "extreme": [-2**31, 9, 9, 20, 2**31 - 1, 0],
+}
+
+
+def _scan_with_status(case: Case, backend: str, status_value: int = 0):
+    """Forward and backward through the eager wrappers with a status word each; returns
+    (results by name, forward status, backward status)."""
+    t = case.tensors
+    fwd_tensors = {k: t[k] for k in ("x", "dt", "A", "B", "C", *samples.OPTIONAL)}
+    fwd_status = torch.full((1,), status_value, dtype=torch.int32, device=DEVICE)
+    bwd_status = torch.full((1,), status_value, dtype=torch.int32, device=DEVICE)
+    y, final, saved = fusedops.mamba2_chunk_scan_forward(**fwd_tensors, **case.options,
+                                                         status=fwd_status, backend=backend)
+    grads = fusedops.mamba2_chunk_scan_backward(**fwd_tensors, dy=t["dy"], saved=saved,
+                                                dfinal_states=t["dfinal_states"], **case.options,
+                                                status=bwd_status, backend=backend)
+    return dict(y=y, final_states=final, **grads), int(fwd_status), int(bwd_status)
+
+
+def _with_cu(case: Case, cu: list[int]) -> Case:
+    tensors = dict(case.tensors, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=DEVICE))
+    return Case(f"{case.label} cu_seqlens={cu}", tensors, case.options)
+
+
+@pytest.mark.parametrize("backend", SCAN_BACKENDS)
+@pytest.mark.parametrize("kind", list(INVALID_CU))
+def test_invalid_cu_seqlens_compute_the_sanitised_offsets(backend, kind):
+    """Whatever cu_seqlens holds, every output is the float64 recurrence over the sanitised
+    offsets: tokens no sequence covers get y = 0 and zero gradients (exactly), an empty
+    sequence returns its initial state, and both plans report CU_SEQLENS."""
+    cu = INVALID_CU[kind]
+    case = _with_cu(samples.small("varlen", torch.float32, seed=30, device=DEVICE), cu)
+    result, fwd_status, bwd_status = _scan_with_status(case, backend)
+    assert fwd_status == bwd_status == Status.CU_SEQLENS
+    clean = sanitised(cu, 41)
+    compare(result, INFO.oracle(_with_cu(case, clean)), INFO.tolerance("y", torch.float32))
+    uncovered = torch.ones(41, dtype=torch.bool, device=DEVICE)
+    uncovered[clean[0]:clean[-1]] = False
+    for name in ("y", "dx", "ddt", "dB", "dC", "dz"):
+        assert not result[name][0, uncovered].any(), name
+    for s in range(5):
+        if clean[s] == clean[s + 1]:
+            assert torch.equal(result["final_states"][s], case.tensors["initial_states"][s])
+
+
+@pytest.mark.parametrize("backend", SCAN_BACKENDS)
+def test_valid_cu_seqlens_report_nothing_and_bits_accumulate(backend):
+    """Valid offsets (trailing tokens no sequence covers included) set no bit; the word is
+    never cleared: bits already set stay set, and a violation ORs its bit in."""
+    case = _with_cu(samples.small("varlen", torch.float32, seed=31, device=DEVICE),
+                    [0, 5, 5, 21, 22, 37])
+    result, fwd_status, bwd_status = _scan_with_status(case, backend)
+    assert fwd_status == bwd_status == 0
+    assert not result["y"][0, 37:].any() and not result["dx"][0, 37:].any()
+    sticky = int(Status.SLOT_INDEX)
+    _, fwd_status, bwd_status = _scan_with_status(case, backend, sticky)
+    assert fwd_status == bwd_status == sticky
+    _, fwd_status, _ = _scan_with_status(_with_cu(case, [0, 50, 5, 21, 22, 41]), backend, sticky)
+    assert fwd_status == sticky | Status.CU_SEQLENS
+
+
+@pytest.mark.parametrize("backend", SCAN_KERNEL_BACKENDS)
+def test_kernels_read_only_the_sanitised_offsets(backend):
+    """Without a status word the reporting is compiled out, never the sanitising: the outputs
+    equal those with one, and equal the torch backend's."""
+    case = _with_cu(samples.small("varlen", torch.float32, seed=32, device=DEVICE),
+                    [0, 50, 5, 21, 22, 2**31 - 1])
+    with_status, _, _ = _scan_with_status(case, backend)
+    without = run(case, backend)
+    for name, value in without.items():
+        assert torch.equal(value, with_status[name]), name
+    compare(without, run(case, "torch"), KERNEL_TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("cu,match", [
+    ([3, 5, 5, 21, 22, 41], r"^cu_seqlens: expected offsets starting at 0, got cu_seqlens\[0\] = 3$"),
+    ([0, 5, 30, 21, 22, 41], r"^cu_seqlens: expected non-decreasing offsets, got cu_seqlens\[3\] = 21 "
+                             r"< cu_seqlens\[2\] = 30$"),
+    ([0, 5, 5, 21, 22, 42], r"^cu_seqlens: expected offsets up to the 41 packed tokens, got "
+                            r"cu_seqlens\[5\] = 42$"),
+])
+def test_check_inputs_names_the_bad_entry(cu, match, monkeypatch):
+    """check_inputs=True (or FUSEDOPS_CHECK_INPUTS=1) checks cu_seqlens on the host before
+    anything runs: the eager wrappers, the torch op and plan.check_index_values."""
+    case = _with_cu(samples.small("varlen", torch.float32, seed=33, device=DEVICE), cu)
+    t = case.tensors
+    fwd = {k: t[k] for k in ("x", "dt", "A", "B", "C", *samples.OPTIONAL)}
+    with pytest.raises(ValidationError, match=match):
+        fusedops.mamba2_chunk_scan_forward(**fwd, **case.options, check_inputs=True, backend="torch")
+    saved = torch.empty(0, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValidationError, match=match):
+        fusedops.mamba2_chunk_scan_backward(**fwd, dy=t["dy"], saved=saved, **case.options,
+                                            check_inputs=True, backend="torch")
+    options = {k: v for k, v in case.options.items() if k != "recompute_states"}
+    with pytest.raises(ValidationError, match=match):
+        fusedops.ops.mamba2_chunk_scan(**fwd, **options, check_inputs=True, backend="torch")
+    plan = Mamba2ChunkScanForward(**fwd, **case.options, backend="torch")
+    with pytest.raises(ValidationError, match=match):
+        plan.check_index_values(cu_seqlens=t["cu_seqlens"])
+    monkeypatch.setenv("FUSEDOPS_CHECK_INPUTS", "1")
+    with pytest.raises(ValidationError, match=match):
+        fusedops.mamba2_chunk_scan_forward(**fwd, **case.options, backend="torch")
+    y, _, _ = fusedops.mamba2_chunk_scan_forward(**fwd, **case.options, check_inputs=False,
+                                                 backend="torch")
+    assert torch.isfinite(y).all()
+
+
+def test_status_word_validation():
+    core, _ = _base_inputs()
+    for status, match in ((torch.zeros(1, dtype=torch.int64), r"^status: expected dtype int32, got int64"),
+                          (torch.zeros(2, dtype=torch.int32),
+                           r"^status: expected shape \[1\] = \[1\], got \[2\]")):
+        with pytest.raises(ValidationError, match=match):
+            Mamba2ChunkScanForward(**core, chunk_size=16, status=status.to(DEVICE), backend="torch")
+    plan = Mamba2ChunkScanForward(**core, chunk_size=16, backend="torch").compile()
+    with pytest.raises(ValidationError, match=r"^status: this plan was built without status"):
+        plan.execute(*core.values(), *plan.allocate_outputs().values(),
+                     status=torch.zeros(1, dtype=torch.int32, device=DEVICE))
+
+
+def _eager_calls():
+    """(label, fn(**options)) for every eager wrapper and torch op of the scan."""
+    core, t = _base_inputs()
+    dy = t["dy"]
+    saved = torch.empty(0, dtype=torch.uint8, device=DEVICE)
+    return [
+        ("forward", lambda **o: fusedops.mamba2_chunk_scan_forward(*core.values(), **o)),
+        ("backward", lambda **o: fusedops.mamba2_chunk_scan_backward(*core.values(), dy, saved, **o)),
+        ("torch op", lambda **o: fusedops.ops.mamba2_chunk_scan(*core.values(), **o)),
+    ]
+
+
+WRONG_OPTIONS = [("chunk_size", 64.0), ("chunk_size", "64"), ("chunk_size", True),
+                 ("dt_softplus", 1), ("dt_limit", object()), ("dt_limit", (0.0,)),
+                 ("recompute_states", "yes"), ("backend", 3), ("backend", "cudnn"),
+                 ("current_stream", "stream"), ("check_inputs", 1)]
+
+
+@pytest.mark.parametrize("label,index", [("forward", 0), ("backward", 1), ("torch op", 2)])
+@pytest.mark.parametrize("option,value", WRONG_OPTIONS,
+                         ids=[f"{o}-{i}" for i, (o, _) in enumerate(WRONG_OPTIONS)])
+def test_wrong_typed_options_raise_validation_errors(label, index, option, value):
+    """chunk_size=64.0 is refused (not truncated to 64) by the eager wrappers and the torch op,
+    like every wrongly typed option: a ValidationError naming the option, not a TypeError."""
+    fn = _eager_calls()[index][1]
+    params = inspect.signature({"forward": fusedops.mamba2_chunk_scan_forward,
+                                "backward": fusedops.mamba2_chunk_scan_backward,
+                                "torch op": fusedops.ops.mamba2_chunk_scan}[label]).parameters
+    if option not in params:
+        pytest.skip(f"{label} takes no {option}")
+    with pytest.raises(ValidationError, match=rf"^{option}: expected"):
+        fn(**{option: value}, **({} if option == "backend" else {"backend": "torch"}))
+
+
+def test_refused_chunk_size_does_not_poison_the_eager_plan_cache():
+    """chunk_size=64.0: refused by the plans, the eager wrappers and the torch op before the
+    eager plan cache is consulted; a later chunk_size=64 call builds and runs its plan."""
+    core, _ = _base_inputs()
+    with pytest.raises(ValidationError, match=r"^chunk_size: expected one of"):
+        Mamba2ChunkScanForward(**core, chunk_size=64.0, backend="torch")
+    size = len(EAGER_PLANS)
+    for _, fn in _eager_calls():
+        with pytest.raises(ValidationError,
+                           match=r"^chunk_size: expected one of \(16, 32, 64, 128, 256\), got 64.0"):
+            fn(chunk_size=64.0, backend="torch")
+        assert len(EAGER_PLANS) == size
+    y, _, _ = fusedops.mamba2_chunk_scan_forward(*core.values(), 64, backend="torch")
+    size = len(EAGER_PLANS)
+    again, _, _ = fusedops.mamba2_chunk_scan_forward(*core.values(), 64, backend="torch")
+    assert len(EAGER_PLANS) == size and torch.equal(again, y)
+    y_op, _ = fusedops.ops.mamba2_chunk_scan(*core.values(), 64, backend="torch")
+    assert torch.equal(y_op, y)
+
+
+class _HostReads(TorchDispatchMode):
+    """Records the operators that read a device value on the host (.item(), bool(), tolist())."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_torch_backend_reads_no_index_value_on_the_host():
+    """The torch backend sanitises and reports with device ops only (capturable, no sync)."""
+    case = _with_cu(samples.small("varlen", torch.float32, seed=34, device=DEVICE),
+                    [0, 50, 5, 21, 22, 41])
+    t = case.tensors
+    args = {k: t[k] for k in ("x", "dt", "A", "B", "C", *samples.OPTIONAL)}
+    status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    fwd = Mamba2ChunkScanForward(**args, **case.options, status=status, backend="torch").compile()
+    bwd = Mamba2ChunkScanBackward(**args, dy=t["dy"], dfinal_states=t["dfinal_states"],
+                                  **case.options, status=status, backend="torch").compile()
+    outputs = fwd.allocate_outputs()
+    grads = bwd.allocate_outputs()
+    with _HostReads() as mode:
+        fwd.execute(**args, **outputs, status=status)
+        bwd.execute(**args, dy=t["dy"], saved=outputs["saved"], dfinal_states=t["dfinal_states"],
+                    **grads, status=status)
+    assert mode.reads == [] and int(status) == Status.CU_SEQLENS
+
+
+# -- 5. the performance model, the tile table, autotune candidates -------------------------------
+def _production(label: str):
+    """(forward plan, backward plan) of the registry's production shape ``label``, on the CPU."""
+    (calls,) = [calls for name, calls in samples.production() if name == label]
+    return tuple(call.build("torch") for call in calls)
+
+
+def test_tile_table_follows_the_target_arch():
+    """One entry per architecture, each with its reason; the programs take the target's entry
+    (or ``config=``), and the autotune candidates start with it."""
+    pytest.importorskip("triton")
+    from fusedops.backends.triton import mamba2 as kernels
+    from fusedops.core.target import compiling_for
+    fwd, bwd = _production("scan h128 p64 n128 Q256")
+    assert set(kernels.TILES) == {"sm_80", "sm_90", "sm_100"}
+    for arch, (entry, why) in kernels.TILES.items():
+        assert why
+        with compiling_for(arch):
+            assert kernels.tiles(fwd.problem) == kernels.tiles(fwd.problem, entry)
+            assert kernels.forward_candidates(fwd.problem)[0] == entry
+            assert kernels.backward_candidates(bwd.problem)[0] == entry
+    other = kernels.ScanTiles(BQ=32, BP=32, BN=128, BLOCK_H=8, PASS=512)
+    t = kernels.tiles(fwd.problem, other)
+    assert (t.BQ, t.BP, t.BN, t.BLOCK_H, t.PASS) == (32, 32, 128, 8, 512)
+    scan = [k for k in kernels.forward_program(fwd.problem, config=other).kernels
+            if k.name == "ssd_chunk_scan_fwd_kernel"]
+    assert scan[0].grid == (64 * 128, 2, 8)           # p / BP, Q / BQ programs per (segment, head)
+
+
+def test_segment_row_blocks_of_the_model():
+    """The loop counts the model sums: a full segment of 4 row blocks, and one of 100 tokens."""
+    pytest.importorskip("triton")
+    from fusedops.backends.triton.mamba2_model import _Segment
+    full = _Segment(256, 1, (64, 64, 64, 64))
+    assert (full.rb, full.tri, full.below(), full.above(), full.pair_rows(4)) == \
+        (4, 10, 640, 640, 1280)
+    short = _Segment(100, 1, (64, 36, 0, 0))
+    assert (short.rb, short.tri, short.below(), short.above(), short.pair_rows(4)) == \
+        (2, 3, 164, 136, 500)
+
+
+def test_forward_model_and_floor_at_the_production_shape():
+    """The forward's modelled bytes, recomputed here in closed form for full segments (b=2,
+    l=8192, h=128, p=64, n=128, g=8, Q=256, bf16, BQ=BP=BN=64), and its floor: the output
+    kernel reads the passed fp32 states once per row block (4x) and x 2.5x, the segment-state
+    kernel x twice (one per state tile), B and C are re-read by the 16 heads of their group."""
+    pytest.importorskip("triton")
+    from fusedops.core.cost import total
+    fwd, _ = _production("scan h128 p64 n128 Q256")
+    b, l, h, p, g, n, Q, e = 2, 8192, 128, 64, 8, 128, 256, 2
+    T, S, BQ, NQB, NNB, pairs = b * l, b * l // Q, 64, 4, 2, 10
+    xb, state, seq_state = T * h * p * e, S * h * p * n * 4, b * h * p * n * 4
+    expected = {
+        "ssd_dt_cumsum_kernel": T * h * e + 8 * h + 2 * S * h * Q * 4,
+        "ssd_cb_kernel": S * g * pairs * 2 * BQ * n * e + S * g * pairs * BQ * BQ * 4,
+        "ssd_segment_state_kernel": (T * h * (p * NNB + n) * e + S * h * NQB * BQ * 8 * NNB
+                                     + 4 * S * h * NNB + state),
+        "ssd_state_passing_kernel": 2 * state + 4 * S * h * 8 + 2 * seq_state,
+        "ssd_chunk_scan_fwd_kernel": (S * h * (Q * n * e + NQB * BQ * 4 + pairs * BQ * (BQ + 2) * 4
+                                               + NQB * p * n * 4 + pairs * BQ * p * e)
+                                      + xb + 4 * h + 2 * xb),      # z, D; y, y before the gate
+    }
+    kernels = fwd.kernel_program("triton").kernels
+    assert {k.name: k.cost.bytes for k in kernels} == expected
+    floor = fwd.floor()
+    assert floor.bytes_read == 2 * xb + T * h * e + 2 * T * g * n * e + 4 * 3 * h + seq_state
+    assert floor.bytes_written == xb + seq_state
+    assert floor.mma_flops == 4 * T * h * p * n + S * Q * (Q + 1) // 2 * (2 * h * p + 2 * g * n)
+    modelled = total(k.cost for k in kernels)
+    assert 7.4 < modelled.bytes / floor.bytes < 7.5            # docs/mamba2.md, Performance model
+
+
+def test_every_production_kernel_is_modelled_above_its_floor():
+    """Every kernel of every production plan carries a cost; no plan models fewer bytes or
+    tensor-core FLOPs than its floor."""
+    pytest.importorskip("triton")
+    from fusedops.core.cost import total
+    for label, calls in samples.production():
+        for call in calls:
+            plan = call.build("torch")
+            kernels = plan.kernel_program("triton").kernels
+            assert all(k.cost is not None for k in kernels), label
+            modelled, floor = total(k.cost for k in kernels), plan.floor()
+            assert modelled.bytes > floor.bytes and modelled.mma_flops >= floor.mma_flops, label
+            assert all(k.cost.mma_rows in (0, 64) for k in kernels), label
+
+
+def test_tuning_tensors_are_valid_packed_offsets():
+    """Timing a packed plan's candidates uses valid cu_seqlens: an even split of the tokens."""
+    fwd, bwd = _production("scan varlen Q256")
+    for plan in (fwd, bwd):
+        cu = plan._tuning_tensors()["cu_seqlens"]
+        assert cu.dtype == torch.int32 and cu.shape == (65,)
+        assert cu[0] == 0 and cu[-1] == 8192 and bool((cu.diff() == 128).all())
+        assert plan._tuning_binding()["cu_seqlens"] is not None
+    plain, _ = _production("scan h128 p64 n128 Q256")
+    assert plain._tuning_tensors() == {}
+
+
+@pytest.mark.parametrize("backend", [b for b in SCAN_KERNEL_BACKENDS if b == "triton"])
+def test_every_autotune_candidate_computes_the_scan(backend):
+    """Each candidate's forward and backward programs (another state tile, head-dim tile,
+    state-passing length) give the reference's results."""
+    from fusedops.backends.triton import mamba2 as kernels
+    case = samples.make(1, 70, 2, 64, 1, 128, torch.float32, seed=3, device=DEVICE, chunk=64,
+                        D="h", dt_bias=True, initial_states=True, dfinal=True)
+    expected = run(case, "torch")
+    t = case.tensors
+    fwd_t = {k: t[k] for k in samples._FORWARD_TENSORS}
+    probe = Mamba2ChunkScanForward(**fwd_t, **case.options, backend=backend)
+    configs = kernels.forward_candidates(probe.problem)
+    assert len({kernels.tiles(probe.problem, c) for c in configs}) == len(configs) == 4
+    for config in configs:
+        fwd = Mamba2ChunkScanForward(**fwd_t, **case.options, backend=backend)
+        fwd._program = kernels.forward_program(fwd.problem, config=config)
+        outputs = fwd.compile().allocate_outputs()
+        fwd.execute(**fwd_t, **outputs, workspace=fwd.allocate_workspace())
+        bwd = Mamba2ChunkScanBackward(**fwd_t, dy=t["dy"], dfinal_states=t["dfinal_states"],
+                                      **case.options, backend=backend)
+        bwd._program = kernels.backward_program(bwd.problem, config=config)
+        grads = bwd.compile().allocate_outputs()
+        bwd.execute(**fwd_t, dy=t["dy"], saved=outputs["saved"],
+                    dfinal_states=t["dfinal_states"], **grads, workspace=bwd.allocate_workspace())
+        compare(dict(outputs, **grads), expected, KERNEL_TOLERANCE[torch.float32],
+                [name for name in expected if name in outputs or name in grads])
+
+
+# -- 6. GPU checks -------------------------------------------------------------------------------
 @requires_cuda
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", [b for b in GPU_BACKENDS if b == "triton"])

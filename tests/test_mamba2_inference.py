@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedops
 from fusedops import Mamba2StateRollback, Mamba2StateUpdate
+from fusedops.core.status import Status
 from fusedops.errors import ValidationError
 from fusedops.mamba2_inference import samples
 from fusedops.mamba2_inference.info import INFO
@@ -52,8 +54,9 @@ def test_update_and_rollback_match_oracle(backend, dtype, kind, index):
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_skipped_rows_touch_nothing(backend):
-    """Padding rows and rows past the cache leave their slots, y rows and snapshots alone; a
-    rollback whose accepted count is outside [0, T] leaves the slot as the update wrote it."""
+    """Padding rows and rows past the cache leave every slot alone and get zero y rows and
+    snapshots; a rollback whose accepted count is outside [0, T] leaves the slot as the update
+    wrote it."""
     case = INFO.cases("edge", device=DEVICE)[1]
     r = INFO.run(case, backend)
     assert torch.equal(r["state"], case.tensors["state"])
@@ -198,7 +201,207 @@ def test_fewer_writes_are_not_always_more_accurate(backend):
     assert abs(finals[2] - exact) > abs(finals[1] - exact)
 
 
-# -- 3. validation and the plans' declarations ---------------------------------------------------
+# -- 3. index data: skipped rows, the status word, host checks, option types ---------------------
+def _update_with_status(backend, indices, slots=5, status_value=0, poison=True):
+    """An update with snapshots and a status word, y and snapshots poisoned (NaN) first; returns
+    (y, snapshots, state before, state after, status)."""
+    b = len(indices)
+    core, opts, _ = decode_inputs(b, 3, 2, 8, 1, 8, seed=40, slots=slots, indices=indices)
+    state = torch.randn(slots, 2, 8, 8, generator=torch.Generator().manual_seed(41)).to(DEVICE)
+    before = state.clone()
+    idx = torch.tensor(indices, dtype=torch.int32, device=DEVICE)
+    status = torch.full((1,), status_value, dtype=torch.int32, device=DEVICE)
+    snapshots = fusedops.TensorDesc((b, 4, *state.shape[1:]), state.dtype, device=state.device)
+    plan = Mamba2StateUpdate(state, *core.values(), state_batch_indices=idx, snapshots=snapshots,
+                             status=status, backend=backend, **opts).compile()
+    y = torch.full_like(core["x"], float("nan") if poison else 0.0)
+    snapshots = torch.full(plan.desc("snapshots").shape, float("nan") if poison else 0.0, device=DEVICE)
+    plan.execute(state, *core.values(), y, D=opts["D"], z=opts["z"], dt_bias=opts["dt_bias"],
+                 state_batch_indices=idx, snapshots=snapshots, status=status)
+    return y, snapshots, before, state, int(status)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_skipped_rows_write_zeros_and_report_slots_past_the_cache(backend):
+    """A negative slot (padding: no bit) and a slot past the cache (SLOT_INDEX): no slot is
+    touched, y rows and snapshots of the row are exactly 0 (over poisoned buffers); the other
+    rows are computed as without them."""
+    y, snapshots, before, after, status = _update_with_status(backend, [3, -1, 0, 7, -2**31])
+    assert status == Status.SLOT_INDEX
+    for row in (1, 3, 4):
+        assert torch.equal(y[row], torch.zeros_like(y[row])), row
+        assert torch.equal(snapshots[row], torch.zeros_like(snapshots[row])), row
+    assert torch.isfinite(y[[0, 2]]).all() and torch.isfinite(snapshots[[0, 2]]).all()
+    untouched = [1, 2, 4]
+    assert torch.equal(after[untouched], before[untouched])
+    assert torch.equal(snapshots[0, -1], after[3]) and torch.equal(snapshots[2, -1], after[0])
+    _, _, _, _, status = _update_with_status(backend, [3, -1, 0, 4, -7])
+    assert status == 0                       # padding only: valid
+    _, _, _, _, status = _update_with_status(backend, [3, -1, 0, 4, 2**31 - 1], status_value=0x20)
+    assert status == 0x20 | Status.SLOT_INDEX     # never cleared; bits accumulate
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rollback_skips_and_reports_invalid_rows(backend):
+    """accepted outside [0, T] (ACCEPTED_COUNT, padding rows included) or a slot past the cache
+    (SLOT_INDEX): the row's slot is unchanged; a padding row sets no bit of its own."""
+    b, T, slots = 5, 3, 6
+    state = torch.randn(slots, 2, 8, 8, generator=torch.Generator().manual_seed(42)).to(DEVICE)
+    snapshots = torch.randn(b, T + 1, 2, 8, 8, generator=torch.Generator().manual_seed(43)).to(DEVICE)
+
+    def rollback(indices, accepted):
+        rolled = state.clone()
+        status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        fusedops.mamba2_rollback(rolled, snapshots,
+                                 torch.tensor(accepted, dtype=torch.int32, device=DEVICE),
+                                 state_batch_indices=torch.tensor(indices, dtype=torch.int32,
+                                                                  device=DEVICE),
+                                 status=status, backend=backend)
+        return rolled, int(status)
+
+    rolled, status = rollback([5, -1, 0, 2, 3], [1, 0, 3, 2, 0])
+    assert status == 0
+    assert torch.equal(rolled[5], snapshots[0, 1]) and torch.equal(rolled[2], snapshots[3, 2])
+    assert torch.equal(rolled[[1, 4]], state[[1, 4]])
+    rolled, status = rollback([5, -1, 0, 2, 3], [4, 0, -1, 2**31 - 1, 0])
+    assert status == Status.ACCEPTED_COUNT
+    assert torch.equal(rolled[[5, 0, 2]], state[[5, 0, 2]]) and torch.equal(rolled[3], snapshots[4, 0])
+    rolled, status = rollback([6, -1, 0, 2, -2**31], [1, 0, 1, 1, 1])
+    assert status == Status.SLOT_INDEX
+    assert torch.equal(rolled[0], snapshots[2, 1])
+    assert torch.equal(rolled[[1, 3, 4, 5]], state[[1, 3, 4, 5]])
+    _, status = rollback([1, -1, 0, 2, 3], [1, 9, 1, 1, 1])
+    assert status == Status.ACCEPTED_COUNT     # a padding row's accepted count is checked too
+
+
+@pytest.mark.parametrize("call,match", [
+    ("update-past", r"^state_batch_indices: expected entries in \[0, 5\) or -1 \(any negative entry "
+                    r"is padding\), got state_batch_indices\[2\] = 9$"),
+    ("update-duplicate", r"^state_batch_indices: expected distinct slots among the valid rows, got "
+                         r"state_batch_indices\[2\] = 3 = state_batch_indices\[0\]$"),
+    ("rollback-accepted", r"^accepted: expected entries in \[0, 4\) \(at most T = 3 tokens\), got "
+                          r"accepted\[1\] = -2$"),
+    ("rollback-past", r"^state_batch_indices: expected entries in \[0, 5\) or -1 .* got "
+                      r"state_batch_indices\[2\] = 9$"),
+])
+def test_check_inputs_names_the_bad_entry(call, match, monkeypatch):
+    """check_inputs=True (or FUSEDOPS_CHECK_INPUTS=1) checks the index values on the host before
+    anything runs, naming the argument and the first bad entry; nothing is written."""
+    b, T = 3, 3
+    core, opts, _ = decode_inputs(b, T, 2, 8, 1, 8, seed=44, slots=5)
+    state = torch.randn(5, 2, 8, 8, device=DEVICE)
+    before = state.clone()
+    indices = {"update-past": [3, -1, 9], "update-duplicate": [3, -1, 3],
+               "rollback-accepted": [3, -1, 0], "rollback-past": [3, -1, 9]}[call]
+    idx = torch.tensor(indices, dtype=torch.int32, device=DEVICE)
+    accepted = torch.tensor([1, -2, 0], dtype=torch.int32, device=DEVICE)
+    snapshots = torch.zeros(b, T + 1, 2, 8, 8, device=DEVICE)
+    if call.startswith("update"):
+        def run(**kw):
+            return fusedops.mamba2_state_update(state, *core.values(), state_batch_indices=idx,
+                                                backend="torch", **opts, **kw)
+        plan = Mamba2StateUpdate(state, *core.values(), state_batch_indices=idx, backend="torch", **opts)
+    else:
+        if call == "rollback-past":
+            accepted = torch.tensor([1, 2, 0], dtype=torch.int32, device=DEVICE)
+        def run(**kw):
+            return fusedops.mamba2_rollback(state, snapshots, accepted, state_batch_indices=idx,
+                                            backend="torch", **kw)
+        plan = Mamba2StateRollback(state, snapshots, accepted, state_batch_indices=idx, backend="torch")
+    with pytest.raises(ValidationError, match=match):
+        run(check_inputs=True)
+    with pytest.raises(ValidationError, match=match):
+        plan.check_index_values(state_batch_indices=idx, accepted=accepted)
+    monkeypatch.setenv("FUSEDOPS_CHECK_INPUTS", "1")
+    with pytest.raises(ValidationError, match=match):
+        run()
+    assert torch.equal(state, before)
+    run(check_inputs=False)                  # memory-safe anyway (the kernels skip the rows)
+
+
+def test_status_word_and_slot_count_validation():
+    core, _, state = decode_inputs(2, 1, 2, 8, 1, 8)
+    with pytest.raises(ValidationError, match=r"^status: expected dtype int32, got float32"):
+        Mamba2StateUpdate(state, *core.values(), status=torch.zeros(1, device=DEVICE), backend="torch")
+    snapshots = torch.zeros(2, 2, 2, 8, 8, device=DEVICE)
+    accepted = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValidationError, match=r"^status: expected shape \[1\] = \[1\], got \[1, 1\]"):
+        Mamba2StateRollback(state, snapshots, accepted, backend="torch",
+                            status=torch.zeros(1, 1, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValidationError, match=r"^state: expected at least b = 2 slots without "
+                                              r"state_batch_indices, got 1"):
+        Mamba2StateRollback(state[:1], snapshots, accepted, backend="torch")
+
+
+WRONG_UPDATE_OPTIONS = [("dt_softplus", 1), ("dt_limit", "wide"), ("rounding", 1),
+                        ("checkpoint_period", 2.0), ("return_snapshots", 1), ("backend", 3),
+                        ("current_stream", "stream"), ("check_inputs", "yes"),
+                        ("rng_seed", 1.5), ("rng_offset", object())]
+
+
+@pytest.mark.parametrize("option,value", WRONG_UPDATE_OPTIONS,
+                         ids=[f"{o}-{i}" for i, (o, _) in enumerate(WRONG_UPDATE_OPTIONS)])
+@pytest.mark.parametrize("wrapper", ["update", "replay"])
+def test_wrong_typed_update_options_raise_validation_errors(wrapper, option, value):
+    core, _, _ = decode_inputs(2, 1, 2, 8, 1, 8)
+    state = torch.zeros(2, 2, 8, 8, dtype=torch.float16, device=DEVICE)
+    before = state.clone()
+    stochastic = option.startswith("rng")
+    options = dict(rounding="stochastic", rng_seed=1, rng_offset=0) if stochastic else {}
+    options[option] = value
+    fn = fusedops.mamba2_state_update if wrapper == "update" else fusedops.mamba2_replay
+    with pytest.raises(ValidationError, match=rf"^{option}: expected"):
+        fn(state, *core.values(), **options, **({} if option == "backend" else {"backend": "torch"}))
+    assert torch.equal(state, before)
+
+
+@pytest.mark.parametrize("option,value", [("backend", 3), ("current_stream", "stream"),
+                                          ("check_inputs", 1)])
+def test_wrong_typed_rollback_options_raise_validation_errors(option, value):
+    state = torch.zeros(2, 2, 8, 8, device=DEVICE)
+    snapshots = torch.zeros(2, 2, 2, 8, 8, device=DEVICE)
+    accepted = torch.zeros(2, dtype=torch.int32, device=DEVICE)
+    backend = {} if option == "backend" else {"backend": "torch"}
+    with pytest.raises(ValidationError, match=rf"^{option}: expected"):
+        fusedops.mamba2_rollback(state, snapshots, accepted, **{option: value}, **backend)
+
+
+class _HostReads(TorchDispatchMode):
+    """Records the operators that read a device value on the host (.item(), bool(), tolist())."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_torch_backend_reads_no_index_value_on_the_host():
+    """The torch backend validates slots and accepted counts with device ops only."""
+    b, T = 3, 2
+    core, opts, _ = decode_inputs(b, T, 2, 8, 1, 8, seed=45, slots=4)
+    state = torch.randn(4, 2, 8, 8, device=DEVICE)
+    idx = torch.tensor([3, -1, 9], dtype=torch.int32, device=DEVICE)
+    status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    snapshots = torch.zeros(b, T + 1, 2, 8, 8, device=DEVICE)
+    update = Mamba2StateUpdate(state, *core.values(), state_batch_indices=idx, snapshots=snapshots,
+                               status=status, backend="torch", **opts).compile()
+    accepted = torch.tensor([1, 5, 0], dtype=torch.int32, device=DEVICE)
+    rollback = Mamba2StateRollback(state, snapshots, accepted, state_batch_indices=idx,
+                                   status=status, backend="torch").compile()
+    y = torch.empty_like(core["x"])
+    with _HostReads() as mode:
+        update.execute(state, *core.values(), y, D=opts["D"], z=opts["z"], dt_bias=opts["dt_bias"],
+                       state_batch_indices=idx, snapshots=snapshots, status=status)
+        rollback.execute(state, snapshots, accepted, state_batch_indices=idx, status=status)
+    assert mode.reads == []
+    assert int(status) == Status.SLOT_INDEX | Status.ACCEPTED_COUNT
+
+
+# -- 4. validation and the plans' declarations ---------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_validation(backend):
     core, _, _ = decode_inputs(2, 1, 2, 8, 1, 8)
@@ -275,6 +478,99 @@ def test_memory_calculator_matches_the_seed():
     assert cfg.crossover_tokens(torch.float16, 1) == 32768
     assert cfg.kv_bytes(65536, 1) == cfg.state_bytes(torch.float32)
     assert 64 * cfg.state_bytes(torch.float32) == 24 * 2**30
+
+
+# -- 5. the performance model, the block table, autotune candidates ------------------------------
+def _production(label: str):
+    (calls,) = [calls for name, calls in samples.production() if name == label]
+    return calls[0].build("torch")
+
+
+def test_block_table_follows_the_target_arch():
+    """One entry per architecture, each with its reason; the programs take the target's entry
+    (or ``config=``); the candidates start with it."""
+    pytest.importorskip("triton")
+    from fusedops.backends.triton import mamba2_inference as kernels
+    from fusedops.core.target import compiling_for
+    plan = _production("decode T=4 float16 stochastic snapshots")
+    assert set(kernels.TILES) == {"sm_80", "sm_90", "sm_100"}
+    for arch, (entry, why) in kernels.TILES.items():
+        assert why
+        with compiling_for(arch):
+            assert kernels.tiles_for(plan.problem) == entry
+            assert kernels.update_candidates(plan.problem)[0] == entry
+    other = kernels.DecodeTiles(BP=32, BP_STOCHASTIC=4, MAX_WARPS=2)
+    (spec,) = kernels.update_program(plan.problem, config=other).kernels
+    assert spec.grid == (256, 128, 16) and spec.num_warps == 2     # 64 / 4 rows, 4·128/256 warps
+
+
+def test_update_model_against_its_floor():
+    """The update's model is its floor plus what its programs re-read: dt, B and C per head and
+    head-dim tile (B and C are per group) and the slot index per program."""
+    pytest.importorskip("triton")
+    for label, b, T, bp in (("decode T=1 float32", 256, 1, 16),
+                            ("decode T=4 float16 stochastic snapshots", 256, 4, 8)):
+        plan = _production(label)
+        (kernel,) = plan.kernel_program("triton").kernels
+        h, p, g, n, e = 128, 64, 8, 128, 2
+        npb = p // bp
+        extra = (b * T * h * npb * (e + 2 * n * e) - b * T * (h * e + 2 * g * n * e)
+                 + (b * h * npb - b) * (4 + 16 * plan.problem.stochastic))
+        floor = plan.floor()
+        assert kernel.cost.bytes_written == floor.bytes_written
+        assert kernel.cost.bytes_read == floor.bytes_read + extra
+    rollback = _production("rollback fp16")
+    (kernel,) = rollback.kernel_program("triton").kernels
+    assert kernel.cost.bytes_written == rollback.floor().bytes_written == 256 * 128 * 64 * 128 * 2
+
+
+def test_tuning_tensors_are_valid_index_data():
+    """Candidates are timed with distinct valid slots and accepted counts in [0, T]."""
+    update = _production("decode T=1 float16")
+    slots = update._tuning_tensors()["state_batch_indices"]
+    assert slots.dtype == torch.int32 and slots.shape == (256,)
+    assert len(set(slots.tolist())) == 256 and 0 <= int(slots.min()) and int(slots.max()) < 512
+    rollback = _production("rollback fp16")
+    tensors = rollback._tuning_tensors()
+    assert int(tensors["accepted"].min()) == 0 and int(tensors["accepted"].max()) == 4
+    core, _, state = decode_inputs(3, 1, 2, 8, 1, 8)
+    small = Mamba2StateUpdate(state[:2], *core.values(),
+                              state_batch_indices=torch.zeros(3, dtype=torch.int32, device=DEVICE),
+                              backend="torch")
+    assert sorted(small._tuning_tensors()["state_batch_indices"].tolist()) == [-1, 0, 1]
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b == "triton"])
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_every_autotune_candidate_gives_the_same_bits(backend, rounding):
+    """Each candidate's update (another head-dim block) and rollback (another tile) write the
+    same bits as the table's entry: the blocks change no reduction or random draw."""
+    from fusedops.backends.triton import mamba2_inference as kernels
+    case = samples.make(3, 3, 2, 32, 1, 16, torch.float32, state_dtype=torch.bfloat16, slots=5,
+                        indices=[4, -1, 1], D="h", z=True, dt_bias=True, rounding=rounding,
+                        accepted=[2, 0, 3], seed=4, device=DEVICE)
+    t = case.tensors
+    args = {k: t[k] for k in samples.UPDATE_TENSORS}
+    probe = Mamba2StateUpdate(**args, snapshots=t["snapshots"], **case.options, backend=backend)
+    configs = kernels.update_candidates(probe.problem)
+    results = []
+    for config in configs:
+        state, snapshots = t["state"].clone(), torch.zeros_like(t["snapshots"])
+        y = torch.zeros_like(t["x"])
+        update = Mamba2StateUpdate(**dict(args, state=state), snapshots=snapshots, **case.options,
+                                   backend=backend)
+        update._program = kernels.update_program(update.problem, config=config)
+        update.compile().execute(**dict(args, state=state), y=y, snapshots=snapshots,
+                                 rng_seed=t["rng_seed"], rng_offset=t["rng_offset"])
+        rollback = Mamba2StateRollback(state, snapshots, t["accepted"], backend=backend,
+                                       state_batch_indices=t["state_batch_indices"])
+        rollback._program = kernels.rollback_program(rollback.problem, config=config)
+        rollback.compile().execute(state, snapshots, t["accepted"],
+                                   state_batch_indices=t["state_batch_indices"])
+        results.append((y, snapshots, state))
+    for y, snapshots, state in results[1:]:
+        for got, want in zip((y, snapshots, state), results[0]):
+            assert torch.equal(got, want)
 
 
 # -- GPU -----------------------------------------------------------------------------------------

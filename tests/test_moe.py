@@ -13,12 +13,14 @@ import torch
 
 import fusedops
 from fusedops import MoERouter, MoERouterBackward, ReLU2MoEBackward, ReLU2MoEForward, TensorDesc
+from fusedops.core.status import Status, read_status
 from fusedops.errors import UnsupportedError, ValidationError
 from fusedops.moe import oracle
 from fusedops.moe.info import EXPERT_TOLERANCE, INFO
-from fusedops.moe.samples import expert_inputs, router_logits
+from fusedops.moe.samples import expert_inputs, fuzz_cases, router_logits
 from fusedops.opinfo import Tolerance
-from fusedops.testing import assert_close
+from fusedops.testing import assert_close, errors
+from fusedops.testing.fuzz import run_guarded
 
 from helpers import BACKENDS as RUNNABLE, DEVICE, check_against_oracle, dtype_id, requires_cuda
 
@@ -404,6 +406,124 @@ def test_absent_operands_are_compiled_out(shared, is_inference):
                    for s in program.stages) == bool(shared)
 
 
+# -- 3b. tile tables, autotune candidates and the cost model ---------------------------------------
+def _experts_plan(cls, case, backend="torch", **options):
+    names = ("x", "w_up", "w_down", "topk_ids", "topk_weights")
+    extra = dict(d_out=case["d_out"]) if cls is ReLU2MoEBackward else {}
+    shared = {n: case.get(n) for n in ("shared_w_up", "shared_w_down")}
+    return cls(*(case[n] for n in names), **extra, **shared, backend=backend, **options)
+
+
+def test_tile_tables_follow_the_arch_and_candidates_keep_the_saved_layout():
+    """Every arch has an entry with its reason; the candidates start with it, never change the
+    routed row tile (the dispatch padding the forward saves) and split it evenly."""
+    pytest.importorskip("triton")
+    from fusedops.backends.triton import moe as kernels
+    from fusedops.backends.triton import moe_router as router_kernels
+    from fusedops.backends.triton import moe_tiles as tiles
+    from fusedops.core.target import compiling_for
+    for t, k in ((200, 2), (16, 1)):                   # row tile 128, then decode-sized (16)
+        case = experts_case(t, 16, 4, 24, k, shared=8, device="cpu")
+        fwd = _experts_plan(ReLU2MoEForward, case)
+        bwd = _experts_plan(ReLU2MoEBackward, case)
+        for arch, (entry, why) in tiles.TILES.items():
+            assert why and tiles.ROUTER_TILES[arch][1]
+            with compiling_for(arch):
+                assert tiles.tiles_for(fwd.problem) == entry
+                found = kernels.forward_candidates(fwd.problem)
+                assert found[0] == entry and len(found) >= 3 and len(set(found)) == len(found)
+                tile = tiles.row_tile(fwd.problem)
+                saved = kernels.forward_program(fwd.problem).saved.size
+                for config in found:
+                    assert tiles.row_tile(fwd.problem, config) == tile
+                    assert tile % tiles.routed_bm(fwd.problem, config) == 0
+                    assert kernels.forward_program(fwd.problem, config).saved.size == saved
+                    assert kernels.backward_program(bwd.problem, config).saved.size == saved
+        assert router_kernels.forward_candidates(fwd.problem)[0] == tiles.ROUTER_TILES["sm_90"][0]
+
+
+def test_cost_model_exposes_the_fp32_rows_and_the_weight_rereads():
+    """At Nemotron 3 Nano's shapes (t = 8192, bf16): the down GEMM writes the weighted fp32 rows
+    [t·k, H] and the combine reads them back (~1.06 GB per direction); under the balanced
+    routing (384 rows per expert, 128-row tiles) each expert's weights are read once per row
+    tile (3×); every plan's floor is below its model, with the same tensor-core FLOPs to
+    within the tiles' padding."""
+    pytest.importorskip("triton")
+    from fusedops.core.cost import total
+    from fusedops.moe.samples import production
+    plans = {(label, call.plan.__name__, tuple(call.options)): call.build("torch")
+             for label, calls in production() for call in calls}
+    fwd = plans[("moe nano t8192", "ReLU2MoEForward", ())]
+    p = fwd.problem
+    stages = fwd.kernel_program("triton").stages
+    gemms = [s.kernel.cost for s in stages if s.name == "moe_gemm_kernel"]
+    combine = next(s.kernel.cost for s in stages if s.name == "moe_combine_kernel")
+    y = 4 * p.assignments * p.hidden
+    assert gemms[1].bytes_written == y and combine.bytes_read >= y
+    assert 1.0e9 < y + y < 1.1e9
+    weights = p.experts * p.hidden * p.intermediate * 2
+    assert gemms[0].bytes_read - p.assignments * p.hidden * 2 * 15 == pytest.approx(
+        3 * weights, rel=1e-3)
+    for key, plan in plans.items():
+        costs = [k.cost for k in plan.kernel_program("triton").kernels]
+        assert all(c is not None for c in costs), key
+        modelled, floor = total(costs), plan.floor()
+        assert floor.bytes <= modelled.bytes * 1.0001, key
+        assert floor.mma_flops <= modelled.mma_flops, key
+    modelled = total(s.kernel.cost for s in stages)
+    assert modelled.mma_flops <= 1.05 * fwd.floor().mma_flops      # 1856 columns in 1920
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_tuning_tensors_are_a_valid_routing_and_a_real_dispatch(backend):
+    """The autotune inputs: k distinct valid experts per token, and for the backward the saved
+    buffer a forward wrote for them (counts that add up to t·k)."""
+    case = experts_case(40, 16, 7, 24, 3, shared=8, seed=21)
+    bwd = _experts_plan(ReLU2MoEBackward, case, backend=backend)
+    tensors = bwd._tuning_tensors()
+    ids = tensors["topk_ids"]
+    assert ids.dtype == torch.int32 and ids.shape == (40, 3)
+    assert ((ids >= 0) & (ids < 7)).all()
+    assert all(len(set(row)) == 3 for row in ids.tolist())
+    counts = bwd.program.saved.carve(tensors["saved"], "counts").tensor().cpu()
+    assert torch.equal(counts, torch.bincount(ids.reshape(-1).long().cpu(), minlength=7).int())
+    router = MoERouterBackward(torch.randn(40, 7, device=DEVICE), case["topk_ids"],
+                               case["topk_weights"], backend=backend)
+    assert ((router._tuning_tensors()["topk_ids"] < 7)).all()
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_every_candidate_computes_the_same_results(backend):
+    """Each autotune candidate's forward and backward programs (other column tiles, split row
+    tiles, weight-gradient steps) give the table entry's results."""
+    from fusedops.backends.triton import moe as kernels
+    case = experts_case(200, 16, 4, 24, 2, shared=8, dtype=torch.float16, seed=22)
+    fwd = _experts_plan(ReLU2MoEForward, case, backend=backend).compile()
+    bwd = _experts_plan(ReLU2MoEBackward, case, backend=backend).compile()
+    names = ("x", "w_up", "w_down", "topk_ids", "topk_weights")
+    shared = {n: case[n] for n in ("shared_w_up", "shared_w_down")}
+
+    def run():
+        out, saved = torch.empty_like(case["x"]), fwd.allocate_saved()
+        fwd.execute(*(case[n] for n in names), out, saved, **shared,
+                    workspace=fwd.allocate_workspace())
+        grads = bwd.allocate_outputs()
+        bwd.execute(*(case[n] for n in names), case["d_out"], saved, **grads, **shared,
+                    workspace=bwd.allocate_workspace())
+        return dict(out=out, **grads)
+    reference = run()
+    configs = kernels.forward_candidates(fwd.problem)
+    assert any(c.bm_split > 1 for c in configs)
+    for config in configs[1:]:
+        for plan, program in ((fwd, kernels.forward_program), (bwd, kernels.backward_program)):
+            plan._program = program(plan.problem, config=config)
+            plan._launch = None
+            plan.compile()
+        result = run()
+        for name, value in reference.items():     # sums in another order: another rounding
+            assert_close(result[name], value, EXPERT_TOLERANCE[torch.float16], f"{config} {name}")
+
+
 # -- 4. plan contract -------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_accumulate_into_main_grads_and_weight_grad_dtype(backend):
@@ -571,3 +691,243 @@ def test_gpu_graph_capture_with_changing_routing():
         assert torch.equal(out, expected["out"])
         for name, value in grads.items():
             assert torch.equal(value, expected[name]), name
+
+
+# -- 6. index data: dropped ids, the status word, check_inputs, NaN logits -----------------------
+INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
+EXPERT_NAMES = ("x", "w_up", "w_down", "topk_ids", "topk_weights")
+
+
+def _status():
+    return torch.zeros(1, dtype=torch.int32, device=DEVICE)
+
+
+def _bad_ids_case(padding_only=False):
+    """E = 6, k = 3 with ids -1 (padding) and, unless ``padding_only``, E, -7 and the int32
+    extremes; the dropped assignments' routing weights are NaN (they must never be read)."""
+    case = experts_case(10, 16, 6, 24, 3, shared=8, seed=40)
+    ids = case["topk_ids"]
+    ids[0] = -1
+    ids[4, 2] = -1
+    if not padding_only:
+        ids[3, 1], ids[5, 2], ids[6, 0], ids[7, 1] = 6, -7, INT32_MAX, INT32_MIN
+    dropped = (ids < 0) | (ids >= 6)
+    case["topk_weights"] = case["topk_weights"].masked_fill(dropped, float("nan"))
+    return case, dropped
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("padding_only", [False, True], ids=["invalid", "padding"])
+def test_dropped_ids_add_nothing_and_set_the_status_bit(backend, padding_only):
+    """An id outside [0, E) drops its assignment on every plan that reads topk_ids: out, d_x and
+    the weight gradients are those of the kept assignments (the oracle skips the dropped ones;
+    their NaN weights are never read), d_topk_weights is exactly 0 there, and the status word
+    holds EXPERT_ID unless every dropped id is -1 (padding)."""
+    case, dropped = _bad_ids_case(padding_only)
+    expected_status = Status.OK if padding_only else Status.EXPERT_ID
+    status = _status()
+    args = {n: case[n] for n in EXPERT_NAMES}
+    shared = {n: case[n] for n in ("shared_w_up", "shared_w_down")}
+    out, saved = fusedops.relu2_moe_forward(**args, **shared, status=status, backend=backend)
+    assert read_status(status) == expected_status
+    status.zero_()
+    grads = fusedops.relu2_moe_backward(**args, d_out=case["d_out"], saved=saved, **shared,
+                                        status=status, backend=backend)
+    assert read_status(status) == expected_status
+    result = dict(out=out, **grads)
+    expected = oracle.expert_results(dict(case, topk_weights=case["topk_weights"].nan_to_num(0.0)))
+    compare(result, expected, EXPERT_TOLERANCE[torch.float32])
+    assert (grads["d_topk_weights"][dropped] == 0).all()
+    assert all(torch.isfinite(v).all() for v in result.values())
+
+    # router backward: the dropped slots add nothing, their r counts 0 in S, d_w is not read
+    logits = router_inputs(10, 6, bias=False, seed=41)[0]
+    d_w = torch.randn(10, 3, generator=torch.Generator().manual_seed(42)).to(DEVICE)
+    status.zero_()
+    d_logits = fusedops.moe_router_backward(logits, case["topk_ids"], d_w.masked_fill(dropped, float("nan")),
+                                            routed_scaling_factor=2.5, status=status,
+                                            backend=backend)["d_logits"]
+    assert read_status(status) == expected_status
+    leaf = logits.detach().cpu().double().requires_grad_()
+    s = torch.sigmoid(leaf)
+    ids, keep = case["topk_ids"].cpu().long(), ~dropped.cpu()
+    r = torch.where(keep, s.gather(1, ids.clamp(0, 5)), torch.zeros((), dtype=torch.float64))
+    w = 2.5 * r / (r.sum(-1, keepdim=True) + 1e-20)
+    reference, = torch.autograd.grad(w, leaf, torch.where(keep, d_w.cpu().double(), 0.0))
+    assert_close(d_logits, reference, Tolerance(1e-6, 1e-6, "fp32 sigmoid derivative"), "d_logits")
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+def test_backends_agree_on_invalid_ids_under_guard_bands(backend):
+    """The experts' training forward and backward (whose saved buffers differ per backend, so
+    the registry's fuzz test leaves them out on kernel backends) on drawn index data, every
+    buffer in guard bands: nothing outside the buffers changes, the status equals the expected
+    one on both backends, and the outputs equal the torch backend's."""
+    plans = ("forward", "backward")
+    kernel = fuzz_cases(2026, backend, DEVICE, plans=plans)
+    reference = fuzz_cases(2026, "torch", DEVICE, plans=plans)
+    problems = []
+    for case, ref_case in zip(kernel, reference):
+        assert case.label == ref_case.label
+        got, ref = run_guarded(case, backend), run_guarded(ref_case, "torch")
+        if got.damaged or ref.damaged:
+            problems.append(f"{case.label}: wrote outside {got.damaged + ref.damaged}")
+        if got.status != case.expected or ref.status != case.expected:
+            problems.append(f"{case.label}: status {got.status.describe()} / torch "
+                            f"{ref.status.describe()}, expected {case.expected.describe()}")
+        for name, value in got.outputs.items():
+            if name == "saved":
+                continue
+            if not torch.isfinite(value).all():
+                problems.append(f"{case.label}: {name} not finite")
+            elif errors(value, ref.outputs[name])[0] > 1e-5:
+                problems.append(f"{case.label}: {name} differs from the torch backend")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_router_backward_sums_a_repeated_id_in_slot_order(backend):
+    """The router never repeats an id, but a caller may: each slot is its own term, and the
+    terms of a repeated id add up (the same on every backend)."""
+    logits = router_inputs(4, 8, bias=False, seed=43)[0]
+    ids = torch.tensor([[1, 1, 2], [3, 0, 3], [5, 5, 5], [7, 6, 4]], dtype=torch.int32, device=DEVICE)
+    d_w = torch.randn(4, 3, generator=torch.Generator().manual_seed(44)).to(DEVICE)
+    leaf = logits.detach().cpu().double().requires_grad_()
+    r = torch.sigmoid(leaf).gather(1, ids.cpu().long())
+    for norm in (True, False):
+        w = r / (r.sum(-1, keepdim=True) + 1e-20) if norm else r
+        reference, = torch.autograd.grad(w, leaf, d_w.cpu().double(), retain_graph=True)
+        d_logits = fusedops.moe_router_backward(logits, ids, d_w, norm_topk_prob=norm,
+                                                backend=backend)["d_logits"]
+        assert_close(d_logits, reference, Tolerance(1e-6, 1e-6, "fp32 sigmoid derivative"), "d_logits")
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered")   # inf + -inf, on purpose
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_router_nan_scores_rank_last(backend):
+    """A NaN choice score ranks below every number (as -inf, ties to the lower index), a NaN
+    group score likewise: the ids are always k distinct experts in [0, E) of eligible groups;
+    the weights of a NaN score are NaN (with the normalisation, the whole token's)."""
+    nan = float("nan")
+    logits = torch.zeros(4, 8)
+    logits[0] = torch.tensor([nan, 1.0, nan, 2.0, nan, nan, 0.5, nan])
+    logits[1] = nan                                  # every score NaN
+    logits[2, :] = torch.arange(8.0)
+    logits[2, 7] = nan                               # the best logit is NaN: not selected
+    logits[3] = torch.tensor([nan, nan, nan, -1.0, nan, nan, nan, nan])
+    logits = logits.to(DEVICE)
+    w, ids = fusedops.moe_router(logits, 3, backend=backend)
+    assert ids.tolist() == [[3, 1, 6], [0, 1, 2], [6, 5, 4], [3, 0, 1]]
+    assert torch.isfinite(w[0]).all() and torch.isfinite(w[2]).all()
+    assert torch.isnan(w[1]).all() and torch.isnan(w[3]).all()       # normalised by a NaN sum
+    w, _ = fusedops.moe_router(logits, 3, norm_topk_prob=False, backend=backend)
+    assert torch.isnan(w[3]).tolist() == [False, True, True]         # NaN only where s is NaN
+    # a NaN bias ranks its expert last too; the weights stay the (finite) scores
+    bias = torch.tensor([nan, 0, 0, 0, 0, 0, 0, 0.0], device=DEVICE)
+    w, ids = fusedops.moe_router(torch.zeros(1, 8, device=DEVICE), 8, correction_bias=bias,
+                                 backend=backend)
+    assert ids.tolist() == [[1, 2, 3, 4, 5, 6, 7, 0]] and torch.isfinite(w).all()
+    # groups (4 groups of 2, top 2 groups): NaN scores and NaN group scores (+inf + -inf) rank
+    # last, ties to the lower group; no expert of a group left out is taken
+    g_logits = torch.full((3, 8), nan)               # row 0: every score NaN
+    g_logits[1, 6], g_logits[1, 7] = 3.0, 2.0        # row 1: only group 3 is finite
+    g_logits[2] = torch.tensor([0.0, 0, 1, 1, 2, 2, 0, 0])
+    g_bias = torch.zeros(8)
+    g_bias[2], g_bias[3] = float("inf"), float("-inf")   # row 2: group 1 scores inf + -inf = NaN
+    w, ids = fusedops.moe_router(g_logits.to(DEVICE), 4, correction_bias=g_bias.to(DEVICE),
+                                 n_group=4, topk_group=2, backend=backend)
+    assert ids.tolist() == [[0, 1, 2, 3], [6, 7, 0, 1], [4, 5, 0, 1]]
+    for row in ids.tolist():
+        assert len(set(row)) == 4 and all(0 <= e < 8 for e in row)
+    expected_w, expected_ids = oracle.router(g_logits, 4, g_bias, 4, 2)
+    assert torch.equal(ids.cpu().long(), expected_ids)
+    assert torch.equal(torch.isnan(w.cpu()), torch.isnan(expected_w))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_check_inputs_names_the_argument_and_entry(backend, monkeypatch):
+    case, _ = _bad_ids_case()
+    args = {n: case[n] for n in EXPERT_NAMES}
+    message = r"topk_ids: expected entries in \[0, 6\) or -1 \(padding\), got topk_ids\[3, 1\] = 6"
+    with pytest.raises(ValidationError, match=message):
+        fusedops.relu2_moe_forward(**args, backend=backend, check_inputs=True)
+    out, saved = fusedops.relu2_moe_forward(**args, backend=backend, check_inputs=False)
+    with pytest.raises(ValidationError, match=message):
+        fusedops.relu2_moe_backward(**args, d_out=case["d_out"], saved=saved, backend=backend,
+                                    check_inputs=True)
+    logits = torch.zeros(10, 6, device=DEVICE)
+    with pytest.raises(ValidationError, match=message):
+        fusedops.moe_router_backward(logits, case["topk_ids"], torch.zeros(10, 3, device=DEVICE),
+                                     backend=backend, check_inputs=True)
+    with pytest.raises(ValidationError, match=message):
+        fusedops.ops.relu2_moe(**args, backend=backend, check_inputs=True)
+    monkeypatch.setenv("FUSEDOPS_CHECK_INPUTS", "1")
+    with pytest.raises(ValidationError, match=message):
+        fusedops.relu2_moe_forward(**args, backend=backend)
+    plan = ReLU2MoEForward(*args.values(), backend=backend)
+    with pytest.raises(ValidationError, match=message):
+        plan.check_index_values(topk_ids=case["topk_ids"])
+    padded, _ = _bad_ids_case(padding_only=True)
+    plan.check_index_values(topk_ids=padded["topk_ids"])             # -1 is padding: accepted
+    fusedops.relu2_moe_forward(**{n: padded[n] for n in EXPERT_NAMES}, backend=backend)
+
+
+def test_status_word_is_checked_sticky_and_compiled_out_when_absent():
+    case = experts_case(8, 16, 4, 24, 2)
+    args = [case[n] for n in EXPERT_NAMES]
+    for bad, match in ((torch.zeros(1, dtype=torch.int64), r"status: expected dtype int32"),
+                       (torch.zeros(2, dtype=torch.int32), r"status: expected shape \[1\] = \[1\]")):
+        with pytest.raises(ValidationError, match=match):
+            ReLU2MoEForward(*args, status=bad.to(DEVICE))
+        with pytest.raises(ValidationError, match=match):
+            MoERouterBackward(torch.zeros(8, 4, device=DEVICE), case["topk_ids"],
+                              case["topk_weights"], status=bad.to(DEVICE))
+    plan = ReLU2MoEForward(*args, backend="torch").compile()
+    out, saved = torch.empty_like(case["x"]), plan.allocate_saved()
+    with pytest.raises(ValidationError, match=r"status: this plan was built without status"):
+        plan.execute(*args, out, saved, status=_status())
+    # sticky: the word keeps the bits of earlier executes (and bits fusedops never sets)
+    status = _status().fill_(0x100)
+    plan = ReLU2MoEForward(*args, status=TensorDesc((1,), torch.int32, device=DEVICE),
+                           backend="torch").compile()
+    bad = case["topk_ids"].clone()
+    bad[2, 1] = 4
+    plan.execute(*args[:3], bad, args[4], out, saved, status=status)
+    plan.execute(*args, out, saved, status=status)
+    assert int(status.item()) == 0x100 | Status.EXPERT_ID
+
+
+@pytest.mark.parametrize("call", [
+    lambda c: fusedops.moe_router(c["logits"], "2"),
+    lambda c: fusedops.moe_router(c["logits"], 2, n_group=2.0),
+    lambda c: fusedops.moe_router(c["logits"], 2, norm_topk_prob=1),
+    lambda c: fusedops.moe_router(c["logits"], 2, routed_scaling_factor="2.5"),
+    lambda c: fusedops.moe_router(c["logits"], 2, backend=5),
+    lambda c: fusedops.moe_router(c["logits"], 2, current_stream="now"),
+    lambda c: fusedops.moe_router_backward(c["logits"], c["topk_ids"], c["topk_weights"],
+                                           norm_topk_prob=None),
+    lambda c: fusedops.moe_router_backward(c["logits"], c["topk_ids"], c["topk_weights"],
+                                           check_inputs="yes"),
+    lambda c: fusedops.relu2_moe_forward(*(c[n] for n in EXPERT_NAMES), is_inference=1),
+    lambda c: fusedops.relu2_moe_forward(*(c[n] for n in EXPERT_NAMES), check_inputs=1),
+    lambda c: fusedops.relu2_moe_backward(*(c[n] for n in EXPERT_NAMES), c["d_out"], c["saved"],
+                                          weight_grad_dtype="float32"),
+    lambda c: fusedops.relu2_moe_backward(*(c[n] for n in EXPERT_NAMES), c["d_out"], c["saved"],
+                                          backend=None),
+    lambda c: fusedops.ops.moe_router(c["logits"], 2.0),
+    lambda c: fusedops.ops.moe_router(c["logits"], True),
+    lambda c: fusedops.ops.moe_router(c["logits"], 2, n_group="1"),
+    lambda c: fusedops.ops.moe_router(c["logits"], 2, norm_topk_prob="yes"),
+    lambda c: fusedops.ops.moe_router(c["logits"], 2, routed_scaling_factor=object()),
+    lambda c: fusedops.ops.moe_router(c["logits"], 2, backend=3),
+    lambda c: fusedops.ops.relu2_moe(*(c[n] for n in EXPERT_NAMES), backend=["torch"]),
+    lambda c: fusedops.ops.relu2_moe(*(c[n] for n in EXPERT_NAMES), check_inputs="no"),
+], ids=lambda f: "")
+def test_wrong_typed_options_raise_validation_error(call):
+    case = experts_case(8, 16, 4, 24, 2)
+    case["logits"] = torch.zeros(8, 4, device=DEVICE)
+    case["saved"] = fusedops.relu2_moe_forward(*(case[n] for n in EXPERT_NAMES))[1]
+    with pytest.raises(ValidationError, match=r"^(top_k|n_group|norm_topk_prob|routed_scaling_factor|"
+                                              r"backend|current_stream|check_inputs|is_inference|"
+                                              r"weight_grad_dtype): expected"):
+        call(case)

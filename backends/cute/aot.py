@@ -41,3 +41,17 @@ def ptxas_usage(kernel: CuteKernel, arch: str) -> PtxasUsage:
     barriers = max(int(u[1] or 0) for u in used)
     shared = max(int(u[2] or 0) for u in used) + kernel.dynamic_shared_bytes
     return PtxasUsage(kernel.name, arch, registers, spills, stack, shared, barriers)
+
+
+def assemble(kernel: CuteKernel, arch: str) -> tuple[str, bytes]:
+    """(PTX, cubin) of ``kernel`` for ``arch``: the PTX cute.compile produces, assembled by
+    ptxas (the CUDA toolkit's, on PATH)."""
+    ptx = compile_ptx(kernel, arch)
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx_path = os.path.join(tmp, "kernel.ptx")
+        with open(ptx_path, "w") as f:
+            f.write(ptx)
+        subprocess.run(["ptxas", f"-arch={arch}", ptx_path, "-o", ptx_path + ".cubin"],
+                       capture_output=True, text=True, check=True)
+        with open(ptx_path + ".cubin", "rb") as f:
+            return ptx, f.read()

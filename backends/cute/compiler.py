@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
 
 from fusedops.core.cache import COMPILE_CACHE
+from fusedops.core.cost import Cost
 from fusedops.core.device import device_capability
 from fusedops.core.workspace import Region
 
@@ -66,7 +67,10 @@ class CuteKernel:
     """One compiled specialisation: the ``@cute.jit`` launcher, its runtime arguments (in order,
     before the trailing stream), its compile-time arguments (in order, after the stream) and
     ``grid(**arguments)``, the launch grid from the arguments by name (the function the launcher
-    itself calls); the kernel's parameters are the runtime arguments that are not launch_only."""
+    itself calls); the kernel's parameters are the runtime arguments that are not launch_only.
+    ``threads`` (per CTA), ``launch_grid`` and ``cost`` (FLOPs and HBM bytes at the plan's
+    sizes) describe a launch for the kernel report; the last two are not part of the
+    specialisation."""
 
     name: str
     launcher: Any
@@ -74,6 +78,9 @@ class CuteKernel:
     constexprs: tuple[tuple[str, Any], ...]
     grid: Callable[..., Any]
     dynamic_shared_bytes: int = 0
+    threads: int = 0                                  # threads per CTA (for occupancy)
+    launch_grid: tuple[int, int, int] | None = field(default=None, compare=False)
+    cost: Cost | None = field(default=None, compare=False)
 
     def runtime_arg_names(self) -> tuple[str, ...]:
         return tuple(a.name for a in self.args)

@@ -21,10 +21,13 @@ import cutlass.cute as cute
 import torch
 from cutlass import Float32, Int32, Int64
 
-from fusedops.core.dtypes import kernel_dtype_reason
-from fusedops.core.program import Program, Stage, workspace_piece
+from fusedops.core.cost import Cost
+from fusedops.core.dtypes import element_size, kernel_dtype_reason
+from fusedops.core.program import Program, Stage, Stride, workspace_piece
+from fusedops.core.target import target_arch
 from fusedops.core.workspace import Layout
-from fusedops.engram.contract import DOT_CLAMP, token_blocks
+from fusedops.engram.contract import (BACKWARD_FLOPS_PER_ELEMENT, DOT_CLAMP,
+                                      FORWARD_FLOPS_PER_ELEMENT, token_blocks)
 
 from . import compiler
 from .compiler import Arg, CuteKernel
@@ -36,7 +39,10 @@ VECTORS_PER_THREAD = 2      # 16-byte vectors per thread per row before the CTA 
 # output; beyond it x is re-read (from L2). Held: one DRAM pass, more registers (96-130 at
 # S=4, D=5120); re-read: 44-58 registers. Which is faster is for a GPU benchmark to say.
 MAX_HELD_VECTORS = 8
-TARGET_CTAS = 640           # backward: about five CTAs per SM on a 132-SM H100/H200
+# backward CTAs to aim for, per architecture: about five per SM
+TARGET_CTAS = {"sm_90": 640,     # 132 SMs (H100/H200)
+               "sm_100": 740,    # 148 SMs (B200)
+               "sm_80": 540}     # 108 SMs (A100): only the emulator runs the cute kernels there
 REDUCE_THREADS = 128        # grad_weight reduction: one 16-byte fp32 vector per thread
 
 __all__ = ["backward_program", "forward_program", "unsupported_reason"]
@@ -94,6 +100,21 @@ def backward_grid(S, BLOCKS, **_):
     return [S + 1, BLOCKS, 1]
 
 
+def row_layout(VEC, S, NV, N, stream_stride, token_stride):
+    """(element, stream, vector, token) of a [N, S, D] tensor whose rows start 16-byte aligned:
+    the strides come in units of VEC elements (runtime values, assumed multiples of VEC so the
+    16-byte copies stay vectorised)."""
+    return cute.make_layout((VEC, S, NV, N), stride=(1, cute.assume(stream_stride * VEC, divby=VEC),
+                                                     VEC, cute.assume(token_stride * VEC, divby=VEC)))
+
+
+def kv_layout(VEC, S, NV, N, D, token_stride):
+    """(element, key or value, vector, token) of a [N, (S+1)·D] tensor, its token stride in
+    units of VEC elements (as ``row_layout``)."""
+    return cute.make_layout((VEC, S + 1, NV, N),
+                            stride=(1, D, VEC, cute.assume(token_stride * VEC, divby=VEC)))
+
+
 def reduce_grid(SD, **_):
     """One CTA per REDUCE_THREADS 16-byte vectors of grad_weight."""
     return [(SD // 4 + REDUCE_THREADS - 1) // REDUCE_THREADS, 1, 1]
@@ -102,8 +123,8 @@ def reduce_grid(SD, **_):
 @cute.kernel
 def gate_fwd_kernel(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer,
                     pmask: cute.Pointer, pout: cute.Pointer, psaved: cute.Pointer,
-                    N: Int32, eps: Float32,
-                    DTYPE: cutlass.Constexpr, S: cutlass.Constexpr, D: cutlass.Constexpr,
+                    N: Int32, eps: Float32, sxn: Int32, sxs: Int32, skvn: Int32, son: Int32,
+                    sos: Int32, DTYPE: cutlass.Constexpr, S: cutlass.Constexpr, D: cutlass.Constexpr,
                     VEC: cutlass.Constexpr, THREADS: cutlass.Constexpr,
                     ITERS: cutlass.Constexpr, X_HELD: cutlass.Constexpr,
                     HAS_MASK: cutlass.Constexpr, SQRT_D: cutlass.Constexpr,
@@ -113,11 +134,9 @@ def gate_fwd_kernel(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer,
     n = Int64(token)  # a 64-bit token coordinate keeps n * (S+1) * D exact past 2^31
     NV = D // VEC
     NWARPS = THREADS // 32
-    rows = cute.make_layout((VEC, S, NV, N), stride=(1, D, VEC, S * D))
-    gX = cute.make_tensor(px, rows)[None, None, None, n]
-    gO = cute.make_tensor(pout, rows)[None, None, None, n]
-    gKV = cute.make_tensor(pkv, cute.make_layout((VEC, S + 1, NV, N),
-                                                 stride=(1, D, VEC, (S + 1) * D)))[None, None, None, n]
+    gX = cute.make_tensor(px, row_layout(VEC, S, NV, N, sxs, sxn))[None, None, None, n]
+    gO = cute.make_tensor(pout, row_layout(VEC, S, NV, N, sos, son))[None, None, None, n]
+    gKV = cute.make_tensor(pkv, kv_layout(VEC, S, NV, N, D, skvn))[None, None, None, n]
     gW = cute.make_tensor(pw, cute.make_layout((VEC, S, NV), stride=(1, D, VEC)))
     gSaved = cute.make_tensor(psaved, cute.make_layout((4, S, N), stride=(1, 4, 4 * S)))
     atom, atom_w = copy_atom(DTYPE), copy_atom(Float32)
@@ -179,12 +198,13 @@ def gate_fwd_kernel(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer,
 
 @cute.jit
 def gate_fwd(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer, pmask: cute.Pointer,
-             pout: cute.Pointer, psaved: cute.Pointer, N: Int32, eps: Float32,
-             stream: cuda.CUstream, DTYPE: cutlass.Constexpr, S: cutlass.Constexpr,
+             pout: cute.Pointer, psaved: cute.Pointer, N: Int32, eps: Float32, sxn: Int32,
+             sxs: Int32, skvn: Int32, son: Int32, sos: Int32, stream: cuda.CUstream, DTYPE: cutlass.Constexpr, S: cutlass.Constexpr,
              D: cutlass.Constexpr, VEC: cutlass.Constexpr, THREADS: cutlass.Constexpr,
              ITERS: cutlass.Constexpr, X_HELD: cutlass.Constexpr, HAS_MASK: cutlass.Constexpr,
              SQRT_D: cutlass.Constexpr, DOT_MIN: cutlass.Constexpr):
-    gate_fwd_kernel(px, pkv, pw, pmask, pout, psaved, N, eps, DTYPE, S, D, VEC, THREADS,
+    gate_fwd_kernel(px, pkv, pw, pmask, pout, psaved, N, eps, sxn, sxs, skvn, son, sos, DTYPE, S,
+                    D, VEC, THREADS,
                     ITERS, X_HELD, HAS_MASK, SQRT_D, DOT_MIN).launch(
         grid=forward_grid(N=N), block=[THREADS, 1, 1], stream=stream)
 
@@ -193,7 +213,8 @@ def gate_fwd(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer, pmask: cute.
 def gate_bwd_kernel(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer,
                     psaved: cute.Pointer, pg: cute.Pointer, pgx: cute.Pointer,
                     pgkv: cute.Pointer, ppartial: cute.Pointer, N: Int32,
-                    TOKENS_PER_BLOCK: Int32,
+                    TOKENS_PER_BLOCK: Int32, sxn: Int32, sxs: Int32, skvn: Int32, sgn: Int32,
+                    sgs: Int32, sgxn: Int32, sgxs: Int32, sgkvn: Int32,
                     DTYPE: cutlass.Constexpr, S: cutlass.Constexpr, D: cutlass.Constexpr,
                     VEC: cutlass.Constexpr, THREADS: cutlass.Constexpr,
                     ITERS: cutlass.Constexpr, SQRT_D: cutlass.Constexpr,
@@ -202,13 +223,11 @@ def gate_bwd_kernel(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer,
     stream_id, block, _ = cute.arch.block_idx()
     NV = D // VEC
     NWARPS = THREADS // 32
-    rows = cute.make_layout((VEC, S, NV, N), stride=(1, D, VEC, S * D))
-    kv_rows = cute.make_layout((VEC, S + 1, NV, N), stride=(1, D, VEC, (S + 1) * D))
-    gX = cute.make_tensor(px, rows)
-    gG = cute.make_tensor(pg, rows)
-    gGX = cute.make_tensor(pgx, rows)
-    gKV = cute.make_tensor(pkv, kv_rows)
-    gGKV = cute.make_tensor(pgkv, kv_rows)
+    gX = cute.make_tensor(px, row_layout(VEC, S, NV, N, sxs, sxn))
+    gG = cute.make_tensor(pg, row_layout(VEC, S, NV, N, sgs, sgn))
+    gGX = cute.make_tensor(pgx, row_layout(VEC, S, NV, N, sgxs, sgxn))
+    gKV = cute.make_tensor(pkv, kv_layout(VEC, S, NV, N, D, skvn))
+    gGKV = cute.make_tensor(pgkv, kv_layout(VEC, S, NV, N, D, sgkvn))
     gW = cute.make_tensor(pw, cute.make_layout((VEC, S, NV), stride=(1, D, VEC)))
     gSaved = cute.make_tensor(psaved, cute.make_layout((4, S, N), stride=(1, 4, 4 * S)))
     atom, atom_w = copy_atom(DTYPE), copy_atom(Float32)
@@ -303,12 +322,14 @@ def gate_bwd_kernel(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer,
 @cute.jit
 def gate_bwd(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer, psaved: cute.Pointer,
              pg: cute.Pointer, pgx: cute.Pointer, pgkv: cute.Pointer, ppartial: cute.Pointer,
-             N: Int32, TOKENS_PER_BLOCK: Int32, BLOCKS: Int32, stream: cuda.CUstream,
+             N: Int32, TOKENS_PER_BLOCK: Int32, BLOCKS: Int32, sxn: Int32, sxs: Int32,
+             skvn: Int32, sgn: Int32, sgs: Int32, sgxn: Int32, sgxs: Int32, sgkvn: Int32,
+             stream: cuda.CUstream,
              DTYPE: cutlass.Constexpr, S: cutlass.Constexpr, D: cutlass.Constexpr,
              VEC: cutlass.Constexpr, THREADS: cutlass.Constexpr, ITERS: cutlass.Constexpr,
              SQRT_D: cutlass.Constexpr, DOT_MIN: cutlass.Constexpr):
-    gate_bwd_kernel(px, pkv, pw, psaved, pg, pgx, pgkv, ppartial, N, TOKENS_PER_BLOCK,
-                    DTYPE, S, D, VEC, THREADS, ITERS, SQRT_D, DOT_MIN).launch(
+    gate_bwd_kernel(px, pkv, pw, psaved, pg, pgx, pgkv, ppartial, N, TOKENS_PER_BLOCK, sxn, sxs,
+                    skvn, sgn, sgs, sgxn, sgxs, sgkvn, DTYPE, S, D, VEC, THREADS, ITERS, SQRT_D, DOT_MIN).launch(
         grid=backward_grid(S=S, BLOCKS=BLOCKS), block=[THREADS, 1, 1], stream=stream)
 
 
@@ -354,12 +375,17 @@ def forward_kernel(problem) -> CuteKernel:
     dt = problem.dtype
     args = (Arg("x", dt), Arg("kv", dt), Arg("weight", torch.float32), Arg("mask", torch.bool, 1),
             Arg("out", dt), Arg("saved", torch.float32), Arg("N", scalar="i32"),
-            Arg("eps", scalar="f32"))
+            Arg("eps", scalar="f32"), *(Arg(name, scalar="i32") for name in FORWARD_STRIDES))
     _, threads, iters = row_geometry(problem.hidden, problem.dtype)
     held = problem.streams * iters <= MAX_HELD_VECTORS
+    n, s, d, e = problem.tokens, problem.streams, problem.hidden, element_size(problem.dtype)
+    # x, the keys and v once (x twice when not held), the mask; the weight once (L2)
+    read = n * ((1 if held else 2) * s + s + 1) * d * e + s * d * 4 + (n if problem.has_mask else 0)
+    cost = Cost(FORWARD_FLOPS_PER_ELEMENT * n * s * d, read, n * s * d * e + n * s * 16)
     return CuteKernel("engram_gate_fwd", gate_fwd, args,
                       _constexprs(problem, ("X_HELD", held), ("HAS_MASK", problem.has_mask)),
-                      forward_grid, dynamic_shared_bytes=4 * 3 * problem.streams * (threads // 32))
+                      forward_grid, dynamic_shared_bytes=4 * 3 * problem.streams * (threads // 32),
+                      threads=threads, launch_grid=tuple(forward_grid(N=problem.tokens)), cost=cost)
 
 
 def backward_kernel(problem) -> CuteKernel:
@@ -367,23 +393,48 @@ def backward_kernel(problem) -> CuteKernel:
     args = (Arg("x", dt), Arg("kv", dt), Arg("weight", torch.float32), Arg("saved", torch.float32),
             Arg("grad_out", dt), Arg("grad_x", dt), Arg("grad_kv", dt),
             Arg("partials", torch.float32), Arg("N", scalar="i32"),
-            Arg("TOKENS_PER_BLOCK", scalar="i32"), Arg("BLOCKS", scalar="i32", launch_only=True))
+            Arg("TOKENS_PER_BLOCK", scalar="i32"), Arg("BLOCKS", scalar="i32", launch_only=True),
+            *(Arg(name, scalar="i32") for name in BACKWARD_STRIDES))
     _, threads, _ = row_geometry(problem.hidden, problem.dtype)
+    n, s, d, e = problem.tokens, problem.streams, problem.hidden, element_size(problem.dtype)
+    blocks = backward_blocks(problem)[1]
+    # stream CTAs per token: g, v, x, k and saved; the grad_v CTA: the S g rows and gates again
+    read = n * s * (4 * d * e + 16) + n * s * (d * e + 4) + s * d * 4
+    written = n * (2 * s + 1) * d * e + blocks * s * d * 4
     return CuteKernel("engram_gate_bwd", gate_bwd, args, _constexprs(problem), backward_grid,
-                      dynamic_shared_bytes=4 * 2 * (threads // 32))
+                      dynamic_shared_bytes=4 * 2 * (threads // 32), threads=threads,
+                      launch_grid=tuple(backward_grid(S=s, BLOCKS=blocks)),
+                      cost=Cost(BACKWARD_FLOPS_PER_ELEMENT * n * s * d, read, written))
 
 
 def reduce_kernel(problem) -> CuteKernel:
     args = (Arg("partials", torch.float32), Arg("grad_weight", torch.float32),
             Arg("NUM_PARTIALS", scalar="i32"))
+    sd, blocks = problem.streams * problem.hidden, backward_blocks(problem)[1]
     return CuteKernel("engram_gate_grad_weight_reduce", grad_weight_reduce, args,
-                      (("SD", problem.streams * problem.hidden), ("ACCUMULATE", problem.accumulate)),
-                      reduce_grid)
+                      (("SD", sd), ("ACCUMULATE", problem.accumulate)), reduce_grid,
+                      threads=REDUCE_THREADS, launch_grid=tuple(reduce_grid(SD=sd)),
+                      cost=Cost(blocks * sd, (blocks + problem.accumulate) * sd * 4, sd * 4))
 
 
 def backward_blocks(problem) -> tuple[int, int]:
-    """(tokens per block, blocks): one CTA per (stream or grad_v, block), about TARGET_CTAS."""
-    return token_blocks(problem.tokens, max(1, TARGET_CTAS // (problem.streams + 1)))
+    """(tokens per block, blocks): one CTA per (stream or grad_v, block), about TARGET_CTAS of
+    the plan's architecture."""
+    target = TARGET_CTAS[target_arch(problem.device)]
+    return token_blocks(problem.tokens, max(1, target // (problem.streams + 1)))
+
+
+# the row strides each kernel reads from the tensors execute() is handed (in 16-byte units)
+FORWARD_STRIDES = {"sxn": ("x", 0), "sxs": ("x", 1), "skvn": ("kv", 0), "son": ("out", 0),
+                   "sos": ("out", 1)}
+BACKWARD_STRIDES = {"sxn": ("x", 0), "sxs": ("x", 1), "skvn": ("kv", 0), "sgn": ("grad_out", 0),
+                    "sgs": ("grad_out", 1), "sgxn": ("grad_x", 0), "sgxs": ("grad_x", 1),
+                    "sgkvn": ("grad_kv", 0)}
+
+
+def _strides(problem, table) -> dict:
+    vec = 16 // element_size(problem.dtype)
+    return {arg: Stride(tensor, dim, vec) for arg, (tensor, dim) in table.items()}
 
 
 # -- the backend surface -----------------------------------------------------------------------
@@ -400,7 +451,8 @@ def backward_workspace(problem) -> Layout:
 def forward_program(problem) -> Program:
     mask = "mask" if problem.has_mask else None     # absent: a null pointer, never read
     return Program(stages=(Stage(forward_kernel(problem),
-                                 dict(mask=mask, N=problem.tokens, eps=problem.eps)),))
+                                 dict(mask=mask, N=problem.tokens, eps=problem.eps,
+                                      **_strides(problem, FORWARD_STRIDES))),))
 
 
 def backward_program(problem) -> Program:
@@ -408,6 +460,7 @@ def backward_program(problem) -> Program:
     partials = workspace_piece("partials")
     return Program(workspace=backward_workspace(problem), stages=(
         Stage(backward_kernel(problem), dict(partials=partials, N=problem.tokens,
-                                             TOKENS_PER_BLOCK=per_block, BLOCKS=blocks)),
+                                             TOKENS_PER_BLOCK=per_block, BLOCKS=blocks,
+                                             **_strides(problem, BACKWARD_STRIDES))),
         Stage(reduce_kernel(problem), dict(partials=partials, NUM_PARTIALS=blocks)),
     ))

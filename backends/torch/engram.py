@@ -20,7 +20,7 @@ def gate_forward(x, kv, weight, mask, eps: float, compute_dtype=torch.float32):
     in ``compute_dtype``. All arithmetic in ``compute_dtype``; out is rounded once."""
     n, s, d = x.shape
     xf = x.to(compute_dtype)
-    kvf = kv.to(compute_dtype).view(n, s + 1, d)
+    kvf = kv.to(compute_dtype).unflatten(1, (s + 1, d))
     k, v = kvf[:, :s], kvf[:, s]
     w = weight.to(compute_dtype)
     rx = 1.0 / torch.sqrt(xf.square().mean(-1) + eps)
@@ -40,7 +40,7 @@ def gate_backward(x, kv, weight, saved, grad_out, compute_dtype=torch.float32):
     once), grad_weight [S, D] in ``compute_dtype``. ``saved`` comes from the matching forward."""
     n, s, d = x.shape
     xf = x.to(compute_dtype)
-    kvf = kv.to(compute_dtype).view(n, s + 1, d)
+    kvf = kv.to(compute_dtype).unflatten(1, (s + 1, d))
     k, v = kvf[:, :s], kvf[:, s]
     w = weight.to(compute_dtype)
     g = grad_out.to(compute_dtype)

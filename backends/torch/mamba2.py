@@ -26,13 +26,14 @@ import torch
 import torch.nn.functional as F
 
 from fusedops.core.dtypes import accumulator_dtype
+from fusedops.core.status import Status
 from fusedops.mamba2.contract import DEFAULT_DT_LIMIT, SOFTPLUS_THRESHOLD, max_segments
 
 from ._autograd import autograd_recording
-from .common import direct_program, unsupported_reason
+from .common import direct_program, report, unsupported_reason
 
 __all__ = ["backward_program", "chunk_scan_backward", "chunk_scan_forward", "forward_program",
-           "segments", "transform_dt", "unsupported_reason"]
+           "sanitise_cu_seqlens", "segments", "transform_dt", "unsupported_reason"]
 
 
 def transform_dt(dt, dt_bias, dt_softplus: bool, dt_limit, compute_dtype=torch.float32):
@@ -45,11 +46,22 @@ def transform_dt(dt, dt_bias, dt_softplus: bool, dt_limit, compute_dtype=torch.f
     return torch.clamp(u, min=dt_limit[0], max=dt_limit[1])
 
 
+def sanitise_cu_seqlens(cu_seqlens: torch.Tensor, total: int):
+    """(c', bad): the sanitised offsets c'[i] = clamp(c[i], c'[i-1], total) with c'[0] =
+    clamp(c[0], 0, total) (the running maximum of max(c, 0), capped at ``total``), int64, and
+    whether c was invalid (c[0] != 0 or c' != c; a 0-d bool tensor, no host read)."""
+    cu = cu_seqlens.to(torch.int64)
+    clean = torch.cummax(cu.clamp(min=0), dim=0).values.clamp(max=total)
+    bad = (cu[0] != 0) | (clean != cu).any()
+    return clean, bad
+
+
 def segments(batch: int, length: int, chunk: int, cu_seqlens: torch.Tensor | None,
              device: torch.device):
     """(seg_start, seg_end, seg_offsets): token ranges [start, end) of every segment in the
     flattened [batch·length] token index (unused trailing segments are empty, start == end == 0),
-    and the first segment of each sequence (seg_offsets[s] .. seg_offsets[s+1])."""
+    and the first segment of each sequence (seg_offsets[s] .. seg_offsets[s+1]). ``cu_seqlens``
+    must be sanitised (``sanitise_cu_seqlens``)."""
     if cu_seqlens is None:
         per_row = math.ceil(length / chunk)
         k = torch.arange(batch * per_row, device=device)
@@ -74,12 +86,14 @@ def segments(batch: int, length: int, chunk: int, cu_seqlens: torch.Tensor | Non
 
 def chunk_scan_forward(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=None,
                        dt_softplus=False, dt_limit=DEFAULT_DT_LIMIT, initial_states=None,
-                       cu_seqlens=None, compute_dtype=torch.float32):
+                       cu_seqlens=None, compute_dtype=torch.float32, status=None):
     """Returns ``(y, final_states, y_pre_gate, segment_start_states)``.
 
     y [b, l, h, p] in x's dtype (z-gated when z is given, rounded once); final_states
     [nseq, h, p, n] in compute_dtype (nseq = b, or len(cu_seqlens) - 1); y_pre_gate the fp32 y
-    before the z gate; segment_start_states [segments, h, p, n] (H0 of every segment)."""
+    before the z gate; segment_start_states [segments, h, p, n] (H0 of every segment).
+    cu_seqlens may hold anything: it is sanitised (``sanitise_cu_seqlens``; Status.CU_SEQLENS
+    ORed into ``status`` when it was invalid), and tokens no sequence covers get y = 0."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     r = h // g
@@ -88,6 +102,12 @@ def chunk_scan_forward(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=
     dev = x.device
     T = b * l
     nseq = b if cu_seqlens is None else cu_seqlens.numel() - 1
+    covered = None
+    if cu_seqlens is not None:
+        cu_seqlens, bad = sanitise_cu_seqlens(cu_seqlens.to(dev), T)
+        report(status, Status.CU_SEQLENS, bad)
+        token = torch.arange(T, device=dev)
+        covered = ((token >= cu_seqlens[0]) & (token < cu_seqlens[-1])).view(b, l, 1, 1)
     start, end, offsets = segments(b, l, Q, cu_seqlens, dev)
     S = start.numel()
 
@@ -143,12 +163,16 @@ def chunk_scan_forward(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=
         out = out + (D.to(cd)[:, None] if D.dim() == 1 else D.to(cd)) * xf
     y_pre = out.reshape(b, l, h, p)
     y_out = y_pre * F.silu(z.to(cd)) if z is not None else y_pre
+    if covered is not None:    # tokens no sequence covers: y = 0, and no gradient flows back
+        zero = torch.zeros((), dtype=cd, device=dev)
+        y_pre, y_out = torch.where(covered, y_pre, zero), torch.where(covered, y_out, zero)
     return y_out.to(x.dtype), state, y_pre, H0
 
 
 def chunk_scan_backward(x, dt, A, B, C, dy, chunk_size, D=None, z=None, dt_bias=None,
                         dt_softplus=False, dt_limit=DEFAULT_DT_LIMIT, initial_states=None,
-                        cu_seqlens=None, dfinal_states=None, compute_dtype=torch.float32):
+                        cu_seqlens=None, dfinal_states=None, compute_dtype=torch.float32,
+                        status=None):
     """Gradients by autograd through ``chunk_scan_forward`` in ``compute_dtype``. Returns a dict
     with dx, ddt, dA, dB, dC and, for the optional inputs given, dD, dz, ddt_bias,
     dinitial_states (all in compute_dtype)."""
@@ -161,7 +185,8 @@ def chunk_scan_backward(x, dt, A, B, C, dy, chunk_size, D=None, z=None, dt_bias=
             leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], chunk_size,
             D=leaves.get("D"), z=leaves.get("z"), dt_bias=leaves.get("dt_bias"),
             dt_softplus=dt_softplus, dt_limit=dt_limit,
-            initial_states=leaves.get("initial_states"), cu_seqlens=cu_seqlens, compute_dtype=cd)
+            initial_states=leaves.get("initial_states"), cu_seqlens=cu_seqlens, compute_dtype=cd,
+            status=status)
         outputs, grads = [y], [dy.to(cd)]
         if dfinal_states is not None:
             outputs.append(final)
@@ -178,7 +203,7 @@ def _options(problem, b) -> dict:
     return dict(D=b.get("D"), z=b.get("z"), dt_bias=b.get("dt_bias"),
                 dt_softplus=problem.dt_softplus, dt_limit=problem.dt_limit,
                 initial_states=b.get("initial_states"), cu_seqlens=b.get("cu_seqlens"),
-                compute_dtype=accumulator_dtype(problem.dtype))
+                compute_dtype=accumulator_dtype(problem.dtype), status=b.get("status"))
 
 
 def forward_program(problem):

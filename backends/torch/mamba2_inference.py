@@ -13,8 +13,10 @@ fraction (unbiased, always within one ulp), the uniform number coming from Philo
 by the row's seed and countered by (element index, offset + t). The same (seed, offset) therefore
 reproduces every rounding decision: a replay from a checkpoint, a rollback to snapshot k and a
 run of the first k tokens all agree bit for bit. Snapshot t is store(S) after token t (snapshot
-0 is the stored initial state). Rows whose slot is negative (padding) or past the cache are
-skipped: their slots and outputs are not touched.
+0 is the stored initial state). Rows whose slot is negative (padding) or past the cache
+(Status.SLOT_INDEX) are skipped: no slot is touched, their y rows and snapshots are 0. Indices are
+never used to index before they are validated (no negative-index wraparound, no IndexError,
+no host read).
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from fusedops.core.status import Status
 from fusedops.mamba2_inference.contract import DEFAULT_DT_LIMIT
 
-from .common import direct_program, unsupported_reason
+from .common import direct_program, report, unsupported_reason
 from .mamba2 import transform_dt
 
 __all__ = ["philox_uniform", "rollback", "rollback_program", "state_update", "store",
@@ -91,14 +94,17 @@ def element_index(h: int, p: int, n: int, device) -> torch.Tensor:
 
 def state_update(state, x, dt, A, B, C, y, *, D=None, z=None, dt_bias=None, dt_softplus=False,
                  dt_limit=DEFAULT_DT_LIMIT, state_batch_indices=None, stochastic=False,
-                 checkpoint_period=1, rng_seed=None, rng_offset=None, snapshots=None):
-    """T tokens for every row, in place on ``state`` [slots, h, p, n] (and ``y``, ``snapshots``)."""
+                 checkpoint_period=1, rng_seed=None, rng_offset=None, snapshots=None, status=None):
+    """T tokens for every row, in place on ``state`` [slots, h, p, n] (and ``y``, ``snapshots``).
+    Rows with a negative slot or one past the cache are skipped (y and snapshots 0; SLOT_INDEX
+    ORed into ``status`` for a slot past the cache)."""
     b, T, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     slots, dev, sdt = state.shape[0], x.device, state.dtype
     rows = torch.arange(b, device=dev)
     slot = rows if state_batch_indices is None else state_batch_indices.to(torch.int64)
     valid = (slot >= 0) & (slot < slots)
+    report(status, Status.SLOT_INDEX, slot >= slots)
     slot = torch.where(valid, slot, torch.zeros_like(slot))
     S = state[slot].to(torch.float32)                                    # [b, h, p, n]
     elements = element_index(h, p, n, dev)
@@ -136,9 +142,11 @@ def state_update(state, x, dt, A, B, C, y, *, D=None, z=None, dt_bias=None, dt_s
         if snapshots is not None:
             snap.append(written)
     keep = valid[:, None, None, None]
-    y.copy_(torch.where(keep, torch.stack(outs, 1).to(y.dtype), y))
+    y.copy_(torch.where(keep, torch.stack(outs, 1).to(y.dtype), torch.zeros((), dtype=y.dtype,
+                                                                            device=dev)))
     if snapshots is not None:
-        snapshots.copy_(torch.where(keep[:, None], torch.stack(snap, 1), snapshots))
+        snapshots.copy_(torch.where(keep[:, None], torch.stack(snap, 1),
+                                    torch.zeros((), dtype=sdt, device=dev)))
     _scatter_rows(state, slot, valid, S.to(sdt))
 
 
@@ -153,13 +161,17 @@ def _scatter_rows(state, slot, valid, rows):
     state.copy_(torch.where((owner >= 0)[:, None, None, None], picked, state))
 
 
-def rollback(state, snapshots, accepted, state_batch_indices=None):
-    """state[slot_i] = snapshots[i, accepted[i]] (the state after the accepted prefix)."""
+def rollback(state, snapshots, accepted, state_batch_indices=None, status=None):
+    """state[slot_i] = snapshots[i, accepted[i]] (the state after the accepted prefix) for the
+    rows with a valid slot and accepted in [0, T]; ACCEPTED_COUNT (any row) and SLOT_INDEX (a
+    slot past the cache) ORed into ``status``."""
     b, T1 = snapshots.shape[:2]
     dev = state.device
     slot = (torch.arange(b, device=dev) if state_batch_indices is None
             else state_batch_indices.to(torch.int64))
     acc = accepted.to(torch.int64)
+    report(status, Status.ACCEPTED_COUNT, (acc < 0) | (acc >= T1))
+    report(status, Status.SLOT_INDEX, slot >= state.shape[0])
     valid = (slot >= 0) & (slot < state.shape[0]) & (acc >= 0) & (acc < T1)
     slot = torch.where(valid, slot, torch.zeros_like(slot))
     chosen = snapshots[torch.arange(b, device=dev), acc.clamp(0, T1 - 1)]
@@ -175,12 +187,13 @@ def update_program(problem):
                      dt_limit=problem.dt_limit, state_batch_indices=b.get("state_batch_indices"),
                      stochastic=problem.stochastic, checkpoint_period=problem.checkpoint_period,
                      rng_seed=b.get("rng_seed"), rng_offset=b.get("rng_offset"),
-                     snapshots=b.get("snapshots"))
+                     snapshots=b.get("snapshots"), status=b.get("status"))
     return direct_program(run)
 
 
 def rollback_program(problem):
     """state[slot_i] = snapshots[i, accepted[i]] for the valid rows."""
     def run(b):
-        rollback(b["state"], b["snapshots"], b["accepted"], b.get("state_batch_indices"))
+        rollback(b["state"], b["snapshots"], b["accepted"], b.get("state_batch_indices"),
+                 b.get("status"))
     return direct_program(run)

@@ -1,8 +1,13 @@
 """The routed ReLU2 experts in plain torch (fusedops.moe.contract): a loop over the experts that
-hold tokens, with the operator's rounding points (u and a in x's dtype, y and the sums in the
-compute dtype, outputs rounded once). Per-assignment buffers summed over j in order keep it
-deterministic on every device. The backward recomputes u: this backend saves nothing. It loops
-over the experts on the host (a device read): a reference, not a graph-capturable path.
+hold assignments, each on the rows routed to it, with the operator's rounding points (u and a in
+x's dtype, y and the sums in the compute dtype, outputs rounded once). Per-assignment buffers
+summed over j in order keep it deterministic on every device. The backward recomputes u: this
+backend saves nothing.
+
+The dispatch is a stable sort of the assignments by expert; the per-expert counts are read on
+the host to split it (free on the CPU; a synchronisation on CUDA, so the torch backend is not
+CUDA-graph capturable: the Triton backend is). An id outside [0, E) drops the assignment (it is
+sorted past every expert and never read); one other than -1 sets Status.EXPERT_ID.
 """
 
 from __future__ import annotations
@@ -10,83 +15,102 @@ from __future__ import annotations
 import torch
 
 from fusedops.core.dtypes import accumulator_dtype
+from fusedops.core.status import Status
 
-from .common import direct_program, unsupported_reason
+from .common import direct_program, report, unsupported_reason
 
 __all__ = ["backward_program", "experts_backward", "experts_forward", "forward_program",
            "unsupported_reason"]
 
 
-def _assignments(ids: torch.Tensor, experts: int):
-    """[(e, token index, slot index)] for the experts that hold assignments, in expert order;
-    the order within an expert is the flat assignment order t·k + j."""
-    flat = ids.reshape(-1).long()
-    k = ids.shape[1]
-    valid = (flat >= 0) & (flat < experts)
-    order = torch.argsort(torch.where(valid, flat, torch.full_like(flat, experts)), stable=True)
-    counts = torch.bincount(flat[valid], minlength=experts).tolist()
-    groups, start = [], 0
-    for e, n in enumerate(counts):
-        if n:
-            a = order[start:start + n]
-            groups.append((e, a // k, a % k))
-        start += n
-    return groups
+def _routing(ids: torch.Tensor, weights: torch.Tensor, experts: int, cd, status):
+    """(ids int64 [t, k] with every dropped id -1, weights in cd with 0 where dropped); reports
+    the ids outside [0, E) other than -1."""
+    ids = ids.long()
+    valid = (ids >= 0) & (ids < experts)
+    report(status, Status.EXPERT_ID, ~valid & (ids != -1))
+    return (torch.where(valid, ids, torch.full_like(ids, -1)),
+            torch.where(valid, weights.to(cd), torch.zeros((), dtype=cd, device=ids.device)))
+
+
+def _dispatch(ids: torch.Tensor, experts: int):
+    """[(expert, assignment indices into the flattened [t·k] ids)] for every expert that holds
+    assignments, in expert order; the rows of one expert in assignment order (a stable sort)."""
+    flat = ids.reshape(-1)
+    key = torch.where(flat < 0, torch.full_like(flat, experts), flat)
+    order = torch.argsort(key, stable=True)
+    counts = torch.bincount(key, minlength=experts + 1)[:experts].tolist()   # the host read
+    out, start = [], 0
+    for e, count in enumerate(counts):
+        if count:
+            out.append((e, order[start:start + count]))
+        start += count
+    return out
+
+
+def _up(x_rows, w_up, cd):
+    """(u, a) of one expert on its rows, rounded to x's dtype."""
+    u = (x_rows.to(cd) @ w_up.to(cd).T).to(x_rows.dtype)
+    return u, torch.relu(u.to(cd)).square().to(x_rows.dtype)
 
 
 def _expert_forward(x_rows, w_up, w_down, cd):
     """(u, a, y) of one expert on its rows: u, a rounded to x's dtype, y in cd."""
-    u = (x_rows.to(cd) @ w_up.to(cd).T).to(x_rows.dtype)
-    a = torch.relu(u.to(cd)).square().to(x_rows.dtype)
+    u, a = _up(x_rows, w_up, cd)
     return u, a, a.to(cd) @ w_down.to(cd).T
 
 
-def experts_forward(x, w_up, w_down, topk_ids, topk_weights, shared_w_up=None, shared_w_down=None):
+def experts_forward(x, w_up, w_down, topk_ids, topk_weights, shared_w_up=None, shared_w_down=None,
+                    status=None):
     """out [t, H] in x's dtype: sum_j w_tj · W_down[e] relu(W_up[e] x_t)² (+ the shared expert),
     summed in the compute dtype and rounded once."""
     cd = accumulator_dtype(x.dtype)
     t, H = x.shape
     k = topk_ids.shape[1]
-    per_slot = torch.zeros(t, k, H, dtype=cd, device=x.device)
-    for e, tok, slot in _assignments(topk_ids, w_up.shape[0]):
-        _, _, y = _expert_forward(x[tok], w_up[e], w_down[e], cd)
-        per_slot[tok, slot] = y * topk_weights[tok, slot].to(cd)[:, None]
-    out = per_slot.sum(1)
+    ids, weights = _routing(topk_ids, topk_weights, w_up.shape[0], cd, status)
+    per_slot = torch.zeros(t * k, H, dtype=cd, device=x.device)
+    flat_weights = weights.reshape(-1)
+    for e, rows in _dispatch(ids, w_up.shape[0]):
+        _, _, y = _expert_forward(x[rows // k], w_up[e], w_down[e], cd)
+        per_slot.index_copy_(0, rows, y * flat_weights[rows, None])
+    out = per_slot.view(t, k, H).sum(1)
     if shared_w_up is not None:
         out = out + _expert_forward(x, shared_w_up, shared_w_down, cd)[2]
     return out.to(x.dtype)
 
 
-def _expert_backward(x_rows, d_out_rows, scale, w_up, w_down, cd):
-    """One expert's backward on its rows: (d_weight, dx rows, d_w_up, d_w_down) in cd, with
-    d_y = scale · d_out rounded to x's dtype as the weight-gradient operand."""
-    u, a, _ = _expert_forward(x_rows, w_up, w_down, cd)
-    g = d_out_rows.to(cd) @ w_down.to(cd)                       # W_downᵀ d_out
-    d_weight = (g * a.to(cd)).sum(-1)                           # <d_out, W_down a>
-    relu_u = torch.relu(u.to(cd))
-    d_u = (scale[:, None] * g * 2 * relu_u).to(x_rows.dtype)
-    d_y = (scale[:, None] * d_out_rows.to(cd)).to(x_rows.dtype)
-    dx_rows = d_u.to(cd) @ w_up.to(cd)
-    return d_weight, dx_rows, d_u.to(cd).T @ x_rows.to(cd), d_y.to(cd).T @ a.to(cd)
+def _expert_backward(x_rows, d_rows, weights, w_up, w_down, cd):
+    """One expert's backward on its rows (x and d_out of the tokens routed to it, their routing
+    weights): (<d_out, W_down a> per row, dx rows, d_w_up, d_w_down) in cd, with
+    d_u = w · (W_downᵀ d_out) · 2relu(u) and d_y = w · d_out rounded to x's dtype per row."""
+    u, a = _up(x_rows, w_up, cd)
+    g = d_rows.to(cd) @ w_down.to(cd)                           # W_downᵀ d_out
+    d_weight = (g * a.to(cd)).sum(-1)
+    d_u = (weights[:, None] * g * 2 * torch.relu(u.to(cd))).to(x_rows.dtype).to(cd)
+    d_y = (weights[:, None] * d_rows.to(cd)).to(x_rows.dtype).to(cd)
+    return d_weight, d_u @ w_up.to(cd), d_u.T @ x_rows.to(cd), d_y.T @ a.to(cd)
 
 
 def experts_backward(x, w_up, w_down, topk_ids, topk_weights, d_out, shared_w_up=None,
-                     shared_w_down=None):
+                     shared_w_down=None, status=None):
     """dict of d_x (x's dtype), d_topk_weights and the weight gradients (compute dtype)."""
     cd = accumulator_dtype(x.dtype)
     t, H = x.shape
     k = topk_ids.shape[1]
-    per_slot = torch.zeros(t, k, H, dtype=cd, device=x.device)
-    d_weights = torch.zeros(t, k, dtype=cd, device=x.device)
+    ids, weights = _routing(topk_ids, topk_weights, w_up.shape[0], cd, status)
+    per_slot = torch.zeros(t * k, H, dtype=cd, device=x.device)
+    d_weights = torch.zeros(t * k, dtype=cd, device=x.device)
     d_w_up = torch.zeros(w_up.shape, dtype=cd, device=x.device)
     d_w_down = torch.zeros(w_down.shape, dtype=cd, device=x.device)
-    for e, tok, slot in _assignments(topk_ids, w_up.shape[0]):
-        dw, dx, d_w_up[e], d_w_down[e] = _expert_backward(
-            x[tok], d_out[tok], topk_weights[tok, slot].to(cd), w_up[e], w_down[e], cd)
-        d_weights[tok, slot] = dw
-        per_slot[tok, slot] = dx
-    d_x = per_slot.sum(1)
-    grads = dict(d_topk_weights=d_weights, d_w_up=d_w_up, d_w_down=d_w_down)
+    flat_weights = weights.reshape(-1)
+    for e, rows in _dispatch(ids, w_up.shape[0]):
+        tokens = rows // k
+        dw, dx, d_w_up[e], d_w_down[e] = _expert_backward(x[tokens], d_out[tokens],
+                                                          flat_weights[rows], w_up[e], w_down[e], cd)
+        d_weights.index_copy_(0, rows, dw)
+        per_slot.index_copy_(0, rows, dx)
+    d_x = per_slot.view(t, k, H).sum(1)
+    grads = dict(d_topk_weights=d_weights.view(t, k), d_w_up=d_w_up, d_w_down=d_w_down)
     if shared_w_up is not None:
         _, dx, grads["d_shared_w_up"], grads["d_shared_w_down"] = _expert_backward(
             x, d_out, torch.ones(t, dtype=cd, device=x.device), shared_w_up, shared_w_down, cd)
@@ -96,7 +120,8 @@ def experts_backward(x, w_up, w_down, topk_ids, topk_weights, d_out, shared_w_up
 
 
 def _shared(b):
-    return dict(shared_w_up=b.get("shared_w_up"), shared_w_down=b.get("shared_w_down"))
+    return dict(shared_w_up=b.get("shared_w_up"), shared_w_down=b.get("shared_w_down"),
+                status=b.get("status"))
 
 
 def forward_program(problem):

@@ -1,11 +1,15 @@
 """GQA attention decode with a KV cache: Triton kernels.
 
 append: the new tokens' k, v go into the cache at cache_seqlens (device-side; quantized to e4m3
-with per-tensor or per-kv-head scales for an FP8 cache; positions past the cache are skipped).
+with per-tensor or per-kv-head scales for an FP8 cache). Every program first decides its row's
+validity (docs/plans.md, "Index data": 0 <= cache_seqlens <= capacity - T and, paged, every
+page the row needs in [0, pages)) and writes nothing for an invalid row; the row's first program
+leaves the verdict in the workspace (row_ok) and reports the status bits.
 split: flash-decoding. A program owns one KV head of one row and one of NUM_SPLITS fixed key
 ranges; its queries are the T new tokens of all the head's query heads (T·G rows, so K and V are
 read once per KV head), causal among the new tokens; it writes a normalised partial output and
-its lse. combine: the partials are merged in fp32 with their lse weights.
+its lse (an invalid row reads nothing: lse = -inf). combine: the partials are merged in fp32
+with their lse weights (all -inf: o = 0, lse = -inf).
 Nothing depends on host-side lengths: split ranges are fixed by the cache capacity, empty ones
 write lse = -inf. Absent operands are compiled out as None and read only under their flags:
 block_table under PAGED, k_scale and v_scale under FP8.
@@ -15,8 +19,29 @@ import triton
 import triton.language as tl
 
 from .attention_kernels import LN2, LOG2E
-from .tiles import mm
+from .tiles import mm, report_if
 from .rounding import nearest_even_on_grid
+
+
+@triton.jit
+def row_check(i_b, cache_seqlens_ptr, block_table_ptr, T, CAPACITY, PAGES, PAGE: tl.constexpr,
+              MAX_PAGES: tl.constexpr, PAGED: tl.constexpr, TABLE_BLOCK: tl.constexpr):
+    """(cache length, bad length, bad page) of row i_b: the length outside [0, CAPACITY - T];
+    (paged) a page the row needs (j·PAGE < length + T) outside [0, PAGES)."""
+    length = tl.load(cache_seqlens_ptr + i_b).to(tl.int64)
+    bad_length = (length < 0) | (length > CAPACITY - T)
+    bad_page = bad_length & False                   # no pages to check (contiguous cache)
+    if PAGED:
+        need = tl.maximum(length + T, 0)
+        pages_needed = tl.minimum((need + PAGE - 1) // PAGE, MAX_PAGES)
+        count = i_b * 0
+        for p0 in range(0, pages_needed, TABLE_BLOCK):
+            o_p = p0 + tl.arange(0, TABLE_BLOCK)
+            m = o_p < pages_needed
+            page = tl.load(block_table_ptr + i_b.to(tl.int64) * MAX_PAGES + o_p, mask=m, other=0)
+            count += tl.sum((m & ((page < 0) | (page >= PAGES))).to(tl.int32), 0)
+        bad_page = count > 0
+    return length, bad_length, bad_page
 
 
 @triton.jit
@@ -47,15 +72,24 @@ def append_one(new_ptr, cache_ptr, scale_ptr, src, dst, o, m, D: tl.constexpr, F
 
 @triton.jit
 def decode_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, cache_seqlens_ptr,
-                         block_table_ptr, k_scale_ptr, v_scale_ptr, T, CAPACITY,
-                         HKV: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
+                         block_table_ptr, k_scale_ptr, v_scale_ptr, row_ok_ptr, status_ptr, T,
+                         CAPACITY, PAGES, HKV: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr,
                          PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, PAGED: tl.constexpr,
                          FP8: tl.constexpr, SCALE_PER_HEAD: tl.constexpr, FP8_MAX: tl.constexpr,
-                         EXACT_NEAREST: tl.constexpr):
+                         EXACT_NEAREST: tl.constexpr, TABLE_BLOCK: tl.constexpr,
+                         LENGTH_BIT: tl.constexpr, TABLE_BIT: tl.constexpr,
+                         HAS_STATUS: tl.constexpr):
     i_b, i_t, i_c = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    pos = tl.load(cache_seqlens_ptr + i_b).to(tl.int64) + i_t
-    if pos >= CAPACITY:
+    length, bad_length, bad_page = row_check(i_b, cache_seqlens_ptr, block_table_ptr, T, CAPACITY,
+                                             PAGES, PAGE, MAX_PAGES, PAGED, TABLE_BLOCK)
+    bad = bad_length | bad_page
+    if (i_t == 0) & (i_c == 0):
+        tl.store(row_ok_ptr + i_b, tl.where(bad, 0, 1))
+        report_if(status_ptr, bad_length, LENGTH_BIT, HAS_STATUS)
+        report_if(status_ptr, bad_page, TABLE_BIT, HAS_STATUS)
+    if bad:                                         # decided before any write
         return
+    pos = length + i_t                              # < CAPACITY: the row is valid
     row = cache_row(i_b, pos, block_table_ptr, CAPACITY, PAGE, MAX_PAGES, PAGED)
     o = i_c * BLOCK + tl.arange(0, BLOCK)
     m = o < HKV * D
@@ -69,7 +103,8 @@ def decode_append_kernel(k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, cache_s
 
 @triton.jit
 def decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cache_seqlens_ptr, block_table_ptr,
-                        k_scale_ptr, v_scale_ptr, o_part_ptr, lse_part_ptr, T, CAPACITY, scale,
+                        k_scale_ptr, v_scale_ptr, row_ok_ptr, o_part_ptr, lse_part_ptr, T, CAPACITY,
+                        scale,
                         HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                         BN: tl.constexpr, BD: tl.constexpr, SPLITS: tl.constexpr,
                         SPLIT_LEN: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr,
@@ -79,7 +114,8 @@ def decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cache_seqlens_ptr, bloc
     i_b, i_kh = i_bk // HKV, i_bk % HKV
     G: tl.constexpr = HQ // HKV
     length = tl.load(cache_seqlens_ptr + i_b).to(tl.int64)
-    total = tl.minimum(length + T, CAPACITY)
+    # an invalid row (decided by the append kernel) reads nothing; a valid one ends in the cache
+    total = tl.where(tl.load(row_ok_ptr + i_b) != 0, tl.minimum(length + T, CAPACITY), 0)
     start = i_s * SPLIT_LEN
     end = tl.minimum(start + SPLIT_LEN, total)
     o_r = tl.arange(0, BM)                         # row r = token (r // G), query head g (r % G)

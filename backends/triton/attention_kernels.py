@@ -5,27 +5,109 @@ in fp32; the probabilities enter the P·V and dS·K products in the input dtype,
 FlashAttention. Every program computes one query head against its KV head (h // (h_q / h_kv)).
 Sequences: dense [b, s, h, d] (PACKED = False: the cu_seqlens pointers are compiled out as
 None and never touched) or packed [total, h, d] with cu_seqlens.
+
+Packed offsets are index data (docs/plans.md, "Index data"): a sanitising kernel writes c' =
+clamp(cummax(c), 0, total) of cu_seqlens_q/k to the workspace (and reports invalid offsets in the
+status word); the attention kernels read only c'. Sequence i covers its first min(c'[i+1] -
+c'[i], max_seqlen) tokens, which the grid's cdiv(max_seqlen, block) programs span; the same
+programs clear the tokens no sequence covers (the rest of a longer sequence, those before c'[0]
+and those after c'[nseq]): o = 0, lse = -inf, dq = 0, dk = dv = 0.
 """
 
 import triton
 import triton.language as tl
 
-from .tiles import mm
+from .tiles import mm, report_if
 
 LN2 = tl.constexpr(0.6931471805599453)
 LOG2E = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def sanitise_offsets(cu_ptr, out_ptr, N, TOTAL, LONGEST, BLOCK: tl.constexpr):
+    """Writes c'[i] = min(TOTAL, max(0, c[0..i])) of the N offsets at cu_ptr to out_ptr (= c'[0]
+    = clamp(c[0], 0, TOTAL), c'[i] = clamp(c[i], c'[i-1], TOTAL)); returns 1 when they needed it
+    (not starting at 0, decreasing, ending past TOTAL) or a sanitised sequence is longer than
+    LONGEST, else 0."""
+    carry = N * 0                                   # max(0, c[0..start-1])
+    bad = N * 0
+    for start in range(0, N, BLOCK):
+        o = start + tl.arange(0, BLOCK)
+        m = o < N
+        c = tl.load(cu_ptr + o, mask=m, other=0)
+        c_prev = tl.load(cu_ptr + o - 1, mask=m & (o > 0), other=0)
+        s = tl.minimum(tl.maximum(tl.associative_scan(c, 0, _maximum), carry), TOTAL)
+        s_prev = tl.minimum(tl.maximum(tl.associative_scan(c_prev, 0, _maximum), carry), TOTAL)
+        wrong = ((o == 0) & (c != 0)) | ((o > 0) & ((c < c_prev) | (s - s_prev > LONGEST))) | \
+            ((o == N - 1) & (c > TOTAL))
+        bad = tl.maximum(bad, tl.max((wrong & m).to(tl.int32), 0))
+        tl.store(out_ptr + o, s, mask=m)
+        carry = tl.maximum(carry, tl.max(c, 0))
+    return bad
+
+
+@triton.jit
+def attn_sanitise_kernel(cu_seqlens_q_ptr, cu_seqlens_k_ptr, cu_q_ptr, cu_k_ptr, status_ptr, N,
+                         TOTAL_Q, TOTAL_K, SEQ_Q, SEQ_K, BLOCK: tl.constexpr, BIT: tl.constexpr,
+                         HAS_STATUS: tl.constexpr):
+    """One program: the sanitised offsets c' of cu_seqlens_q/k (N = nseq + 1 each) into
+    cu_q/cu_k; BIT into the status word when either needed sanitising."""
+    bad = sanitise_offsets(cu_seqlens_q_ptr, cu_q_ptr, N, TOTAL_Q, SEQ_Q, BLOCK)
+    bad |= sanitise_offsets(cu_seqlens_k_ptr, cu_k_ptr, N, TOTAL_K, SEQ_K, BLOCK)
+    report_if(status_ptr, bad != 0, BIT, HAS_STATUS)
+
+
+@triton.jit
 def sequence_span(i_b, cu_ptr, SEQ, PACKED: tl.constexpr):
-    """(first token, length) of sequence i_b (cu_ptr is read only when PACKED)."""
+    """(first token, length, end) of sequence i_b: packed, from the sanitised offsets cu_ptr
+    (read only when PACKED), the length at most SEQ (max_seqlen) and end = c'[i_b + 1]."""
     if PACKED:
         start = tl.load(cu_ptr + i_b)
-        length = tl.load(cu_ptr + i_b + 1) - start
+        end = tl.load(cu_ptr + i_b + 1)
+        length = tl.minimum(end - start, SEQ)
     else:
         start = i_b * SEQ
         length = SEQ + i_b * 0
-    return start.to(tl.int64), length
+        end = start + length
+    return start.to(tl.int64), length, end.to(tl.int64)
+
+
+@triton.jit
+def clear_rows(a_ptr, b_ptr, lse_ptr, lo, hi, i_h, first, step, TOTAL, H: tl.constexpr,
+               D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    """Rows [lo, hi) of head i_h of the packed [TOTAL, H, D] tensors a and b (None: absent) set
+    to 0 and lse[i_h, row] to -inf (None: absent), BM rows from ``first`` every ``step``."""
+    o_d = tl.arange(0, BD)
+    for r0 in range(lo + first, hi, step):
+        o_r = r0 + tl.arange(0, BM)
+        m = o_r < hi
+        p = o_r[:, None] * (H * D) + i_h * D + o_d[None, :]
+        m2 = m[:, None] & (o_d < D)[None, :]
+        tl.store(a_ptr + p, tl.zeros([BM, BD], dtype=a_ptr.dtype.element_ty), mask=m2)
+        if b_ptr is not None:
+            tl.store(b_ptr + p, tl.zeros([BM, BD], dtype=b_ptr.dtype.element_ty), mask=m2)
+        if lse_ptr is not None:
+            tl.store(lse_ptr + i_h.to(tl.int64) * TOTAL + o_r,
+                     tl.full([BM], float("-inf"), dtype=tl.float32), mask=m)
+
+
+@triton.jit
+def clear_uncovered(a_ptr, b_ptr, lse_ptr, i_b, i_h, i_blk, start, length, end, TOTAL, NSEQ,
+                    H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+    """The programs (i_blk = 0..) of sequence i_b clear what no sequence covers next to it: the
+    rest of the sequence past its first ``length`` tokens (the last sequence: up to TOTAL) and,
+    for sequence 0, the tokens before it. Nothing to do for valid offsets that end at TOTAL."""
+    first = i_blk * BM
+    step = tl.num_programs(0) * BM
+    hi = tl.where(i_b == NSEQ - 1, TOTAL, end)
+    clear_rows(a_ptr, b_ptr, lse_ptr, start + length, hi, i_h, first, step, TOTAL, H, D, BM, BD)
+    clear_rows(a_ptr, b_ptr, lse_ptr, start * 0, tl.where(i_b == 0, start, 0), i_h, first, step,
+               TOTAL, H, D, BM, BD)
 
 
 @triton.jit
@@ -94,8 +176,11 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_q_ptr, cu_se
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HQ, i_bh % HQ
     i_kh = i_h // (HQ // HKV)
-    q_start, len_q = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
-    k_start, len_k = sequence_span(i_b, cu_seqlens_k_ptr, SEQ_K, PACKED)
+    q_start, len_q, q_end = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
+    k_start, len_k, _ = sequence_span(i_b, cu_seqlens_k_ptr, SEQ_K, PACKED)
+    if PACKED:
+        clear_uncovered(o_ptr, None, lse_ptr, i_b, i_h, i_m, q_start, len_q, q_end, TOTAL_Q,
+                        tl.num_programs(1) // HQ, HQ, D, BM, BD)
     if i_m * BM >= len_q:
         return
     o_m = i_m * BM + tl.arange(0, BM)
@@ -139,7 +224,7 @@ def attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, cu_seqlens_q_ptr, SEQ_Q, TOT
     """delta = rowsum(do ∘ o), laid out like lse."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HQ, i_bh % HQ
-    q_start, len_q = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
+    q_start, len_q, _ = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
     if i_m * BM >= len_q:
         return
     o_m = i_m * BM + tl.arange(0, BM)
@@ -165,7 +250,7 @@ def probabilities(b_q, b_kt, b_lse, o_m, o_n, len_q, len_k, qk_scale, CAUSAL: tl
 
 @triton.jit
 def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seqlens_q_ptr,
-                         cu_seqlens_k_ptr, dk_ptr, dv_ptr, SEQ_Q, SEQ_K, TOTAL_Q, scale,
+                         cu_seqlens_k_ptr, dk_ptr, dv_ptr, SEQ_Q, SEQ_K, TOTAL_Q, TOTAL_K, scale,
                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, BD: tl.constexpr, CAUSAL: tl.constexpr,
                          LEFT: tl.constexpr, RIGHT: tl.constexpr, PACKED: tl.constexpr,
@@ -173,8 +258,11 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seq
     """dk, dv of one key block of one KV head, summed over the group's query heads in fp32."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_kh = i_bh // HKV, i_bh % HKV
-    q_start, len_q = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
-    k_start, len_k = sequence_span(i_b, cu_seqlens_k_ptr, SEQ_K, PACKED)
+    q_start, len_q, _ = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
+    k_start, len_k, k_end = sequence_span(i_b, cu_seqlens_k_ptr, SEQ_K, PACKED)
+    if PACKED:
+        clear_uncovered(dk_ptr, dv_ptr, None, i_b, i_kh, i_n, k_start, len_k, k_end, TOTAL_K,
+                        tl.num_programs(1) // HKV, HKV, D, BN, BD)
     if i_n * BN >= len_k:
         return
     G: tl.constexpr = HQ // HKV
@@ -223,8 +311,11 @@ def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seqle
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HQ, i_bh % HQ
     i_kh = i_h // (HQ // HKV)
-    q_start, len_q = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
-    k_start, len_k = sequence_span(i_b, cu_seqlens_k_ptr, SEQ_K, PACKED)
+    q_start, len_q, q_end = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
+    k_start, len_k, _ = sequence_span(i_b, cu_seqlens_k_ptr, SEQ_K, PACKED)
+    if PACKED:
+        clear_uncovered(dq_ptr, None, None, i_b, i_h, i_m, q_start, len_q, q_end, TOTAL_Q,
+                        tl.num_programs(1) // HQ, HQ, D, BM, BD)
     if i_m * BM >= len_q:
         return
     o_m = i_m * BM + tl.arange(0, BM)

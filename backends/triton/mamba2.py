@@ -3,14 +3,15 @@ kernels (mamba2_fwd.py, mamba2_bwd.py; the math: fusedops.mamba2.contract).
 
 The forward and the backward share one ``saved`` layout (``saved_layout``): the state entering
 every segment (unless recomputed) and y before the z gate (with z). Absent optional operands
-(D, z, dt_bias, initial_states, dfinal_states, cu_seqlens and the varlen segment table) are
-compiled out of every kernel, never aliased to another tensor.
+(D, z, dt_bias, initial_states, dfinal_states, cu_seqlens and the varlen segment table, the
+status word) are compiled out of every kernel, never aliased to another tensor.
+
+Packed sequences: the first stage sanitises cu_seqlens into the workspace piece ``cu`` (and
+reports Status.CU_SEQLENS), every later kernel reads that copy, and a last stage zeroes the
+outputs at the tokens no sequence covers (docs/plans.md, "Index data").
 """
 
 from __future__ import annotations
-
-import math
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -22,46 +23,23 @@ from fusedops.mamba2.contract import SOFTPLUS_THRESHOLD
 
 from . import mamba2_bwd as bwd_kernels
 from . import mamba2_fwd as fwd_kernels
+from . import mamba2_model as model
+from .mamba2_model import TILES, ScanTiles, Tiles, candidates, counts, tiles
 from .runtime import KernelSpec, numerics, pointer_type
 
-__all__ = ["backward_program", "backward_workspace", "forward_program", "forward_workspace",
-           "saved_layout", "tiles", "unsupported_reason"]
+__all__ = ["TILES", "ScanTiles", "Tiles", "backward_candidates", "backward_program",
+           "backward_workspace", "candidates", "forward_candidates", "forward_program",
+           "forward_workspace", "saved_layout", "tiles", "unsupported_reason"]
 
 NUM_STAGES = 2
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """The tile sizes of one problem's scan kernels."""
-
-    BQ: int          # tokens per tile (rows and columns of a segment's Q x Q blocks)
-    BP: int          # head-dim tile
-    BN: int          # state tile
-    BLOCK_H: int     # heads per dt-cumsum program
-    PASS: int        # state elements per state-passing program
-    SEARCH: int      # binary-search steps to find a segment's sequence (varlen)
-
-
-def tiles(problem) -> Tiles:
-    """Token, head-dim and state tiles (powers of two, 16..64), heads per dt program, state
-    elements per state-passing program and the varlen binary-search depth."""
-    def pow2_between(value, lo, hi):
-        return max(lo, min(hi, triton.next_power_of_2(value)))
-    search = max(1, math.ceil(math.log2(problem.sequences + 1))) if problem.num_sequences else 1
-    return Tiles(BQ=min(problem.chunk, 64), BP=pow2_between(problem.head_dim, 16, 64),
-                 BN=pow2_between(problem.state, 16, 64), BLOCK_H=pow2_between(problem.heads, 1, 16),
-                 PASS=pow2_between(problem.head_dim * problem.state, 16, 1024), SEARCH=search)
 
 
 def _varlen(problem) -> bool:
     return problem.num_sequences is not None
 
 
-def _counts(problem) -> dict:
-    t = tiles(problem)
-    return dict(NQB=problem.chunk // t.BQ, NPB=triton.cdiv(problem.head_dim, t.BP),
-                NNB=triton.cdiv(problem.state, t.BN),
-                NT=triton.cdiv(problem.head_dim * problem.state, t.PASS))
+def _counts(problem, t: Tiles | None = None) -> dict:
+    return counts(problem, t or tiles(problem))
 
 
 # -- buffers ---------------------------------------------------------------------------------
@@ -78,10 +56,12 @@ def saved_layout(problem) -> Layout:
 
 
 def forward_workspace(problem) -> Layout:
-    """The varlen segment table, the transformed dt and its cumulative log-decay per segment,
-    C·B per group, and the segment states when they are not saved."""
+    """Varlen: the sanitised cu_seqlens and the segment table; the transformed dt and its
+    cumulative log-decay per segment, C·B per group, and the segment states when they are not
+    saved."""
     S, H, Q = problem.max_segments, problem.heads, problem.chunk
     return Layout([
+        ("cu", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
         ("offsets", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
         ("dts", torch.float32, S * H * Q),
         ("acum", torch.float32, S * H * Q),
@@ -90,14 +70,15 @@ def forward_workspace(problem) -> Layout:
     ])
 
 
-def backward_workspace(problem) -> Layout:
+def backward_workspace(problem, t: Tiles | None = None) -> Layout:
     """The forward workspace recomputed (and the states and final states when recomputed), the
     gate's dy, the segment-state and C·B gradients and fixed-order partial sums."""
     S, H, G, P, N, Q = (problem.max_segments, problem.heads, problem.groups, problem.head_dim,
                         problem.state, problem.chunk)
-    c = _counts(problem)
+    c = _counts(problem, t)
     recompute = problem.recompute_states
     return Layout([
+        ("cu", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
         ("offsets", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
         ("dts", torch.float32, S * H * Q),
         ("acum", torch.float32, S * H * Q),
@@ -119,8 +100,9 @@ def backward_workspace(problem) -> Layout:
 
 
 # -- specialisations -------------------------------------------------------------------------
-def _spec(kernel, args, constexprs, grid, warps=4) -> KernelSpec:
-    return KernelSpec.make(kernel, args, constexprs, grid, num_warps=warps, num_stages=NUM_STAGES)
+def _spec(kernel, args, constexprs, grid, warps=4, cost=None) -> KernelSpec:
+    return KernelSpec.make(kernel, args, constexprs, grid, num_warps=warps, num_stages=NUM_STAGES,
+                           cost=cost)
 
 
 def _stage(spec: KernelSpec, **bind) -> Stage:
@@ -149,22 +131,56 @@ class _Types:
 
 
 def _segment_args(problem) -> dict:
-    """Runtime sources of the segment arguments (cu_seqlens, the segment table, L, NSEQ)."""
-    return dict(cu_ptr="cu_seqlens", off_ptr=workspace_piece("offsets"), L=problem.length,
-                NSEQ=problem.sequences)
+    """Runtime sources of the segment arguments (the sanitised cu_seqlens, the segment table,
+    L, NSEQ)."""
+    return dict(cu_ptr=workspace_piece("cu"), off_ptr=workspace_piece("offsets"),
+                L=problem.length, NSEQ=problem.sequences)
 
 
 def table_spec(problem) -> KernelSpec:
-    """Varlen: the first segment of every sequence, from cu_seqlens (one program)."""
+    """Varlen: cu_seqlens sanitised into the workspace (CU_SEQLENS reported), then the first
+    segment of every sequence (one program)."""
     return _spec(fwd_kernels.ssd_segment_table_kernel,
-                 (("cu_ptr", "*i32"), ("off_ptr", "*i32"), ("NSEQ", "i32")),
-                 dict(Q=problem.chunk, BLOCK=min(1024, triton.next_power_of_2(problem.sequences))),
-                 (1,))
+                 (("cu_ptr", "*i32"), ("cu_out_ptr", "*i32"), ("off_ptr", "*i32"),
+                  ("status_ptr", _present(problem.has_status, "*i32")), ("NSEQ", "i32"),
+                  ("TOTAL", "i32")),
+                 dict(Q=problem.chunk, BLOCK=min(1024, triton.next_power_of_2(problem.sequences + 1)),
+                      HAS_STATUS=problem.has_status),
+                 (1,), cost=model.table_cost(problem))
 
 
-def dt_cumsum_spec(problem) -> KernelSpec:
+ZERO_TOKENS = 16
+"""Tokens per program of the stage that zeroes the outputs at uncovered tokens."""
+
+
+def zero_uncovered_spec(problem, outputs) -> KernelSpec:
+    """Varlen: zeroes up to five per-token outputs, ``outputs`` = ((pointer type, row width),
+    ...), at the tokens no sequence covers (a covered block returns at once)."""
+    outputs = list(outputs) + [(None, 0)] * (5 - len(outputs))
+    widest = max(w for _, w in outputs)
+    args = (("cu_ptr", "*i32"), *((f"out{i}_ptr", t) for i, (t, _) in enumerate(outputs)),
+            ("L", "i32"), ("NSEQ", "i32"))
+    return _spec(fwd_kernels.ssd_zero_uncovered_kernel, args,
+                 dict(**{f"W{i}": w for i, (_, w) in enumerate(outputs)}, BT=ZERO_TOKENS,
+                      BW=max(16, min(256, triton.next_power_of_2(widest)))),
+                 (triton.cdiv(problem.length, ZERO_TOKENS),),
+                 cost=model.zero_uncovered_cost(problem))
+
+
+def _zero_stage(problem, outputs) -> Stage:
+    """The stage zeroing ``outputs`` (names, with their row widths) at uncovered tokens (y before
+    the gate too, so the backward's gate reads zeros there)."""
+    ty = _Types(problem)
+    types = dict(y=ty.x, ypre=ty.x, dx=ty.x, dz=ty.x, ddt=ty.dt, dB=ty.x, dC=ty.x)
+    sources = dict(ypre=saved_piece("ypre"))
+    spec = zero_uncovered_spec(problem, [(types[name], width) for name, width in outputs])
+    return _stage(spec, cu_ptr=workspace_piece("cu"), L=problem.length, NSEQ=problem.sequences,
+                  **{f"out{i}_ptr": sources.get(name, name) for i, (name, _) in enumerate(outputs)})
+
+
+def dt_cumsum_spec(problem, t: Tiles | None = None) -> KernelSpec:
     """The dt transform and its cumulative log-decay per segment and head."""
-    ty, t = _Types(problem), tiles(problem)
+    ty, t = _Types(problem), t or tiles(problem)
     return _spec(fwd_kernels.ssd_dt_cumsum_kernel,
                  (("dt_ptr", ty.dt), ("A_ptr", "*fp32"), ("bias_ptr", _present(problem.has_dt_bias, "*fp32")),
                   *ty.seg, ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"), *ty.tail,
@@ -172,24 +188,27 @@ def dt_cumsum_spec(problem) -> KernelSpec:
                  dict(H=problem.heads, Q=problem.chunk, BLOCK_H=t.BLOCK_H,
                       HAS_BIAS=problem.has_dt_bias, SOFTPLUS=problem.dt_softplus,
                       SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, **ty.common),
-                 (problem.max_segments, triton.cdiv(problem.heads, t.BLOCK_H)))
+                 (problem.max_segments, triton.cdiv(problem.heads, t.BLOCK_H)),
+                 cost=model.dt_cumsum_cost(problem, t))
 
 
-def cb_spec(problem) -> KernelSpec:
+def cb_spec(problem, t: Tiles | None = None) -> KernelSpec:
     """C·B per segment and group (tiles on or below the diagonal)."""
-    ty, t = _Types(problem), tiles(problem)
+    ty, t = _Types(problem), t or tiles(problem)
     Q = problem.chunk
     return _spec(fwd_kernels.ssd_cb_kernel,
                  (("C_ptr", ty.x), ("B_ptr", ty.x), *ty.seg, ("cb_ptr", "*fp32"), *ty.tail),
                  dict(G=problem.groups, N=problem.state, Q=Q, BQ=t.BQ, BN=t.BN, **ty.common,
                       **numerics(problem.dtype)),
-                 (problem.max_segments * problem.groups, (Q // t.BQ) ** 2))
+                 (problem.max_segments * problem.groups, (Q // t.BQ) ** 2),
+                 cost=model.cb_cost(problem, t))
 
 
-def segment_state_spec(problem, from_start: bool) -> KernelSpec:
+def segment_state_spec(problem, from_start: bool, t: Tiles | None = None) -> KernelSpec:
     """Each segment's own end state (forward), or, ``from_start`` (backward, x = dy and B = C),
     what the segment's dy sends back into its entering state."""
-    ty, t, c = _Types(problem), tiles(problem), _counts(problem)
+    ty, t = _Types(problem), t or tiles(problem)
+    c = _counts(problem, t)
     return _spec(fwd_kernels.ssd_segment_state_kernel,
                  (("x_ptr", ty.x), ("B_ptr", ty.x), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
                   *ty.seg, ("states_ptr", "*fp32"), *ty.tail),
@@ -197,25 +216,29 @@ def segment_state_spec(problem, from_start: bool) -> KernelSpec:
                       Q=problem.chunk, BP=t.BP, BN=t.BN, BK=t.BQ, FROM_START=from_start,
                       **ty.common, **numerics(problem.dtype)),
                  (problem.max_segments * problem.heads, c["NPB"], c["NNB"]),
-                 warps=8 if from_start else 4)
+                 warps=8 if from_start else 4,
+                 cost=model.segment_state_cost(problem, t, from_start))
 
 
-def state_passing_spec(problem) -> KernelSpec:
+def state_passing_spec(problem, t: Tiles | None = None) -> KernelSpec:
     """Along every sequence: the state entering each segment, and the final state."""
-    ty, t, c = _Types(problem), tiles(problem), _counts(problem)
+    ty, t = _Types(problem), t or tiles(problem)
+    c = _counts(problem, t)
     return _spec(fwd_kernels.ssd_state_passing_kernel,
                  (("states_ptr", "*fp32"), ("acum_ptr", "*fp32"),
                   ("h0_ptr", _present(problem.has_initial_states, "*fp32")), ("final_ptr", "*fp32"),
                   ("off_ptr", ty.cu), ("L", "i32")),
                  dict(H=problem.heads, PN=problem.head_dim * problem.state, Q=problem.chunk,
                       BLOCK=t.PASS, HAS_H0=problem.has_initial_states, VARLEN=_varlen(problem)),
-                 (problem.sequences, problem.heads, c["NT"]))
+                 (problem.sequences, problem.heads, c["NT"]),
+                 cost=model.state_passing_cost(problem, t))
 
 
-def chunk_scan_spec(problem) -> KernelSpec:
+def chunk_scan_spec(problem, t: Tiles | None = None) -> KernelSpec:
     """The output: the entering state's term, the causal intra-segment product, D and the gate
     (y before the gate saved for the backward)."""
-    ty, t, c = _Types(problem), tiles(problem), _counts(problem)
+    ty, t = _Types(problem), t or tiles(problem)
+    c = _counts(problem, t)
     return _spec(fwd_kernels.ssd_chunk_scan_fwd_kernel,
                  (("x_ptr", ty.x), ("z_ptr", _present(problem.has_z, ty.x)), ("C_ptr", ty.x),
                   ("cb_ptr", "*fp32"), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
@@ -225,22 +248,25 @@ def chunk_scan_spec(problem) -> KernelSpec:
                       Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.BN, HAS_D=problem.has_D,
                       D_PER_CHANNEL=problem.D_per_channel, HAS_Z=problem.has_z, **ty.common,
                       **numerics(problem.dtype)),
-                 (problem.max_segments * problem.heads, c["NPB"], c["NQB"]))
+                 (problem.max_segments * problem.heads, c["NPB"], c["NQB"]),
+                 cost=model.chunk_scan_cost(problem, t))
 
 
-def gate_spec(problem) -> KernelSpec:
+def gate_spec(problem, t: Tiles | None = None) -> KernelSpec:
     """Backward of the z gate: dz, and dy·silu(z) for the rest of the backward."""
     xt = pointer_type(problem.dtype)
     numel = problem.batch * problem.length * problem.heads * problem.head_dim
     return _spec(bwd_kernels.ssd_gate_bwd_kernel,
                  (("dy_ptr", xt), ("z_ptr", xt), ("ypre_ptr", xt), ("dypre_ptr", xt),
-                  ("dz_ptr", xt), ("NUMEL", "i64")), dict(BLOCK=1024), (triton.cdiv(numel, 1024),))
+                  ("dz_ptr", xt), ("NUMEL", "i64")), dict(BLOCK=1024), (triton.cdiv(numel, 1024),),
+                 cost=model.gate_bwd_cost(problem, t))
 
 
-def state_passing_bwd_spec(problem) -> KernelSpec:
+def state_passing_bwd_spec(problem, t: Tiles | None = None) -> KernelSpec:
     """Backwards along every sequence: each segment's end-state gradient, the <dH1, H0> terms
     and dinitial_states."""
-    ty, t, c = _Types(problem), tiles(problem), _counts(problem)
+    ty, t = _Types(problem), t or tiles(problem)
+    c = _counts(problem, t)
     return _spec(bwd_kernels.ssd_state_passing_bwd_kernel,
                  (("dstates_ptr", "*fp32"), ("states_ptr", "*fp32"), ("acum_ptr", "*fp32"),
                   ("dfinal_ptr", _present(problem.has_dfinal_states, "*fp32")),
@@ -249,12 +275,14 @@ def state_passing_bwd_spec(problem) -> KernelSpec:
                  dict(H=problem.heads, PN=problem.head_dim * problem.state, Q=problem.chunk,
                       BLOCK=t.PASS, NT=c["NT"], HAS_DFINAL=problem.has_dfinal_states,
                       HAS_DH0=problem.has_initial_states, VARLEN=_varlen(problem)),
-                 (problem.sequences, problem.heads, c["NT"]))
+                 (problem.sequences, problem.heads, c["NT"]),
+                 cost=model.state_passing_bwd_cost(problem, t))
 
 
-def dx_spec(problem) -> KernelSpec:
+def dx_spec(problem, t: Tiles | None = None) -> KernelSpec:
     """dx, the dt-linear part of ddt and the dD partials."""
-    ty, t, c = _Types(problem), tiles(problem), _counts(problem)
+    ty, t = _Types(problem), t or tiles(problem)
+    c = _counts(problem, t)
     return _spec(bwd_kernels.ssd_chunk_scan_bwd_dx_kernel,
                  (("x_ptr", ty.x), ("dy_ptr", ty.x), ("B_ptr", ty.x), ("cb_ptr", "*fp32"),
                   ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"), ("dstates_ptr", "*fp32"),
@@ -264,34 +292,40 @@ def dx_spec(problem) -> KernelSpec:
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
                       Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.BN, HAS_D=problem.has_D,
                       D_PER_CHANNEL=problem.D_per_channel, **ty.common, **numerics(problem.dtype)),
-                 (problem.max_segments * problem.heads, c["NPB"], c["NQB"]), warps=8)
+                 (problem.max_segments * problem.heads, c["NPB"], c["NQB"]), warps=8,
+                 cost=model.dx_cost(problem, t))
 
 
-def dcb_spec(problem) -> KernelSpec:
+def dcb_spec(problem, t: Tiles | None = None) -> KernelSpec:
     """d(C·B) per segment and group."""
-    ty, t, c = _Types(problem), tiles(problem), _counts(problem)
+    ty, t = _Types(problem), t or tiles(problem)
+    c = _counts(problem, t)
     return _spec(bwd_kernels.ssd_dcb_kernel,
                  (("x_ptr", ty.x), ("dy_ptr", ty.x), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
                   *ty.seg, ("dcb_ptr", "*fp32"), *ty.tail),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, Q=problem.chunk,
                       BQ=t.BQ, BP=t.BP, **ty.common, **numerics(problem.dtype)),
-                 (problem.max_segments * problem.groups, c["NQB"] ** 2), warps=8)
+                 (problem.max_segments * problem.groups, c["NQB"] ** 2), warps=8,
+                 cost=model.dcb_cost(problem, t))
 
 
-def dacs_intra_spec(problem) -> KernelSpec:
+def dacs_intra_spec(problem, t: Tiles | None = None) -> KernelSpec:
     """The straddling-pair partial sums of the log-decay gradient."""
-    ty, t, c = _Types(problem), tiles(problem), _counts(problem)
+    ty, t = _Types(problem), t or tiles(problem)
+    c = _counts(problem, t)
     return _spec(bwd_kernels.ssd_dacs_intra_kernel,
                  (("x_ptr", ty.x), ("dy_ptr", ty.x), ("cb_ptr", "*fp32"), ("dts_ptr", "*fp32"),
                   ("acum_ptr", "*fp32"), *ty.seg, ("part_ptr", "*fp32"), *ty.tail),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, Q=problem.chunk,
                       BQ=t.BQ, BP=t.BP, **ty.common, **numerics(problem.dtype)),
-                 (problem.max_segments * problem.heads, c["NQB"]), warps=8)
+                 (problem.max_segments * problem.heads, c["NQB"]), warps=8,
+                 cost=model.dacs_intra_cost(problem, t))
 
 
-def dbc_spec(problem, grad_b: bool) -> KernelSpec:
+def dbc_spec(problem, grad_b: bool, t: Tiles | None = None) -> KernelSpec:
     """dB (``grad_b``) or dC with their per-head state terms."""
-    ty, t, c = _Types(problem), tiles(problem), _counts(problem)
+    ty, t = _Types(problem), t or tiles(problem)
+    c = _counts(problem, t)
     return _spec(bwd_kernels.ssd_dbc_kernel,
                  (("x_ptr", ty.x), ("dy_ptr", ty.x), ("B_ptr", ty.x), ("C_ptr", ty.x),
                   ("dcb_ptr", "*fp32"), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
@@ -300,12 +334,14 @@ def dbc_spec(problem, grad_b: bool) -> KernelSpec:
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
                       Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.BN, GRAD_B=grad_b, **ty.common,
                       **numerics(problem.dtype)),
-                 (problem.max_segments * problem.groups, c["NQB"], c["NNB"]), warps=8)
+                 (problem.max_segments * problem.groups, c["NQB"], c["NNB"]), warps=8,
+                 cost=model.dbc_cost(problem, t, grad_b))
 
 
-def dt_bwd_spec(problem) -> KernelSpec:
+def dt_bwd_spec(problem, t: Tiles | None = None) -> KernelSpec:
     """ddt through the dt transform, and the per-segment dA and ddt_bias partials."""
-    ty, t, c = _Types(problem), tiles(problem), _counts(problem)
+    ty, t = _Types(problem), t or tiles(problem)
+    c = _counts(problem, t)
     bias = _present(problem.has_dt_bias, "*fp32")
     return _spec(bwd_kernels.ssd_dt_bwd_kernel,
                  (("dt_ptr", ty.dt), ("A_ptr", "*fp32"), ("bias_ptr", bias), ("dts_ptr", "*fp32"),
@@ -317,22 +353,23 @@ def dt_bwd_spec(problem) -> KernelSpec:
                       NT=c["NT"], NT_POW2=triton.next_power_of_2(c["NT"]),
                       HAS_BIAS=problem.has_dt_bias, SOFTPLUS=problem.dt_softplus,
                       SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, **ty.common),
-                 (problem.max_segments * problem.heads,))
+                 (problem.max_segments * problem.heads,), cost=model.dt_bwd_cost(problem, t))
 
 
-def param_reduce_spec(problem) -> KernelSpec:
+def param_reduce_spec(problem, t: Tiles | None = None) -> KernelSpec:
     """dA, ddt_bias and dD: fixed-order sums of the partials (+= with accumulate)."""
+    t = t or tiles(problem)
     block_h = min(16, triton.next_power_of_2(problem.heads))
     bias = _present(problem.has_dt_bias, "*fp32")
     D = _present(problem.has_D, "*fp32")
     return _spec(bwd_kernels.ssd_param_reduce_kernel,
                  (("dA_part_ptr", "*fp32"), ("dbias_part_ptr", bias), ("dD_part_ptr", D),
                   ("dA_ptr", "*fp32"), ("dbias_ptr", bias), ("dD_ptr", D), ("NUM_SEGMENTS", "i32")),
-                 dict(H=problem.heads, P=problem.head_dim, NQB=_counts(problem)["NQB"],
+                 dict(H=problem.heads, P=problem.head_dim, NQB=_counts(problem, t)["NQB"],
                       BLOCK_H=block_h, BLOCK_P=triton.next_power_of_2(problem.head_dim),
                       HAS_BIAS=problem.has_dt_bias, HAS_D=problem.has_D,
                       D_PER_CHANNEL=problem.D_per_channel, ACCUMULATE=problem.accumulate),
-                 (triton.cdiv(problem.heads, block_h),))
+                 (triton.cdiv(problem.heads, block_h),), cost=model.param_reduce_cost(problem, t))
 
 
 # -- the backend surface -----------------------------------------------------------------------
@@ -341,92 +378,111 @@ def unsupported_reason(problem) -> str | None:
     return kernel_dtype_reason("Triton scan kernels", problem.dtype)
 
 
-def _prologue(problem) -> list[Stage]:
+def _prologue(problem, t: Tiles) -> list[Stage]:
     """The segment table (varlen), the dt transform with its cumulative log-decay, and C·B."""
     ws = workspace_piece
     seg = _segment_args(problem)
     dts, acum = ws("dts"), ws("acum")
     stages = []
     if _varlen(problem):
-        stages.append(_stage(table_spec(problem), cu_ptr="cu_seqlens", off_ptr=ws("offsets"),
-                             NSEQ=problem.sequences))
+        stages.append(_stage(table_spec(problem), cu_ptr="cu_seqlens", cu_out_ptr=ws("cu"),
+                             off_ptr=ws("offsets"), NSEQ=problem.sequences,
+                             TOTAL=problem.length))
     lo, hi = problem.dt_limit
     stages += [
-        _stage(dt_cumsum_spec(problem), bias_ptr="dt_bias", dts_ptr=dts, acum_ptr=acum,
+        _stage(dt_cumsum_spec(problem, t), bias_ptr="dt_bias", dts_ptr=dts, acum_ptr=acum,
                dt_min=lo, dt_max=hi, **seg),
-        _stage(cb_spec(problem), cb_ptr=ws("cb"), **seg),
+        _stage(cb_spec(problem, t), cb_ptr=ws("cb"), **seg),
     ]
     return stages
 
 
-def _states_pass(problem, states, final) -> list[Stage]:
+def _states_pass(problem, t: Tiles, states, final) -> list[Stage]:
     """Each segment's own end state into ``states``, then the state passing along every
     sequence, leaving there the state entering each segment (last state: ``final``)."""
     ws = workspace_piece
     seg = _segment_args(problem)
     return [
-        _stage(segment_state_spec(problem, False), dts_ptr=ws("dts"), acum_ptr=ws("acum"),
+        _stage(segment_state_spec(problem, False, t), dts_ptr=ws("dts"), acum_ptr=ws("acum"),
                states_ptr=states, **seg),
-        _stage(state_passing_spec(problem), states_ptr=states, acum_ptr=ws("acum"),
+        _stage(state_passing_spec(problem, t), states_ptr=states, acum_ptr=ws("acum"),
                h0_ptr="initial_states", final_ptr=final, off_ptr=ws("offsets"), L=problem.length),
     ]
 
 
-def forward_program(problem) -> Program:
-    """Segment table (varlen), dt transform, C·B, segment states, state passing, output."""
+def forward_program(problem, config: ScanTiles | None = None) -> Program:
+    """Segment table (varlen), dt transform, C·B, segment states, state passing, output, with
+    the tile table's entry for the plan's architecture (or ``config``)."""
+    t = tiles(problem, config)
     ws = workspace_piece
     states = ws("states") if problem.recompute_states else saved_piece("states")
     seg = _segment_args(problem)
-    stages = [*_prologue(problem),
-              *_states_pass(problem, states, "final_states"),
-              _stage(chunk_scan_spec(problem), cb_ptr=ws("cb"), dts_ptr=ws("dts"),
+    stages = [*_prologue(problem, t),
+              *_states_pass(problem, t, states, "final_states"),
+              _stage(chunk_scan_spec(problem, t), cb_ptr=ws("cb"), dts_ptr=ws("dts"),
                      acum_ptr=ws("acum"), states_ptr=states, D_ptr="D", z_ptr="z",
                      ypre_ptr=saved_piece("ypre"), **seg)]
+    if _varlen(problem):
+        per_token = problem.heads * problem.head_dim
+        stages.append(_zero_stage(problem, [("y", per_token),
+                                            *((("ypre", per_token),) if problem.has_z else ())]))
     return Program(workspace=forward_workspace(problem), saved=saved_layout(problem),
                    stages=tuple(stages))
 
 
-def backward_program(problem) -> Program:
+def backward_program(problem, config: ScanTiles | None = None) -> Program:
     """The forward's prologue recomputed (and its states with recompute_states), the gate,
     the state gradients forward and backwards along each sequence, dx, d(C·B), the straddling
-    pairs of the log-decay gradient, dB, dC, ddt and the fixed-order parameter reduction."""
+    pairs of the log-decay gradient, dB, dC, ddt and the fixed-order parameter reduction (tiles:
+    the table's entry, or ``config``)."""
+    t = tiles(problem, config)
     ws = workspace_piece
     seg = _segment_args(problem)
-    stages = _prologue(problem)
+    stages = _prologue(problem, t)
     if problem.recompute_states:
         states = ws("states")
-        stages += _states_pass(problem, states, ws("final"))
+        stages += _states_pass(problem, t, states, ws("final"))
     else:
         states = saved_piece("states")
     dy = "dy"
     if problem.has_z:
-        stages.append(_stage(gate_spec(problem), ypre_ptr=saved_piece("ypre"),
+        stages.append(_stage(gate_spec(problem, t), ypre_ptr=saved_piece("ypre"),
                              dypre_ptr=ws("dypre"),
                              NUMEL=problem.batch * problem.length * problem.heads * problem.head_dim))
         dy = ws("dypre")
     lo, hi = problem.dt_limit
     fixed = dict(dts_ptr=ws("dts"), acum_ptr=ws("acum"), **seg)
     stages += [
-        _stage(segment_state_spec(problem, True), x_ptr=dy, B_ptr="C", states_ptr=ws("dstates"),
+        _stage(segment_state_spec(problem, True, t), x_ptr=dy, B_ptr="C", states_ptr=ws("dstates"),
                **fixed),
-        _stage(state_passing_bwd_spec(problem), dstates_ptr=ws("dstates"), states_ptr=states,
+        _stage(state_passing_bwd_spec(problem, t), dstates_ptr=ws("dstates"), states_ptr=states,
                acum_ptr=ws("acum"), dfinal_ptr="dfinal_states", dh0_ptr="dinitial_states",
                v_ptr=ws("v"), off_ptr=ws("offsets"), L=problem.length),
-        _stage(dx_spec(problem), dy_ptr=dy, cb_ptr=ws("cb"), dstates_ptr=ws("dstates"), D_ptr="D",
+        _stage(dx_spec(problem, t), dy_ptr=dy, cb_ptr=ws("cb"), dstates_ptr=ws("dstates"), D_ptr="D",
                ddt_part_ptr=ws("ddt_part"), dD_part_ptr=ws("dD_part"), **fixed),
-        _stage(dcb_spec(problem), dy_ptr=dy, dcb_ptr=ws("dcb"), **fixed),
-        _stage(dacs_intra_spec(problem), dy_ptr=dy, cb_ptr=ws("cb"), part_ptr=ws("intra"), **fixed),
-        _stage(dbc_spec(problem, True), dy_ptr=dy, dcb_ptr=ws("dcb"), states_ptr=states,
+        _stage(dcb_spec(problem, t), dy_ptr=dy, dcb_ptr=ws("dcb"), **fixed),
+        _stage(dacs_intra_spec(problem, t), dy_ptr=dy, cb_ptr=ws("cb"), part_ptr=ws("intra"), **fixed),
+        _stage(dbc_spec(problem, True, t), dy_ptr=dy, dcb_ptr=ws("dcb"), states_ptr=states,
                dstates_ptr=ws("dstates"), out_ptr="dB", uw_part_ptr=ws("w"), **fixed),
-        _stage(dbc_spec(problem, False), dy_ptr=dy, dcb_ptr=ws("dcb"), states_ptr=states,
+        _stage(dbc_spec(problem, False, t), dy_ptr=dy, dcb_ptr=ws("dcb"), states_ptr=states,
                dstates_ptr=ws("dstates"), out_ptr="dC", uw_part_ptr=ws("u"), **fixed),
-        _stage(dt_bwd_spec(problem), bias_ptr="dt_bias", intra_ptr=ws("intra"),
+        _stage(dt_bwd_spec(problem, t), bias_ptr="dt_bias", intra_ptr=ws("intra"),
                ddt_part_ptr=ws("ddt_part"), u_part_ptr=ws("u"), w_part_ptr=ws("w"), v_ptr=ws("v"),
                dA_part_ptr=ws("dA_part"), dbias_part_ptr=ws("dbias_part"), dt_min=lo, dt_max=hi,
                **fixed),
-        _stage(param_reduce_spec(problem), dA_part_ptr=ws("dA_part"),
+        _stage(param_reduce_spec(problem, t), dA_part_ptr=ws("dA_part"),
                dbias_part_ptr=ws("dbias_part"), dD_part_ptr=ws("dD_part"), dbias_ptr="ddt_bias",
                NUM_SEGMENTS=problem.max_segments),
     ]
-    return Program(workspace=backward_workspace(problem), saved=saved_layout(problem),
+    if _varlen(problem):
+        per_token = problem.heads * problem.head_dim
+        group_rows = problem.groups * problem.state
+        stages.append(_zero_stage(problem, [("dx", per_token), ("ddt", problem.heads),
+                                            ("dB", group_rows), ("dC", group_rows),
+                                            *((("dz", per_token),) if problem.has_z else ())]))
+    return Program(workspace=backward_workspace(problem, t), saved=saved_layout(problem),
                    stages=tuple(stages))
+
+
+forward_candidates = candidates
+backward_candidates = candidates

@@ -7,13 +7,21 @@ backends/torch/mamba2.py). Workspace tensors, all fp32, indexed by segment σ:
     states [S, H, P, N] the segment's own state contribution, turned in place into the state
                        entering the segment by the state-passing kernel
 
-Tokens are addressed in the flattened [b·l] index with 64-bit offsets.
+Tokens are addressed in the flattened [b·l] index with 64-bit offsets. With packed sequences
+the first kernel sanitises cu_seqlens into the workspace (c'[i] = clamp(c[i], c'[i-1], total),
+c'[0] = clamp(c[0], 0, total); Status.CU_SEQLENS when c[0] != 0 or c' != c) and every later
+kernel reads that copy, so whatever cu_seqlens holds no segment leaves the packed tokens and no
+sequence has more segments than the workspace holds.
 """
 
 import triton
 import triton.language as tl
 
-from .tiles import last_at_most, mm
+from fusedops.core.status import Status
+
+from .tiles import last_at_most, mm, report_if
+
+CU_SEQLENS_BIT: tl.constexpr = tl.constexpr(int(Status.CU_SEQLENS))
 
 
 @triton.jit
@@ -50,17 +58,71 @@ def sequence_segments(i_s, off_ptr, L, Q: tl.constexpr, VARLEN: tl.constexpr):
 
 
 @triton.jit
-def ssd_segment_table_kernel(cu_ptr, off_ptr, NSEQ, Q: tl.constexpr, BLOCK: tl.constexpr):
-    """off[s] = sum over s' < s of ceil(len_s' / Q): the first segment of every sequence."""
-    carry = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def ssd_segment_table_kernel(cu_ptr, cu_out_ptr, off_ptr, status_ptr, NSEQ, TOTAL,
+                             Q: tl.constexpr, BLOCK: tl.constexpr, HAS_STATUS: tl.constexpr):
+    """One program. cu_out = the sanitised cu_seqlens (the running maximum of max(c, 0), capped
+    at TOTAL), reporting CU_SEQLENS when c[0] != 0 or any entry changed; then off[s] = sum over
+    s' < s of ceil(len_s' / Q) of the sanitised lengths: the first segment of every sequence."""
+    zero = tl.sum(tl.zeros([BLOCK], dtype=tl.int32), axis=0)
+    carry = zero
+    bad = tl.load(cu_ptr) != 0
+    for s0 in range(0, NSEQ + 1, BLOCK):
+        o = s0 + tl.arange(0, BLOCK)
+        m = o <= NSEQ
+        c = tl.load(cu_ptr + o, mask=m, other=0)
+        clean = tl.minimum(tl.maximum(tl.associative_scan(c, 0, _maximum), carry), TOTAL)
+        tl.store(cu_out_ptr + o, clean, mask=m)
+        bad = bad | (tl.max((m & (clean != c)).to(tl.int32), axis=0) != 0)
+        carry = tl.maximum(carry, tl.max(tl.where(m, c, 0), axis=0))
+    report_if(status_ptr, bad, CU_SEQLENS_BIT, HAS_STATUS)
+    tl.debug_barrier()                  # the sanitised copy, written by every thread, is read next
+    carry = zero
     tl.store(off_ptr, carry)
     for s0 in range(0, NSEQ, BLOCK):
         o = s0 + tl.arange(0, BLOCK)
         m = o < NSEQ
-        lengths = tl.load(cu_ptr + o + 1, mask=m, other=0) - tl.load(cu_ptr + o, mask=m, other=0)
+        lengths = tl.load(cu_out_ptr + o + 1, mask=m, other=0) - tl.load(cu_out_ptr + o, mask=m, other=0)
         counts = (lengths + Q - 1) // Q
         tl.store(off_ptr + o + 1, carry + tl.cumsum(counts, axis=0), mask=m)
         carry += tl.sum(counts, axis=0)
+
+
+@triton.jit
+def _zero_rows(ptr, o_t, m_t, W: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr):
+    """ptr[t, :W] = 0 for the BT tokens o_t where m_t (rows of W elements)."""
+    if W > 0:
+        for w0 in range(0, W, BW):
+            o_w = w0 + tl.arange(0, BW)
+            p = o_t.to(tl.int64)[:, None] * W + o_w[None, :]
+            tl.store(ptr + p, tl.zeros([BT, BW], dtype=ptr.dtype.element_ty),
+                     mask=m_t[:, None] & (o_w < W)[None, :])
+
+
+@triton.jit
+def ssd_zero_uncovered_kernel(cu_ptr, out0_ptr, out1_ptr, out2_ptr, out3_ptr, out4_ptr, L, NSEQ,
+                              W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
+                              W3: tl.constexpr, W4: tl.constexpr, BT: tl.constexpr,
+                              BW: tl.constexpr):
+    """Packed sequences: zeroes the rows of up to five per-token outputs (row widths W0..W4; 0:
+    absent) at the tokens no sequence covers, [0, c'[0]) and [c'[nseq], L) of the sanitised
+    offsets. A block of covered tokens (every one, for valid offsets) returns at once."""
+    t0 = tl.program_id(0) * BT
+    lo = tl.load(cu_ptr)
+    hi = tl.load(cu_ptr + NSEQ)
+    if (t0 >= lo) & (t0 + BT <= hi):
+        return
+    o_t = t0 + tl.arange(0, BT)
+    m_t = (o_t < L) & ((o_t < lo) | (o_t >= hi))
+    _zero_rows(out0_ptr, o_t, m_t, W0, BT, BW)
+    _zero_rows(out1_ptr, o_t, m_t, W1, BT, BW)
+    _zero_rows(out2_ptr, o_t, m_t, W2, BT, BW)
+    _zero_rows(out3_ptr, o_t, m_t, W3, BT, BW)
+    _zero_rows(out4_ptr, o_t, m_t, W4, BT, BW)
 
 
 @triton.jit

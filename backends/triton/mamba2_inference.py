@@ -6,25 +6,41 @@ the T tokens and is rounded only where it is written (every checkpoint_period to
 token, and every snapshot). Stochastic rounding draws from Philox-4x32-10 keyed by the row's seed
 and countered by (element index, offset + t); the torch backend mirrors it bit for bit. Kernel
 arguments carry the plan's tensor names; absent optional operands (D, z, dt_bias, the slot
-indices, the seeds and offsets, the snapshots) are compiled out.
+indices, the seeds and offsets, the snapshots, the status word) are compiled out.
+
+Index data (any values): a row whose slot is negative (padding) or past the cache
+(Status.SLOT_INDEX) is skipped: its programs write zeros to its y rows and snapshots and touch
+no slot; the rollback skips a row whose accepted count is outside [0, T]
+(Status.ACCEPTED_COUNT) or whose slot is invalid.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, replace
 
 import torch
 import triton
 import triton.language as tl
 
-from fusedops.core.dtypes import kernel_dtype_reason
+from fusedops.core.cost import Cost
+from fusedops.core.dtypes import element_size, kernel_dtype_reason
 from fusedops.core.program import Program, Stage
-from fusedops.mamba2_inference.contract import SOFTPLUS_THRESHOLD, DecodeProblem
+from fusedops.core.status import Status
+from fusedops.core.target import target_arch
+from fusedops.mamba2_inference.contract import (SOFTPLUS_THRESHOLD, UPDATE_FLOPS_PER_ELEMENT,
+                                                DecodeProblem)
 
 from . import interpreter_active
 from .rounding import nearest_even, stochastic
 from .runtime import KernelSpec, pointer_type
+from .tiles import report_if
 
-__all__ = ["rollback_program", "rollback_spec", "unsupported_reason", "update_program",
-           "update_spec"]
+SLOT_INDEX_BIT: tl.constexpr = tl.constexpr(int(Status.SLOT_INDEX))
+ACCEPTED_COUNT_BIT: tl.constexpr = tl.constexpr(int(Status.ACCEPTED_COUNT))
+
+__all__ = ["TILES", "DecodeTiles", "candidates", "rollback_candidates", "rollback_program",
+           "rollback_spec", "tiles_for", "unsupported_reason", "update_candidates",
+           "update_program", "update_spec"]
 
 
 @triton.jit
@@ -45,27 +61,38 @@ def stored(S, elements, seed, counter, DTYPE: tl.constexpr, STOCHASTIC: tl.const
 @triton.jit
 def ssd_state_update_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr,
                             dt_bias_ptr, state_batch_indices_ptr, rng_seed_ptr, rng_offset_ptr,
-                            y_ptr, snapshots_ptr, SLOTS, T, dt_min, dt_max,
+                            y_ptr, snapshots_ptr, status_ptr, SLOTS, T, dt_min, dt_max,
                             H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
                             N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                             PERIOD: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
                             HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
                             HAS_INDICES: tl.constexpr, STOCHASTIC: tl.constexpr,
                             HAS_SNAPSHOTS: tl.constexpr, EXACT_NEAREST: tl.constexpr,
-                            SOFTPLUS_THRESHOLD: tl.constexpr):
+                            SOFTPLUS_THRESHOLD: tl.constexpr, HAS_STATUS: tl.constexpr):
     i_b, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    if HAS_INDICES:
-        slot = tl.load(state_batch_indices_ptr + i_b).to(tl.int64)
-    else:
-        slot = i_b.to(tl.int64)
-    if (slot < 0) | (slot >= SLOTS):     # padding (or out of the cache): nothing is touched
-        return
-    i_g = i_h // (H // G)
     o_p = i_p * BP + tl.arange(0, BP)
     o_n = tl.arange(0, BN)
     m_p, m_n = o_p < P, o_n < N
     m_pn = m_p[:, None] & m_n[None, :]
     DTYPE = state_ptr.dtype.element_ty
+    o_snap = (i_b.to(tl.int64) * (T + 1) * H + i_h) * (P * N) + o_p[:, None] * N + o_n[None, :]
+    if HAS_INDICES:
+        slot = tl.load(state_batch_indices_ptr + i_b).to(tl.int64)
+    else:
+        slot = i_b.to(tl.int64)
+    if (slot < 0) | (slot >= SLOTS):
+        # padding, or past the cache (reported once per row): no slot is touched, y and the
+        # snapshots of the row are 0
+        report_if(status_ptr, (slot >= SLOTS) & (i_h == 0) & (i_p == 0), SLOT_INDEX_BIT, HAS_STATUS)
+        for t in range(T):
+            p_x = (i_b.to(tl.int64) * T + t) * (H * P) + i_h * P + o_p
+            tl.store(y_ptr + p_x, tl.zeros([BP], dtype=y_ptr.dtype.element_ty), mask=m_p)
+        if HAS_SNAPSHOTS:
+            for t in range(T + 1):
+                tl.store(snapshots_ptr + o_snap + t * (H * P * N),
+                         tl.zeros([BP, BN], dtype=DTYPE), mask=m_pn)
+        return
+    i_g = i_h // (H // G)
     elements = (i_h * P + o_p[:, None]) * N + o_n[None, :]
     p_state = state_ptr + (slot * H + i_h) * (P * N) + o_p[:, None] * N + o_n[None, :]
     b_raw = tl.load(p_state, mask=m_pn, other=0.0)
@@ -76,7 +103,6 @@ def ssd_state_update_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr
     else:
         seed = 0
         offset = 0
-    o_snap = (i_b.to(tl.int64) * (T + 1) * H + i_h) * (P * N) + o_p[:, None] * N + o_n[None, :]
     if HAS_SNAPSHOTS:
         tl.store(snapshots_ptr + o_snap, b_raw, mask=m_pn)
     b_A = tl.load(A_ptr + i_h)
@@ -117,16 +143,19 @@ def ssd_state_update_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr
 
 
 @triton.jit
-def ssd_rollback_kernel(state_ptr, snapshots_ptr, accepted_ptr, state_batch_indices_ptr, SLOTS,
-                        T: tl.constexpr, NUMEL: tl.constexpr, BLOCK: tl.constexpr,
-                        HAS_INDICES: tl.constexpr):
+def ssd_rollback_kernel(state_ptr, snapshots_ptr, accepted_ptr, state_batch_indices_ptr,
+                        status_ptr, SLOTS, T: tl.constexpr, NUMEL: tl.constexpr,
+                        BLOCK: tl.constexpr, HAS_INDICES: tl.constexpr, HAS_STATUS: tl.constexpr):
     i_b, i_t = tl.program_id(0), tl.program_id(1)
     if HAS_INDICES:
         slot = tl.load(state_batch_indices_ptr + i_b).to(tl.int64)
     else:
         slot = i_b.to(tl.int64)
     acc = tl.load(accepted_ptr + i_b).to(tl.int64)
-    if (slot < 0) | (slot >= SLOTS) | (acc < 0) | (acc > T):
+    bad_acc = (acc < 0) | (acc > T)
+    report_if(status_ptr, bad_acc & (i_t == 0), ACCEPTED_COUNT_BIT, HAS_STATUS)
+    report_if(status_ptr, (slot >= SLOTS) & (i_t == 0), SLOT_INDEX_BIT, HAS_STATUS)
+    if (slot < 0) | (slot >= SLOTS) | bad_acc:      # skipped: the slot keeps its state
         return
     o = i_t * BLOCK + tl.arange(0, BLOCK)
     m = o < NUMEL
@@ -134,14 +163,98 @@ def ssd_rollback_kernel(state_ptr, snapshots_ptr, accepted_ptr, state_batch_indi
     tl.store(state_ptr + slot * NUMEL + o, b, mask=m)
 
 
-def _p_tile(problem) -> int:
-    """Head-dim rows per program: 16, or 8 with stochastic rounding (Philox keeps four 32-bit
-    words per element live), so about 16 (8) state elements per thread at n = 128."""
-    return max(1, min(8 if problem.stochastic else 16, triton.next_power_of_2(problem.head_dim)))
+# -- tiles -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class DecodeTiles:
+    """One entry of the block table. BP: head-dim rows per update program (nearest rounding);
+    BP_STOCHASTIC: the same with stochastic rounding (Philox keeps four 32-bit words per element
+    live); ELEMENTS_PER_WARP: state elements per warp (warps = BP·n / it, at most MAX_WARPS);
+    ROLLBACK_BLOCK: state elements per rollback program."""
+
+    BP: int = 16
+    BP_STOCHASTIC: int = 8
+    ELEMENTS_PER_WARP: int = 256
+    MAX_WARPS: int = 8
+    ROLLBACK_BLOCK: int = 4096
 
 
-def update_spec(problem) -> KernelSpec:
+TILES = {
+    "sm_80": (DecodeTiles(16, 8, 256, 8, 4096),
+              "A100 (108 SMs, 64K registers per SM): today's blocks, 8 state elements per "
+              "thread at n = 128 (16 x 128 over 8 warps); b·h·p/16 programs (32768 at b = 256) "
+              "fill the SMs many times over; no measurement yet"),
+    "sm_90": (DecodeTiles(16, 8, 256, 8, 4096),
+              "H100/H200 (132 SMs): today's blocks, the state tile in fp32 registers, 8 elements "
+              "per thread (stochastic: 8 rows, 4 warps, Philox within 128 registers); no "
+              "measurement yet"),
+    "sm_100": (DecodeTiles(16, 8, 256, 8, 4096),
+               "B200 (148 SMs): today's blocks; no measurement yet"),
+}
+
+
+def tiles_for(problem) -> DecodeTiles:
+    """The block table's entry for the plan's architecture."""
+    return TILES[target_arch(problem.device)][0]
+
+
+def candidates(problem) -> list[DecodeTiles]:
+    """Autotune candidates: the table's entry first, then 32 and 8 head-dim rows per update
+    program (fewer B/C re-reads per head, or more programs) and 2048 / 8192 elements per
+    rollback program."""
+    base = tiles_for(problem)
+    out = [base, replace(base, BP=32, BP_STOCHASTIC=16), replace(base, BP=8, BP_STOCHASTIC=4),
+           replace(base, ROLLBACK_BLOCK=2048), replace(base, ROLLBACK_BLOCK=8192)]
+    return list(dict.fromkeys(out))
+
+
+update_candidates = candidates
+rollback_candidates = candidates
+
+
+def _p_tile(problem, tiles: DecodeTiles | None = None) -> int:
+    """Head-dim rows per program: the table's BP (BP_STOCHASTIC with stochastic rounding), at
+    most p rounded up to a power of two."""
+    tiles = tiles or tiles_for(problem)
+    rows = tiles.BP_STOCHASTIC if problem.stochastic else tiles.BP
+    return max(1, min(rows, triton.next_power_of_2(problem.head_dim)))
+
+
+def update_cost(problem, bp: int) -> Cost:
+    """Per (row, head, p tile) program, every row valid: the [BP, n] state tile read once and
+    written once (and written as every snapshot); per token the dt scalar (read by the NPB p-tile
+    programs of the head), x (and z) rows read and y written once, and the group's B and C rows,
+    re-read by every head of the group and every p tile (b·T·h·NPB·2·n·e); the slot index and
+    seeds per program; A, D, dt_bias slices counted once (every row's programs read them).
+    FLOPs: 5 per state element and token over the padded tile, the dt transform, D and the
+    gate."""
+    b, T, h, p, n = problem.batch, problem.tokens, problem.heads, problem.head_dim, problem.state
+    e, edt = element_size(problem.dtype), element_size(problem.dt_dtype)
+    npb, bn = triton.cdiv(p, bp), triton.next_power_of_2(n)
+    state = b * h * p * n * element_size(problem.state_dtype)
+    xbytes = b * T * h * p * e
+    params = 4 * (h + (h * p if problem.D_per_channel else h) * problem.has_D
+                  + h * problem.has_dt_bias)
+    read = (state + xbytes * (1 + problem.has_z) + b * T * h * npb * (edt + 2 * n * e) + params
+            + b * h * npb * (4 * problem.has_indices + 16 * problem.stochastic))
+    written = state + xbytes + (T + 1) * state * problem.has_snapshots
+    flops = (UPDATE_FLOPS_PER_ELEMENT * b * T * h * npb * bp * bn + b * T * h * npb * 12
+             + b * T * h * p * (2 * problem.has_D + 5 * problem.has_z))
+    return Cost(flops, read, written)
+
+
+def rollback_cost(problem, block: int) -> Cost:
+    """Per (row, tile) program, every row valid: the row's accepted count and slot (read by
+    each of its tiles' programs), one snapshot tile read and the slot's tile written."""
+    row = problem.state_numel * element_size(problem.state_dtype)
+    programs = problem.batch * triton.cdiv(problem.state_numel, block)
+    return Cost(0, problem.batch * row + programs * (4 + 4 * problem.has_indices),
+                problem.batch * row)
+
+
+def update_spec(problem, tiles: DecodeTiles | None = None) -> KernelSpec:
     """The state update over the T tokens: one program per (row, head, head-dim tile)."""
+    tiles = tiles or tiles_for(problem)
+    bp = _p_tile(problem, tiles)
     xt, st = pointer_type(problem.dtype), pointer_type(problem.state_dtype)
 
     def present(flag, triton_type):
@@ -153,35 +266,40 @@ def update_spec(problem) -> KernelSpec:
             ("state_batch_indices_ptr", present(problem.has_indices, "*i32")),
             ("rng_seed_ptr", present(problem.stochastic, "*i64")),
             ("rng_offset_ptr", present(problem.stochastic, "*i64")), ("y_ptr", xt),
-            ("snapshots_ptr", present(problem.has_snapshots, st)), ("SLOTS", "i32"), ("T", "i32"),
+            ("snapshots_ptr", present(problem.has_snapshots, st)),
+            ("status_ptr", present(problem.has_status, "*i32")), ("SLOTS", "i32"), ("T", "i32"),
             ("dt_min", "fp32"), ("dt_max", "fp32"))
+    bn = triton.next_power_of_2(problem.state)
     constexprs = dict(H=problem.heads, G=problem.groups, P=problem.head_dim,
-                      N=problem.state, BP=_p_tile(problem), BN=triton.next_power_of_2(problem.state),
+                      N=problem.state, BP=bp, BN=bn,
                       PERIOD=problem.checkpoint_period, HAS_D=problem.has_D,
                       D_PER_CHANNEL=problem.D_per_channel, HAS_Z=problem.has_z,
                       HAS_BIAS=problem.has_dt_bias, SOFTPLUS=problem.dt_softplus,
                       HAS_INDICES=problem.has_indices, STOCHASTIC=problem.stochastic,
                       HAS_SNAPSHOTS=problem.has_snapshots,
                       EXACT_NEAREST=interpreter_active() and problem.state_dtype == torch.bfloat16,
-                      SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD)
-    warps = max(1, min(8, _p_tile(problem) * triton.next_power_of_2(problem.state) // 256))
-    grid = (problem.batch, problem.heads, triton.cdiv(problem.head_dim, _p_tile(problem)))
+                      SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, HAS_STATUS=problem.has_status)
+    warps = max(1, min(tiles.MAX_WARPS, bp * bn // tiles.ELEMENTS_PER_WARP))
+    grid = (problem.batch, problem.heads, triton.cdiv(problem.head_dim, bp))
     # with Philox, ptxas otherwise settles at ~72 registers and keeps a small stack frame
     return KernelSpec.make(ssd_state_update_kernel, args, constexprs, grid, num_warps=warps,
-                           num_stages=1, maxnreg=128 if problem.stochastic else None)
+                           num_stages=1, maxnreg=128 if problem.stochastic else None,
+                           cost=update_cost(problem, bp))
 
 
-def rollback_spec(problem) -> KernelSpec:
+def rollback_spec(problem, tiles: DecodeTiles | None = None) -> KernelSpec:
     """The rollback: one program per (row, tile of the [h, p, n] state)."""
+    tiles = tiles or tiles_for(problem)
     st = pointer_type(problem.state_dtype)
-    block = min(4096, triton.next_power_of_2(problem.state_numel))
+    block = min(tiles.ROLLBACK_BLOCK, triton.next_power_of_2(problem.state_numel))
     constexprs = dict(T=problem.tokens, NUMEL=problem.state_numel, BLOCK=block,
-                      HAS_INDICES=problem.has_indices)
+                      HAS_INDICES=problem.has_indices, HAS_STATUS=problem.has_status)
     args = (("state_ptr", st), ("snapshots_ptr", st), ("accepted_ptr", "*i32"),
-            ("state_batch_indices_ptr", "*i32" if problem.has_indices else None), ("SLOTS", "i32"))
+            ("state_batch_indices_ptr", "*i32" if problem.has_indices else None),
+            ("status_ptr", "*i32" if problem.has_status else None), ("SLOTS", "i32"))
     return KernelSpec.make(ssd_rollback_kernel, args, constexprs,
                            (problem.batch, triton.cdiv(problem.state_numel, block)), num_warps=4,
-                           num_stages=1)
+                           num_stages=1, cost=rollback_cost(problem, block))
 
 
 # -- the backend surface -----------------------------------------------------------------------
@@ -191,13 +309,15 @@ def unsupported_reason(problem) -> str | None:
     return kernel_dtype_reason("Triton Mamba2 inference kernels", dtype)
 
 
-def update_program(problem) -> Program:
-    """One launch: every row, head and head-dim tile over the T tokens."""
+def update_program(problem, config: DecodeTiles | None = None) -> Program:
+    """One launch: every row, head and head-dim tile over the T tokens (blocks: the table's
+    entry for the plan's architecture, or ``config``)."""
     lo, hi = problem.dt_limit
-    return Program(stages=(Stage(update_spec(problem), dict(SLOTS=problem.slots, T=problem.tokens,
-                                                            dt_min=lo, dt_max=hi)),))
+    return Program(stages=(Stage(update_spec(problem, config),
+                                 dict(SLOTS=problem.slots, T=problem.tokens, dt_min=lo,
+                                      dt_max=hi)),))
 
 
-def rollback_program(problem) -> Program:
+def rollback_program(problem, config: DecodeTiles | None = None) -> Program:
     """One launch: every row's accepted snapshot, tile by tile, into its slot."""
-    return Program(stages=(Stage(rollback_spec(problem), dict(SLOTS=problem.slots)),))
+    return Program(stages=(Stage(rollback_spec(problem, config), dict(SLOTS=problem.slots)),))

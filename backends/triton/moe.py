@@ -6,6 +6,9 @@ shared expert's dense ones), the fixed-order combine. Backward: the down and up 
 routing-weight gradient's fixed-order sum, the weight-gradient GEMMs (and the shared expert's),
 the combine. Operands a program does not have (the shared expert's buffers, u in an inference
 forward, the routing weights of an unweighted GEMM) are compiled out, never aliased.
+
+Tiles come from the per-architecture table in moe_tiles.py (``config=`` a candidate of it);
+every kernel spec carries its cost model from moe_cost.py.
 """
 
 from __future__ import annotations
@@ -15,39 +18,30 @@ import math
 import torch
 import triton
 
-from fusedops.core.dtypes import kernel_dtype_reason
+from fusedops.core.dtypes import element_size, kernel_dtype_reason
 from fusedops.core.program import Program, Stage, saved_piece, workspace_piece
+from fusedops.core.target import target_arch
 from fusedops.core.workspace import EMPTY, Layout
 
+from . import moe_cost as C
 from . import moe_kernels as K
+from .moe_tiles import (MoETiles, candidates, dense_bm, gemm_blocks, max_rows, routed_bm, row_tile,
+                        tiles_for, wgrad_blocks)
 from .runtime import KernelSpec, numerics, pointer_type
 
 BLOCK_A = 256        # assignments per dispatch program
 EXPERT_CHUNK = 32    # experts per one-hot tile in the dispatch
 SCAN_BLOCKS = 64     # dispatch blocks per step of the prefix scan
-GROUP_M = 8          # row tiles per L2 group of the grouped GEMM
 REDUCE_BLOCK = 256   # assignments per program of the routing-weight gradient's sum
 COMBINE_ROWS = 16    # tokens per combine program
+
+__all__ = ["backward_candidates", "backward_program", "backward_workspace", "forward_candidates",
+           "forward_program", "forward_workspace", "max_rows", "row_tile", "saved_layout",
+           "unsupported_reason"]
 
 # moe_kernels' epilogues and operand row sources
 EPI_UP, EPI_SCATTER, EPI_DGRAD_ACT = 0, 1, 2
 BY_ROW, BY_TOKEN, BY_ASSIGNMENT = 0, 1, 2
-
-
-def row_tile(problem) -> int:
-    """Rows per GEMM tile, which is also the padding of every expert's rows: 128 when experts
-    average >= 96 assignments, down to 16 for decode-sized batches."""
-    mean = problem.assignments / problem.experts
-    for tile, least in ((128, 96), (64, 48), (32, 24)):
-        if mean >= least:
-            return tile
-    return 16
-
-
-def max_rows(problem) -> int:
-    """Upper bound of the dispatched rows: t·k + E·(tile - 1), whatever the routing."""
-    tile = row_tile(problem)
-    return triton.cdiv(problem.assignments + problem.experts * (tile - 1), tile) * tile
 
 
 def _dispatch_blocks(problem) -> int:
@@ -80,7 +74,8 @@ def saved_layout(problem) -> Layout:
 def forward_workspace(problem) -> Layout:
     """Dispatch block counts [NB, E_pad] int32, (the dispatch itself for is_inference), the
     activations [max_rows, I] (x's dtype), the weighted expert outputs [t·k, H] fp32, and the
-    shared expert's [t, I_shared] activations and [t, H] fp32 output."""
+    shared expert's [t, I_shared] activations and [t, H] fp32 output (the same for every
+    candidate: the row tile is the table's)."""
     pieces = [("part", torch.int32, _dispatch_blocks(problem) * _experts_padded(problem))]
     if problem.is_inference:
         pieces += _dispatch_pieces(problem)
@@ -92,20 +87,22 @@ def forward_workspace(problem) -> Layout:
         ("shared_y", torch.float32, t * H if problem.has_shared else 0)])
 
 
-def _column_tiles(problem) -> int:
-    return triton.cdiv(problem.intermediate, _gemm_blocks(problem, problem.hidden,
-                                                            problem.intermediate, 16)[1])
+def _column_tiles(problem, tiles: MoETiles) -> int:
+    """Column tiles of the dgrad-down GEMM (N = I): the routing-weight gradient's partials."""
+    return triton.cdiv(problem.intermediate,
+                       gemm_blocks(problem, problem.hidden, problem.intermediate, 16, tiles)[1])
 
 
-def backward_workspace(problem) -> Layout:
+def backward_workspace(problem, tiles: MoETiles | None = None) -> Layout:
     """d_u [max_rows, I] (x's dtype), the per-assignment d_x rows [t·k, H] fp32, the routing
-    weight gradient's partial sums [I / BN, t·k] fp32, and the shared expert's d_u [t, I_shared]
-    and d_x [t, H] fp32."""
+    weight gradient's partial sums [I / BN, t·k] fp32 (BN: the configuration's), and the
+    shared expert's d_u [t, I_shared] and d_x [t, H] fp32."""
+    tiles = tiles or tiles_for(problem)
     t, H = problem.tokens, problem.hidden
     return Layout([
         ("d_u", problem.dtype, max_rows(problem) * problem.intermediate),
         ("dx", torch.float32, problem.assignments * H),
-        ("dw_part", torch.float32, _column_tiles(problem) * problem.assignments),
+        ("dw_part", torch.float32, _column_tiles(problem, tiles) * problem.assignments),
         ("shared_d_u", problem.dtype, t * problem.shared_intermediate),
         ("shared_dx", torch.float32, t * H if problem.has_shared else 0)])
 
@@ -115,17 +112,6 @@ def _numerics(problem) -> dict:
     """UPCAST/IEEE, and EXACT: round to bf16 explicitly where the interpreter truncates."""
     flags = numerics(problem.dtype)
     return dict(flags, EXACT=flags["UPCAST"])
-
-
-def _gemm_blocks(problem, kdim: int, ndim: int, bm: int) -> tuple[int, int, int, int]:
-    """(BM, BN, BK, warps) of the grouped GEMM."""
-    bn = min(128, max(16, triton.next_power_of_2(ndim)))
-    bk = min(32 if problem.dtype == torch.float32 else 64, max(16, triton.next_power_of_2(kdim)))
-    return bm, bn, bk, 8 if bm * bn >= 64 * 128 else 4
-
-
-def _dense_tile(problem) -> int:
-    return min(128, max(16, triton.next_power_of_2(problem.tokens)))
 
 
 def _weight_strides(problem, shared: bool) -> dict[str, tuple[int, int, int]]:
@@ -139,16 +125,27 @@ def _dispatch_bind(home) -> dict:
     return dict(sorted_ptr=home("sorted"), offsets_ptr=home("offsets"), counts_ptr=home("counts"))
 
 
-def gemm_stage(problem, *, routed: bool, kdim: int, ndim: int, strides, epilogue: int,
-               a_by_token: bool, a, b, out, out_dtype=None, weighted: bool = False, u=None,
-               part=None, home=saved_piece) -> Stage:
+def _epilogue_flops(epilogue: int, weighted: bool) -> int:
+    """CUDA-core FLOPs per output element: UP relu and square; SCATTER the routing weight (when
+    weighted); DGRAD_ACT relu and 2·relu(u)·g, and when weighted the square, the <g, a> product
+    and sum and the weight."""
+    if epilogue == EPI_UP:
+        return 2
+    if epilogue == EPI_SCATTER:
+        return int(weighted)
+    return 7 if weighted else 3
+
+
+def gemm_stage(problem, tiles: MoETiles, *, routed: bool, kdim: int, ndim: int, strides,
+               epilogue: int, a_by_token: bool, a, b, out, out_dtype=None, weighted: bool = False,
+               u=None, part=None, home=saved_piece) -> Stage:
     """One grouped GEMM launch: A (``a``, gathered by token or read by row) times W[e] (``b``
     through ``strides``) into ``out`` with ``epilogue`` (EPI_*). ``u``: the u buffer
     the epilogue writes (EPI_UP) or reads (EPI_DGRAD_ACT); ``part``: the <g, a> partials;
     ``weighted``: scale by the routing weights; ``home``: where the dispatch lives. Absent
     operands are compiled out."""
-    bm = row_tile(problem) if routed else _dense_tile(problem)
-    bm, bn, bk, warps = _gemm_blocks(problem, kdim, ndim, bm)
+    bm = routed_bm(problem, tiles) if routed else dense_bm(problem, tiles)
+    bm, bn, bk, warps = gemm_blocks(problem, kdim, ndim, bm, tiles)
     t = pointer_type(problem.dtype)
     index = "*i32" if routed else None
     args = (("a_ptr", t), ("b_ptr", t), ("sorted_ptr", index), ("offsets_ptr", index),
@@ -160,12 +157,21 @@ def gemm_stage(problem, *, routed: bool, kdim: int, ndim: int, strides, epilogue
     const = dict(K_TOP=problem.top_k if routed else 1, E=problem.experts if routed else 1,
                  KDIM=kdim, NDIM=ndim, STRIDE_BE=be, STRIDE_BK=bks, STRIDE_BN=bns, ROUTED=routed,
                  A_BY_TOKEN=a_by_token, EPILOGUE=epilogue, WEIGHTED=weighted,
-                 SAVE_U=epilogue == EPI_UP and u is not None, BM=bm, BN=bn, BK=bk, GROUP_M=GROUP_M,
+                 SAVE_U=epilogue == EPI_UP and u is not None, BM=bm, BN=bn, BK=bk,
+                 GROUP_M=tiles.group_m,
                  STEPS=max(1, math.ceil(math.log2(max(problem.experts, 2)))) + 1,
                  **_numerics(problem))
     m_tiles = triton.cdiv(max_rows(problem) if routed else problem.tokens, bm)
+    out_bytes = element_size(out_dtype or problem.dtype)
+    cost = C.gemm_cost(problem, routed=routed, kdim=kdim, ndim=ndim, bm=bm, bn=bn, bk=bk,
+                       out_bytes=out_bytes, group_m=tiles.group_m, grid_m_tiles=m_tiles,
+                       row_tile=row_tile(problem, tiles), a_by_token=a_by_token,
+                       arch=target_arch(problem.device), ctas_per_sm=tiles.ctas_per_sm,
+                       save_u=const["SAVE_U"], read_u=epilogue == EPI_DGRAD_ACT,
+                       weighted=weighted, part=part is not None,
+                       epilogue_flops=_epilogue_flops(epilogue, weighted))
     spec = KernelSpec.make(K.moe_gemm_kernel, args, const, (m_tiles * triton.cdiv(ndim, bn),),
-                           num_warps=warps, num_stages=3)
+                           num_warps=warps, num_stages=tiles.stages, cost=cost)
     bind = dict(a_ptr=a, b_ptr=b, out_ptr=out, T=problem.tokens, M_TILES=m_tiles)
     if routed:
         bind.update(_dispatch_bind(home))
@@ -178,23 +184,26 @@ def gemm_stage(problem, *, routed: bool, kdim: int, ndim: int, strides, epilogue
     return Stage(spec, bind)
 
 
-def wgrad_stage(problem, *, routed: bool, m: int, n: int, p_source: int, p_weighted: bool,
-                q_source: int, q_relu2: bool, p, q, grad) -> Stage:
+def wgrad_stage(problem, tiles: MoETiles, *, routed: bool, m: int, n: int, p_source: int,
+                p_weighted: bool, q_source: int, q_relu2: bool, p, q, grad) -> Stage:
     """grad[e] (+)= sum over e's rows of P[row, m] · Q[row, n] (rows of P and Q: BY_*)."""
     t = pointer_type(problem.dtype)
     index = "*i32" if routed else None
     args = (("p_ptr", t), ("q_ptr", t), ("sorted_ptr", index), ("offsets_ptr", index),
             ("counts_ptr", index), ("weight_ptr", "*fp32" if p_weighted else None),
             ("grad_ptr", pointer_type(problem.weight_grad_dtype)), ("T", "i32"))
-    bm = min(128, max(16, triton.next_power_of_2(m)))
-    bn = min(128, max(16, triton.next_power_of_2(n)))
+    bm, bn, bk, warps = wgrad_blocks(problem, m, n, tiles)
     const = dict(K_TOP=problem.top_k if routed else 1, E=problem.experts if routed else 1, M=m,
                  N=n, ROUTED=routed, P_SOURCE=p_source, P_WEIGHTED=p_weighted, Q_SOURCE=q_source,
-                 Q_RELU2=q_relu2, ACCUMULATE=problem.accumulate, BM=bm, BN=bn,
-                 BK=16 if problem.dtype == torch.float32 else 32, **_numerics(problem))
+                 Q_RELU2=q_relu2, ACCUMULATE=problem.accumulate, BM=bm, BN=bn, BK=bk,
+                 **_numerics(problem))
     grid = (const["E"], triton.cdiv(m, bm), triton.cdiv(n, bn))
-    spec = KernelSpec.make(K.moe_wgrad_kernel, args, const, grid,
-                           num_warps=8 if bm * bn >= 128 * 128 else 4, num_stages=3)
+    cost = C.wgrad_cost(problem, routed=routed, m=m, n=n, bm=bm, bn=bn, bk=bk,
+                        p_by_token=p_source == BY_TOKEN, q_by_token=q_source == BY_TOKEN,
+                        p_weighted=p_weighted, q_relu2=q_relu2,
+                        arch=target_arch(problem.device), ctas_per_sm=tiles.ctas_per_sm)
+    spec = KernelSpec.make(K.moe_wgrad_kernel, args, const, grid, num_warps=warps,
+                           num_stages=tiles.wgrad_stages, cost=cost)
     bind = dict(p_ptr=p, q_ptr=q, grad_ptr=grad, T=problem.tokens)
     if routed:
         bind.update(_dispatch_bind(saved_piece))
@@ -209,17 +218,23 @@ def dispatch_stages(problem, home) -> tuple[Stage, ...]:
     block = dict(E=E, E_PAD=e_pad, EC=chunk, BLOCK_A=BLOCK_A)
     blocks = (_dispatch_blocks(problem),)
     part, A = workspace_piece("part"), problem.assignments
+    status = "*i32" if problem.has_status else None
     count = KernelSpec.make(K.moe_count_kernel, (("ids_ptr", "*i32"), ("part_ptr", "*i32"),
-                                                 ("A", "i32")), block, blocks)
+                                                 ("status_ptr", status), ("A", "i32")),
+                            dict(block, HAS_STATUS=problem.has_status), blocks,
+                            cost=C.count_cost(problem, blocks[0], e_pad))
     scan = KernelSpec.make(K.moe_scan_kernel, (("part_ptr", "*i32"), ("counts_ptr", "*i32"),
                                                ("NB", "i32")),
-                           dict(E=E, E_PAD=e_pad, EC=chunk, BB=SCAN_BLOCKS), (e_pad // chunk,))
+                           dict(E=E, E_PAD=e_pad, EC=chunk, BB=SCAN_BLOCKS), (e_pad // chunk,),
+                           cost=C.scan_cost(problem, blocks[0], e_pad))
     offsets = KernelSpec.make(K.moe_offsets_kernel,
                               (("counts_ptr", "*i32"), ("offsets_ptr", "*i32")),
-                              dict(E=E, EP=triton.next_power_of_2(E), TILE=row_tile(problem)), (1,))
+                              dict(E=E, EP=triton.next_power_of_2(E), TILE=row_tile(problem)), (1,),
+                              cost=C.offsets_cost(problem))
     scatter = KernelSpec.make(K.moe_scatter_kernel,
                               (("ids_ptr", "*i32"), ("part_ptr", "*i32"), ("offsets_ptr", "*i32"),
-                               ("sorted_ptr", "*i32"), ("A", "i32")), block, blocks)
+                               ("sorted_ptr", "*i32"), ("A", "i32")), block, blocks,
+                              cost=C.scatter_cost(problem, blocks[0], e_pad))
     return (Stage(count, dict(ids_ptr="topk_ids", part_ptr=part, A=A)),
             Stage(scan, dict(part_ptr=part, counts_ptr=home("counts"), NB=blocks[0])),
             Stage(offsets, dict(counts_ptr=home("counts"), offsets_ptr=home("offsets"))),
@@ -236,21 +251,25 @@ def combine_stage(problem, buf, shared, out: str) -> Stage:
                  HAS_SHARED=problem.has_shared, BT=COMBINE_ROWS, BH=bh,
                  EXACT=_numerics(problem)["EXACT"])
     grid = (triton.cdiv(problem.tokens, COMBINE_ROWS), triton.cdiv(problem.hidden, bh))
-    spec = KernelSpec.make(K.moe_combine_kernel, args, const, grid)
+    spec = KernelSpec.make(K.moe_combine_kernel, args, const, grid,
+                           cost=C.combine_cost(problem, COMBINE_ROWS, bh,
+                                               target_arch(problem.device)))
     bind = dict(buf_ptr=buf, ids_ptr="topk_ids", out_ptr=out, T=problem.tokens)
     if problem.has_shared:
         bind["shared_ptr"] = shared
     return Stage(spec, bind)
 
 
-def weight_grad_reduce_stage(problem) -> Stage:
+def weight_grad_reduce_stage(problem, tiles: MoETiles) -> Stage:
     """d_topk_weights[a] = the sum over the column tiles (in order) of the <g, a> partials."""
+    parts = _column_tiles(problem, tiles)
     spec = KernelSpec.make(K.moe_weight_grad_reduce_kernel,
                            (("part_ptr", "*fp32"), ("ids_ptr", "*i32"), ("dw_ptr", "*fp32"),
-                            ("A", "i32")),
-                           dict(E=problem.experts, PARTS=_column_tiles(problem),
-                                BLOCK=REDUCE_BLOCK),
-                           (triton.cdiv(problem.assignments, REDUCE_BLOCK),))
+                            ("status_ptr", "*i32" if problem.has_status else None), ("A", "i32")),
+                           dict(E=problem.experts, PARTS=parts,
+                                BLOCK=REDUCE_BLOCK, HAS_STATUS=problem.has_status),
+                           (triton.cdiv(problem.assignments, REDUCE_BLOCK),),
+                           cost=C.weight_grad_reduce_cost(problem, parts))
     return Stage(spec, dict(part_ptr=workspace_piece("dw_part"), ids_ptr="topk_ids",
                             dw_ptr="d_topk_weights", A=problem.assignments))
 
@@ -260,7 +279,7 @@ def unsupported_reason(problem) -> str | None:
     return kernel_dtype_reason("Triton MoE kernels", problem.dtype)
 
 
-def _expert_forward_stages(problem, shared: bool, home) -> list[Stage]:
+def _expert_forward_stages(problem, tiles: MoETiles, shared: bool, home) -> list[Stage]:
     """The up GEMM (u saved unless is_inference, relu(u)² to the workspace) and the down GEMM
     (fp32 rows, weighted when routed) of the routed experts or of the shared expert."""
     H = problem.hidden
@@ -271,25 +290,27 @@ def _expert_forward_stages(problem, shared: bool, home) -> list[Stage]:
     st = _weight_strides(problem, shared)
     u = None if problem.is_inference else saved_piece(pre + "u")
     return [
-        gemm_stage(problem, routed=routed, kdim=H, ndim=inter, strides=st["up"], epilogue=EPI_UP,
-                   a_by_token=True, a="x", b=pre + "w_up", out=ws(pre + "act"), u=u, home=home),
-        gemm_stage(problem, routed=routed, kdim=inter, ndim=H, strides=st["down"],
+        gemm_stage(problem, tiles, routed=routed, kdim=H, ndim=inter, strides=st["up"],
+                   epilogue=EPI_UP, a_by_token=True, a="x", b=pre + "w_up", out=ws(pre + "act"),
+                   u=u, home=home),
+        gemm_stage(problem, tiles, routed=routed, kdim=inter, ndim=H, strides=st["down"],
                    epilogue=EPI_SCATTER, a_by_token=False, a=ws(pre + "act"), b=pre + "w_down",
                    out=ws(pre + "y"), out_dtype=torch.float32, weighted=routed, home=home)]
 
 
-def forward_program(problem) -> Program:
+def forward_program(problem, config: MoETiles | None = None) -> Program:
+    tiles = config or tiles_for(problem)
     home = workspace_piece if problem.is_inference else saved_piece
-    stages = [*dispatch_stages(problem, home), *_expert_forward_stages(problem, False, home)]
+    stages = [*dispatch_stages(problem, home), *_expert_forward_stages(problem, tiles, False, home)]
     if problem.has_shared:
-        stages += _expert_forward_stages(problem, True, home)
+        stages += _expert_forward_stages(problem, tiles, True, home)
     stages.append(combine_stage(problem, workspace_piece("y"), workspace_piece("shared_y"), "out"))
     return Program(workspace=forward_workspace(problem),
                    saved=EMPTY if problem.is_inference else saved_layout(problem),
                    stages=tuple(stages))
 
 
-def _expert_backward_stages(problem, shared: bool) -> list[Stage]:
+def _expert_backward_stages(problem, tiles: MoETiles, shared: bool) -> list[Stage]:
     """dgrad down, dgrad up (and, routed, the routing-weight gradient), wgrad down, wgrad up of
     the routed experts or of the shared expert."""
     H = problem.hidden
@@ -299,29 +320,35 @@ def _expert_backward_stages(problem, shared: bool) -> list[Stage]:
     ws, u = workspace_piece, saved_piece(pre + "u")
     st = _weight_strides(problem, shared)
     stages = [
-        gemm_stage(problem, routed=routed, kdim=H, ndim=inter, strides=st["down_t"],
+        gemm_stage(problem, tiles, routed=routed, kdim=H, ndim=inter, strides=st["down_t"],
                    epilogue=EPI_DGRAD_ACT, a_by_token=True, a="d_out", b=pre + "w_down",
                    out=ws(pre + "d_u"), weighted=routed, u=u,
                    part=ws("dw_part") if routed else None),
-        gemm_stage(problem, routed=routed, kdim=inter, ndim=H, strides=st["up_t"],
+        gemm_stage(problem, tiles, routed=routed, kdim=inter, ndim=H, strides=st["up_t"],
                    epilogue=EPI_SCATTER, a_by_token=False, a=ws(pre + "d_u"), b=pre + "w_up",
                    out=ws(pre + "dx"), out_dtype=torch.float32)]
     if routed:
-        stages.append(weight_grad_reduce_stage(problem))
+        stages.append(weight_grad_reduce_stage(problem, tiles))
     stages += [
-        wgrad_stage(problem, routed=routed, m=H, n=inter, p_source=BY_TOKEN, p_weighted=routed,
-                    q_source=BY_ASSIGNMENT, q_relu2=True, p="d_out", q=u, grad=f"d_{pre}w_down"),
-        wgrad_stage(problem, routed=routed, m=inter, n=H, p_source=BY_ROW, p_weighted=False,
+        wgrad_stage(problem, tiles, routed=routed, m=H, n=inter, p_source=BY_TOKEN,
+                    p_weighted=routed, q_source=BY_ASSIGNMENT, q_relu2=True, p="d_out", q=u,
+                    grad=f"d_{pre}w_down"),
+        wgrad_stage(problem, tiles, routed=routed, m=inter, n=H, p_source=BY_ROW, p_weighted=False,
                     q_source=BY_TOKEN, q_relu2=False, p=ws(pre + "d_u"), q="x",
                     grad=f"d_{pre}w_up")]
     return stages
 
 
-def backward_program(problem) -> Program:
-    stages = _expert_backward_stages(problem, shared=False)
+def backward_program(problem, config: MoETiles | None = None) -> Program:
+    tiles = config or tiles_for(problem)
+    stages = _expert_backward_stages(problem, tiles, shared=False)
     if problem.has_shared:
-        stages += _expert_backward_stages(problem, shared=True)
+        stages += _expert_backward_stages(problem, tiles, shared=True)
     stages.append(combine_stage(problem, workspace_piece("dx"), workspace_piece("shared_dx"),
                                 "d_x"))
-    return Program(workspace=backward_workspace(problem), saved=saved_layout(problem),
+    return Program(workspace=backward_workspace(problem, tiles), saved=saved_layout(problem),
                    stages=tuple(stages))
+
+
+forward_candidates = candidates
+backward_candidates = candidates

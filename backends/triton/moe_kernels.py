@@ -7,7 +7,11 @@ Dispatch (no host synchronisation; buffers sized for the plan's t):
   offsets  padded to the row tile: offsets [E + 1] (offsets[E] = rows in use)
   scatter  sorted[offsets[e] + rank] = assignment index t·k + j, ranks in assignment order
 Rows [offsets[e] + counts[e], offsets[e + 1]) are padding; every kernel masks them, so they are
-never initialised. Dropped assignments (id outside [0, E)) get no row.
+never initialised. Dropped assignments (id outside [0, E)) get no row, so no GEMM reads or
+writes anything for them; count (forward) and the routing-weight gradient's sum (backward) OR
+Status.EXPERT_ID into the optional status word for the ids outside [0, E) other than -1. Every
+index the later kernels use comes from the dispatch (rows < offsets[E] <= the sized bound,
+assignments < t·k), never from topk_ids directly.
 
 Grouped GEMM: program (row tile, column tile); the row tile's expert is found by binary search in
 offsets; tiles past offsets[E] exit at once (experts without tokens cost nothing). Row r of
@@ -28,7 +32,9 @@ flag that says it is present (ROUTED, WEIGHTED / P_WEIGHTED, SAVE_U, EPILOGUE, H
 import triton
 import triton.language as tl
 
-from .tiles import last_at_most, mm
+from fusedops.core.status import Status
+
+from .tiles import last_at_most, mm, report
 from .rounding import round_to
 
 EPI_UP = tl.constexpr(0)
@@ -37,20 +43,29 @@ EPI_DGRAD_ACT = tl.constexpr(2)
 BY_ROW = tl.constexpr(0)
 BY_TOKEN = tl.constexpr(1)
 BY_ASSIGNMENT = tl.constexpr(2)
+EXPERT_ID = tl.constexpr(int(Status.EXPERT_ID))
 
 
 # -- dispatch ------------------------------------------------------------------------------------
 @triton.jit
-def _block_experts(ids_ptr, A, E: tl.constexpr, BLOCK_A: tl.constexpr):
-    a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
-    ex = tl.load(ids_ptr + a, mask=a < A, other=-1)
-    return a, tl.where((ex >= 0) & (ex < E), ex, -1)
+def _invalid_id(ex, E: tl.constexpr):
+    """An id outside [0, E) other than -1 (padding): what Status.EXPERT_ID reports."""
+    return ((ex < 0) | (ex >= E)) & (ex != -1)
 
 
 @triton.jit
-def moe_count_kernel(ids_ptr, part_ptr, A, E: tl.constexpr, E_PAD: tl.constexpr,
-                     EC: tl.constexpr, BLOCK_A: tl.constexpr):
-    _, ex = _block_experts(ids_ptr, A, E, BLOCK_A)
+def _block_experts(ids_ptr, A, E: tl.constexpr, BLOCK_A: tl.constexpr):
+    """(assignments, their expert ids with every dropped one -1, the raw ids)."""
+    a = tl.program_id(0) * BLOCK_A + tl.arange(0, BLOCK_A)
+    raw = tl.load(ids_ptr + a, mask=a < A, other=-1)
+    return a, tl.where((raw >= 0) & (raw < E), raw, -1), raw
+
+
+@triton.jit
+def moe_count_kernel(ids_ptr, part_ptr, status_ptr, A, E: tl.constexpr, E_PAD: tl.constexpr,
+                     EC: tl.constexpr, BLOCK_A: tl.constexpr, HAS_STATUS: tl.constexpr):
+    _, ex, raw = _block_experts(ids_ptr, A, E, BLOCK_A)
+    report(status_ptr, _invalid_id(raw, E), EXPERT_ID, HAS_STATUS)
     for c in range(0, E_PAD, EC):
         cols = c + tl.arange(0, EC)
         hits = (ex[:, None] == cols[None, :]).to(tl.int32)
@@ -85,7 +100,7 @@ def moe_offsets_kernel(counts_ptr, offsets_ptr, E: tl.constexpr, EP: tl.constexp
 @triton.jit
 def moe_scatter_kernel(ids_ptr, part_ptr, offsets_ptr, sorted_ptr, A, E: tl.constexpr,
                        E_PAD: tl.constexpr, EC: tl.constexpr, BLOCK_A: tl.constexpr):
-    a, ex = _block_experts(ids_ptr, A, E, BLOCK_A)
+    a, ex, _ = _block_experts(ids_ptr, A, E, BLOCK_A)
     row = tl.zeros([BLOCK_A], dtype=tl.int32)
     for c in range(0, E_PAD, EC):
         cols = c + tl.arange(0, EC)
@@ -266,12 +281,15 @@ def moe_combine_kernel(buf_ptr, shared_ptr, ids_ptr, out_ptr, T, K_TOP: tl.const
 
 
 @triton.jit
-def moe_weight_grad_reduce_kernel(part_ptr, ids_ptr, dw_ptr, A, E: tl.constexpr,
-                                  PARTS: tl.constexpr, BLOCK: tl.constexpr):
-    """d_w[a] = sum over the column tiles (in order) of the <g, act> partials; 0 when dropped."""
+def moe_weight_grad_reduce_kernel(part_ptr, ids_ptr, dw_ptr, status_ptr, A, E: tl.constexpr,
+                                  PARTS: tl.constexpr, BLOCK: tl.constexpr,
+                                  HAS_STATUS: tl.constexpr):
+    """d_w[a] = sum over the column tiles (in order) of the <g, act> partials; 0 when dropped
+    (and the dropped ids other than -1 reported)."""
     a = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ex = tl.load(ids_ptr + a, mask=a < A, other=-1)
     kept = (a < A) & (ex >= 0) & (ex < E)
+    report(status_ptr, _invalid_id(ex, E), EXPERT_ID, HAS_STATUS)
     acc = tl.zeros([BLOCK], dtype=tl.float32)
     for p in range(PARTS):
         acc += tl.load(part_ptr + p * A + a, mask=kept, other=0.0)

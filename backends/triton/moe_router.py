@@ -1,26 +1,44 @@
 """The MoE router in Triton (fusedops.moe.contract): one program per BT tokens holds their
-[BT, E] scores in registers; selection is k rounds of (max, lowest index attaining it), so ties
-go to the lower index and the result does not depend on the thread layout."""
+[BT, E] scores in registers; selection is k rounds of (max, lowest index attaining it) over the
+experts still available, so ties go to the lower index and the result does not depend on the
+thread layout. A NaN choice (or group) score is replaced by -inf before any reduction, and the
+available set (eligible, not yet taken) is a mask rather than a -inf value, so the k ids are
+always distinct eligible experts in [0, E) whatever the logits hold. The backward drops ids
+outside [0, E) and reports those other than -1 in the status word. Tokens per program come from
+the router's per-architecture table (moe_tiles.ROUTER_TILES, ``config=`` a candidate)."""
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
-from fusedops.core.dtypes import kernel_dtype_reason
+from fusedops.core.cost import Cost
+from fusedops.core.dtypes import element_size, kernel_dtype_reason
 from fusedops.core.program import Program, Stage
-from fusedops.moe.contract import NORM_EPS
+from fusedops.core.status import Status
+from fusedops.moe.contract import NORM_EPS, ROUTER_FLOPS_PER_SCORE
 
+from .moe_tiles import RouterTiles, router_candidates, router_tiles_for
 from .runtime import KernelSpec, pointer_type
+from .tiles import report
 
 NEG_INF = tl.constexpr(float("-inf"))
+EXPERT_ID = tl.constexpr(int(Status.EXPERT_ID))
 
 
 @triton.jit
-def lowest_argmax(values, index, NONE: tl.constexpr):
-    """(max over axis 1, the lowest index attaining it) of values [BT, N]."""
-    best = tl.max(values, axis=1)
-    return best, tl.min(tl.where(values == best[:, None], index[None, :], NONE), axis=1)
+def nan_lowest(values):
+    """NaN replaced by -inf: it ranks below every number."""
+    return tl.where(values != values, NEG_INF, values)
+
+
+@triton.jit
+def lowest_argmax(values, avail, index, NONE: tl.constexpr):
+    """(max over axis 1 of the available entries, the lowest available index attaining it) of
+    values [BT, N] without NaN; every row has an available entry."""
+    masked = tl.where(avail, values, NEG_INF)
+    best = tl.max(masked, axis=1)
+    return best, tl.min(tl.where(avail & (masked == best[:, None]), index[None, :], NONE), axis=1)
 
 
 @triton.jit
@@ -39,31 +57,34 @@ def moe_router_fwd_kernel(logits_ptr, correction_bias_ptr, topk_weights_ptr, top
     choice = s
     if HAS_BIAS:
         choice += tl.load(correction_bias_ptr + e, mask=e_ok, other=0.0)[None, :]
-    choice = tl.where(e_ok[None, :], choice, NEG_INF)
+    choice = nan_lowest(choice)
+    avail = tl.broadcast_to(e_ok[None, :], [BT, EP])       # the real experts, not yet taken
     if N_GROUP > 1:
         group = e // (E // N_GROUP)            # >= N_GROUP for the padding columns
         g = tl.arange(0, GP)
         group_score = tl.full([BT, GP], NEG_INF, tl.float32)
         for gi in tl.static_range(N_GROUP):
-            member = tl.where((group == gi)[None, :], choice, NEG_INF)
-            first, at = lowest_argmax(member, e, EP)
-            second = tl.max(tl.where(e[None, :] == at[:, None], NEG_INF, member), axis=1)
-            group_score = tl.where((g == gi)[None, :], (first + second)[:, None], group_score)
+            member = avail & (group == gi)[None, :]
+            first, at = lowest_argmax(choice, member, e, EP)
+            second, _ = lowest_argmax(choice, member & (e[None, :] != at[:, None]), e, EP)
+            group_score = tl.where((g == gi)[None, :], nan_lowest(first + second)[:, None],
+                                   group_score)
+        open_group = tl.broadcast_to((g < N_GROUP)[None, :], [BT, GP])
         eligible = tl.zeros([BT, EP], dtype=tl.int1)
         for _ in tl.static_range(TOPK_GROUP):
-            _, pick = lowest_argmax(group_score, g, GP)
+            _, pick = lowest_argmax(group_score, open_group, g, GP)
             eligible = eligible | (group[None, :] == pick[:, None])
-            group_score = tl.where(g[None, :] == pick[:, None], NEG_INF, group_score)
-        choice = tl.where(eligible, choice, NEG_INF)
+            open_group = open_group & (g[None, :] != pick[:, None])
+        avail = avail & eligible
     slot = tl.arange(0, KP)
     w = tl.zeros([BT, KP], dtype=tl.float32)
     ids = tl.zeros([BT, KP], dtype=tl.int32)
     for j in tl.static_range(K):
-        _, at = lowest_argmax(choice, e, EP)
+        _, at = lowest_argmax(choice, avail, e, EP)
         hit = e[None, :] == at[:, None]
         w = tl.where((slot == j)[None, :], tl.sum(tl.where(hit, s, 0.0), axis=1)[:, None], w)
         ids = tl.where((slot == j)[None, :], at[:, None], ids)
-        choice = tl.where(hit, NEG_INF, choice)
+        avail = avail & (e[None, :] != at[:, None])
     if NORM:
         w = w / (tl.sum(w, axis=1) + NORM_EPS)[:, None]
     w = w * scale
@@ -74,15 +95,17 @@ def moe_router_fwd_kernel(logits_ptr, correction_bias_ptr, topk_weights_ptr, top
 
 
 @triton.jit
-def moe_router_bwd_kernel(logits_ptr, topk_ids_ptr, d_topk_weights_ptr, d_logits_ptr, T, scale,
-                          E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr,
-                          BT: tl.constexpr, NORM: tl.constexpr, NORM_EPS: tl.constexpr):
+def moe_router_bwd_kernel(logits_ptr, topk_ids_ptr, d_topk_weights_ptr, d_logits_ptr, status_ptr,
+                          T, scale, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
+                          KP: tl.constexpr, BT: tl.constexpr, NORM: tl.constexpr,
+                          NORM_EPS: tl.constexpr, HAS_STATUS: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     row_ok = rows < T
     slot = tl.arange(0, KP)
     at_k = rows[:, None].to(tl.int64) * K + slot[None, :]
     ids = tl.load(topk_ids_ptr + at_k, mask=row_ok[:, None] & (slot < K)[None, :], other=-1)
     ok = (ids >= 0) & (ids < E)
+    report(status_ptr, ~ok & (ids != -1), EXPERT_ID, HAS_STATUS)    # -1: padding, no bit
     r = tl.sigmoid(tl.load(logits_ptr + rows[:, None].to(tl.int64) * E + ids, mask=ok,
                            other=0.0).to(tl.float32))
     r = tl.where(ok, r, 0.0)
@@ -96,46 +119,79 @@ def moe_router_bwd_kernel(logits_ptr, topk_ids_ptr, d_topk_weights_ptr, d_logits
     ids = tl.where(ok, ids, -1)
     e = tl.arange(0, EP)
     grad = tl.zeros([BT, EP], dtype=tl.float32)
-    for j in tl.static_range(K):
+    for j in tl.static_range(K):        # slot order: a repeated id sums its slots in order
         in_slot = (slot == j)[None, :]
         at = tl.sum(tl.where(in_slot, ids, 0), axis=1)
-        grad = tl.where(e[None, :] == at[:, None], tl.sum(tl.where(in_slot, d_sel, 0.0), axis=1)[:, None],
-                        grad)
+        grad = tl.where(e[None, :] == at[:, None],
+                        grad + tl.sum(tl.where(in_slot, d_sel, 0.0), axis=1)[:, None], grad)
     tl.store(d_logits_ptr + rows[:, None].to(tl.int64) * E + e[None, :],
              grad.to(d_logits_ptr.dtype.element_ty), mask=row_ok[:, None] & (e < E)[None, :])
 
 
 # -- specialisations and programs ----------------------------------------------------------------
-def _rows_per_program(problem) -> int:
-    return max(1, min(64, 1024 // triton.next_power_of_2(problem.experts)))
+SECTOR = 32     # bytes: the DRAM access granularity a gathered 4-byte logit costs
 
 
-def _grid(problem) -> tuple[int]:
-    return (triton.cdiv(max(problem.tokens, 1), _rows_per_program(problem)),)
+def _rows_per_program(problem, tiles: RouterTiles) -> int:
+    return max(1, min(64, tiles.scores // triton.next_power_of_2(problem.experts)))
 
 
-def _constexprs(problem) -> dict:
+def _grid(problem, tiles: RouterTiles) -> tuple[int]:
+    return (triton.cdiv(max(problem.tokens, 1), _rows_per_program(problem, tiles)),)
+
+
+def _constexprs(problem, tiles: RouterTiles) -> dict:
     return dict(E=problem.experts, EP=triton.next_power_of_2(problem.experts), K=problem.top_k,
-                KP=triton.next_power_of_2(problem.top_k), BT=_rows_per_program(problem))
+                KP=triton.next_power_of_2(problem.top_k), BT=_rows_per_program(problem, tiles))
 
 
-def forward_spec(problem) -> KernelSpec:
+def forward_cost(problem) -> Cost:
+    """Each token's logits row read once (t·E·l; the padded columns past E are masked), the bias
+    once (every program reads all E: in L2), topk_weights and topk_ids written (t·k·(4 + 4)).
+    FLOPs per score: the sigmoid, the bias add and k selection rounds of a max and a compare
+    (ROUTER_FLOPS_PER_SCORE + 2·(k - 1)), and the group scores (4 per score and group round)
+    when grouped."""
+    t, E, k = problem.tokens, problem.experts, problem.top_k
+    read = t * E * element_size(problem.logits_dtype) + (4 * E if problem.has_bias else 0)
+    groups = 4 * (problem.n_group + problem.topk_group) if problem.n_group > 1 else 0
+    flops = t * E * (ROUTER_FLOPS_PER_SCORE + 2 * (k - 1) + groups)
+    return Cost(flops, read, t * k * 8)
+
+
+def backward_cost(problem) -> Cost:
+    """topk_ids and d_topk_weights read (t·k·(4 + 4)); the k selected logits of each token are
+    gathered, one 32-byte sector each (at most the whole row, t·min(k·32, E·l)); d_logits [t, E]
+    written whole (zeros off the selection). FLOPs: about 12 per slot for the sigmoid and the
+    normalisation terms, and the slot-order scatter (2 per score and slot)."""
+    t, E, k = problem.tokens, problem.experts, problem.top_k
+    l = element_size(problem.logits_dtype)
+    read = t * k * 8 + t * min(k * SECTOR, E * l)
+    return Cost(t * k * 12 + 2 * t * E * k, read, t * E * l)
+
+
+def forward_spec(problem, tiles: RouterTiles | None = None) -> KernelSpec:
+    tiles = tiles or router_tiles_for(problem)
     lt = pointer_type(problem.logits_dtype)
     args = (("logits_ptr", lt), ("correction_bias_ptr", "*fp32" if problem.has_bias else None),
             ("topk_weights_ptr", "*fp32"), ("topk_ids_ptr", "*i32"), ("T", "i32"),
             ("scale", "fp32"))
-    const = dict(_constexprs(problem), N_GROUP=problem.n_group,
+    const = dict(_constexprs(problem, tiles), N_GROUP=problem.n_group,
                  GP=triton.next_power_of_2(problem.n_group), TOPK_GROUP=problem.topk_group,
                  NORM=problem.norm_topk_prob, NORM_EPS=NORM_EPS, HAS_BIAS=problem.has_bias)
-    return KernelSpec.make(moe_router_fwd_kernel, args, const, _grid(problem))
+    return KernelSpec.make(moe_router_fwd_kernel, args, const, _grid(problem, tiles),
+                           num_warps=tiles.warps, cost=forward_cost(problem))
 
 
-def backward_spec(problem) -> KernelSpec:
+def backward_spec(problem, tiles: RouterTiles | None = None) -> KernelSpec:
+    tiles = tiles or router_tiles_for(problem)
     lt = pointer_type(problem.logits_dtype)
     args = (("logits_ptr", lt), ("topk_ids_ptr", "*i32"), ("d_topk_weights_ptr", "*fp32"),
-            ("d_logits_ptr", lt), ("T", "i32"), ("scale", "fp32"))
-    const = dict(_constexprs(problem), NORM=problem.norm_topk_prob, NORM_EPS=NORM_EPS)
-    return KernelSpec.make(moe_router_bwd_kernel, args, const, _grid(problem))
+            ("d_logits_ptr", lt), ("status_ptr", "*i32" if problem.has_status else None),
+            ("T", "i32"), ("scale", "fp32"))
+    const = dict(_constexprs(problem, tiles), NORM=problem.norm_topk_prob, NORM_EPS=NORM_EPS,
+                 HAS_STATUS=problem.has_status)
+    return KernelSpec.make(moe_router_bwd_kernel, args, const, _grid(problem, tiles),
+                           num_warps=tiles.warps, cost=backward_cost(problem))
 
 
 # -- the backend surface ---------------------------------------------------------------------------
@@ -143,11 +199,15 @@ def unsupported_reason(problem) -> str | None:
     return kernel_dtype_reason("Triton router kernels", problem.logits_dtype)
 
 
-def forward_program(problem) -> Program:
-    return Program(stages=(Stage(forward_spec(problem), dict(
+def forward_program(problem, config: RouterTiles | None = None) -> Program:
+    return Program(stages=(Stage(forward_spec(problem, config), dict(
         T=problem.tokens, scale=problem.routed_scaling_factor)),))
 
 
-def backward_program(problem) -> Program:
-    return Program(stages=(Stage(backward_spec(problem), dict(
+def backward_program(problem, config: RouterTiles | None = None) -> Program:
+    return Program(stages=(Stage(backward_spec(problem, config), dict(
         T=problem.tokens, scale=problem.routed_scaling_factor)),))
+
+
+forward_candidates = router_candidates
+backward_candidates = router_candidates

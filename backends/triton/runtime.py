@@ -17,6 +17,7 @@ from typing import Any, Callable
 import torch
 
 from fusedops.core.cache import COMPILE_CACHE
+from fusedops.core.cost import Cost
 from fusedops.core.workspace import Region
 
 from . import interpreter_active
@@ -48,8 +49,9 @@ class KernelSpec:
     ``signature`` lists (argument name, Triton type) in the kernel's argument order, with type
     ``"constexpr"`` for compile-time arguments whose values are in ``constexprs`` (an absent
     optional operand is a constexpr None: compiled out, never aliased); ``aligned`` names the
-    pointer arguments guaranteed 16-byte aligned (the plans check it at execute). ``grid`` is
-    not part of the specialisation.
+    pointer arguments guaranteed 16-byte aligned (the plans check it at execute). ``grid`` and
+    ``cost`` (the launch's FLOPs and HBM bytes at the plan's sizes) are not part of the
+    specialisation.
     """
 
     kernel: Any
@@ -60,6 +62,12 @@ class KernelSpec:
     num_stages: int = 1
     maxnreg: int | None = None      # a register budget for ptxas where its own choice spills
     grid: tuple[int, int, int] = field(default=(1, 1, 1), compare=False)
+    cost: Cost | None = field(default=None, compare=False)
+
+    @property
+    def threads(self) -> int:
+        """Threads per CTA."""
+        return 32 * self.num_warps
 
     def __post_init__(self) -> None:
         # arguments are passed by position: put the signature in the kernel's parameter order
@@ -75,7 +83,7 @@ class KernelSpec:
     @classmethod
     def make(cls, kernel, args: Sequence[tuple[str, str | None]], constexprs: Mapping[str, Any],
              grid: Sequence[int], *, num_warps: int = 4, num_stages: int = 1,
-             maxnreg: int | None = None) -> KernelSpec:
+             maxnreg: int | None = None, cost: Cost | None = None) -> KernelSpec:
         """A spec from runtime ``args`` (name, Triton type; type None: an absent optional operand,
         compiled out as a constexpr None) and ``constexprs``. Floating-point pointers are
         16-byte aligned (plans check it; workspace pieces are 128-byte aligned); integer and
@@ -86,7 +94,7 @@ class KernelSpec:
         return cls(kernel, present + tuple((n, "constexpr") for n, _ in values), values,
                    aligned=tuple(n for n, t in present if t in _FLOAT_POINTERS),
                    num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,
-                   grid=tuple(grid) + (1,) * (3 - len(grid)))
+                   grid=tuple(grid) + (1,) * (3 - len(grid)), cost=cost)
 
     @property
     def name(self) -> str:

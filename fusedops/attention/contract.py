@@ -17,21 +17,32 @@ gradients, never NaN.
 Backward: dP = do vᵀ, delta = rowsum(do ∘ o), dS = P ∘ (dP - delta), dq = scale · dS k,
 dk = scale · dSᵀ q, dv = Pᵀ do; dk and dv of a KV head sum over its h_q / h_kv query heads.
 
-Decode with a KV cache (row i of b, T new tokens, L = cache_seqlens[i]): the new tokens' k, v
-are written at cache positions L .. L + T - 1 (positions >= capacity are skipped; an FP8 cache
-holds fp32(value / scale) saturated to ±FP8_MAX and rounded to nearest-even e4m3); then new token
-t attends to cache positions j <= L + t with j < min(L + T, capacity), reading an FP8 cache as
-stored · scale. cache_seqlens is not advanced.
+Packed sequences take their offsets sanitised (docs/plans.md, "Index data"): c'[0] =
+clamp(c[0], 0, total), c'[i] = clamp(c[i], c'[i-1], total); sequence i covers its first
+min(c'[i+1] - c'[i], max_seqlen) tokens (queries and keys alike) and is computed as if those were
+the whole sequence. Tokens no sequence covers get o = 0, lse = -inf, dq = 0 (queries) and
+dk = dv = 0 (keys). Offsets that needed sanitising set Status.CU_SEQLENS.
+
+Decode with a KV cache (row i of b, T new tokens, L = cache_seqlens[i]): a row is valid when
+0 <= L <= capacity - T and (paged) every page it needs, j·page_size < L + T, is in [0, pages).
+A valid row's new tokens' k, v are written at cache positions L .. L + T - 1 (an FP8 cache holds
+fp32(value / scale) saturated to ±FP8_MAX and rounded to nearest-even e4m3); then new token t
+attends to cache positions j <= L + t, reading an FP8 cache as stored · scale. An invalid row
+writes nothing and gets o = 0, lse = -inf (Status.CACHE_SEQLENS / Status.BLOCK_TABLE).
+cache_seqlens is not advanced.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from dataclasses import dataclass
 
 import torch
 
+from ..core.cost import Cost
+from ..core.dtypes import accumulator_dtype, element_size
 from ..core.options import expect_float
 from ..errors import ValidationError
 
@@ -73,6 +84,7 @@ class AttentionProblem:
     total_q: int               # tokens of q (b·s_q, or total_q when packed)
     total_k: int
     device: torch.device
+    has_status: bool = False   # a status word is given (invalid offsets are reported)
 
 
 @dataclass(frozen=True)
@@ -94,6 +106,8 @@ class DecodeAttentionProblem:
     scale_per_head: bool
     num_splits: int
     device: torch.device
+    pages: int = 0             # pages in the pool (paged), or b (contiguous)
+    has_status: bool = False   # a status word is given (invalid rows are reported)
 
 
 # -- option validators ---------------------------------------------------------------------------
@@ -121,3 +135,100 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
 def default_num_splits(capacity: int) -> int:
     """Decode's key ranges when num_splits is None: one per SPLIT_POSITIONS positions, 1..32."""
     return max(1, min(MAX_SPLITS, -(-capacity // SPLIT_POSITIONS)))
+
+
+# -- the floors (fusedops.core.cost): the least any implementation moves and computes ----------
+def sequence_lengths(problem: AttentionProblem) -> list[tuple[int, int]]:
+    """(queries, keys) of each sequence the models count. Dense: b sequences of (s_q, s_k).
+    Packed: the offsets are runtime data, so the models take the longest sequences the plan
+    allows, as many as the packed tokens fill: sequence i covers min(max_seqlen, what is left
+    of the tokens) queries (keys), the rest are empty (16K tokens, 8 sequences, max_seqlen 4096:
+    four sequences of 4096 and four empty ones)."""
+    p = problem
+    if not p.packed:
+        return [(p.seqlen_q, p.seqlen_k)] * p.batch
+    return [(max(0, min(p.seqlen_q, p.total_q - i * p.seqlen_q)),
+             max(0, min(p.seqlen_k, p.total_k - i * p.seqlen_k))) for i in range(p.batch)]
+
+
+@functools.lru_cache(maxsize=256)
+def visible_pairs(len_q: int, len_k: int, causal: bool, window: tuple[int, int]) -> int:
+    """(query, key) pairs the bottom-right aligned mask keeps in one sequence (causal, square:
+    s(s + 1)/2, half the scores and the diagonal)."""
+    if len_q <= 0 or len_k <= 0:
+        return 0
+    i = torch.arange(len_q, dtype=torch.int64) + (len_k - len_q)   # each query's diagonal key
+    hi = torch.full_like(i, len_k - 1)
+    lo = torch.zeros_like(i)
+    left, right = window
+    if causal:
+        hi = torch.minimum(hi, i)
+    if right >= 0:
+        hi = torch.minimum(hi, i + right)
+    if left >= 0:
+        lo = torch.maximum(lo, i - left)
+    return int((hi - lo + 1).clamp_min(0).sum())
+
+
+def forward_flops(problem: AttentionProblem) -> float:
+    """4·d FLOPs per visible score per query head (q kᵀ and P v): 4·b·h_q·s_q·s_k·d, half of it
+    causal."""
+    pairs = sum(visible_pairs(lq, lk, problem.causal, problem.window)
+                for lq, lk in sequence_lengths(problem))
+    return 4.0 * problem.head_dim * problem.heads_q * pairs
+
+
+def _index_bytes(problem: AttentionProblem) -> int:
+    return 2 * 4 * (problem.batch + 1) if problem.packed else 0
+
+
+def forward_floor(problem: AttentionProblem) -> Cost:
+    """The least any forward does: q, k, v (and the packed offsets) read once, o and lse written
+    once; ``forward_flops`` on tensor cores."""
+    p = problem
+    e, a = element_size(p.dtype), element_size(accumulator_dtype(p.dtype))
+    q = p.total_q * p.heads_q * p.head_dim
+    kv = p.total_k * p.heads_kv * p.head_dim
+    flops = forward_flops(p)
+    return Cost(flops, (q + 2 * kv) * e + _index_bytes(p), q * e + p.total_q * p.heads_q * a,
+                mma_flops=flops)
+
+
+def backward_floor(problem: AttentionProblem) -> Cost:
+    """The least any backward does: q, k, v, o, do, lse (and the offsets) read once, dq, dk, dv
+    written once; the five products of the standard backward (S = q kᵀ, dP = do vᵀ, dv = Pᵀ do,
+    dq = dS k, dk = dSᵀ q), 2.5x the forward's FLOPs, on tensor cores."""
+    p = problem
+    e, a = element_size(p.dtype), element_size(accumulator_dtype(p.dtype))
+    q = p.total_q * p.heads_q * p.head_dim
+    kv = p.total_k * p.heads_kv * p.head_dim
+    flops = 2.5 * forward_flops(p)
+    return Cost(flops, (3 * q + 2 * kv) * e + p.total_q * p.heads_q * a + _index_bytes(p),
+                (q + 2 * kv) * e, mma_flops=flops)
+
+
+def decode_context(problem: DecodeAttentionProblem) -> int:
+    """The cache length L the decode models take: cache_seqlens is runtime data, so every row at
+    the fullest valid context, capacity - T (8192 - T at the production shape)."""
+    return max(0, problem.capacity - problem.tokens)
+
+
+def decode_floor(problem: DecodeAttentionProblem) -> Cost:
+    """The least a decode step does at context L = ``decode_context``: the L cached positions of
+    k and v read once (the new ones come from k_new, v_new), q, k_new, v_new, cache_seqlens, the
+    block-table entries the rows use and the scales read once; the new k, v written to the cache,
+    o and lse written once; 4·d FLOPs per (query head, new token t, visible position: L + t + 1)
+    on tensor cores."""
+    p = problem
+    e, ce = element_size(p.dtype), element_size(p.cache_dtype)
+    L, T, b = decode_context(p), p.tokens, p.batch
+    row = p.heads_kv * p.head_dim
+    read = (b * T * p.heads_q * p.head_dim + 2 * b * T * row) * e + 2 * b * L * row * ce + 4 * b
+    if p.paged:
+        read += 4 * b * min(p.max_pages, -(-(L + T) // p.page_size))
+    if p.cache_dtype == FP8:
+        read += 2 * 4 * (p.heads_kv if p.scale_per_head else 1)
+    a = element_size(accumulator_dtype(p.dtype))
+    written = 2 * b * T * row * ce + b * T * p.heads_q * p.head_dim * e + a * b * p.heads_q * T
+    flops = 4.0 * p.head_dim * p.heads_q * b * sum(L + t + 1 for t in range(T))
+    return Cost(flops, read, written, mma_flops=flops)

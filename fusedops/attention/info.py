@@ -43,4 +43,4 @@ INFO = OpInfo(
     cases=samples.cases, production=samples.production, plan_calls=samples.plan_calls,
     run=samples.run, oracle=oracle, tolerance=tolerance,
     demo_limit=2.5e-2,   # tensor-core products with bf16 operands (P rounded to bf16)
-    bench=("attention",))
+    bench=("attention",), index_fuzz=samples.index_fuzz)

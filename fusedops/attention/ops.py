@@ -7,6 +7,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..core.index_checks import check_inputs_requested
+from ..errors import ValidationError
+from ..plan.selection import BACKENDS
 from ..plan.torch_ops import contiguous, describe, empty_like_planned
 from .plans import GQAAttentionForward, gqa_attention_backward, gqa_attention_forward
 
@@ -71,13 +74,22 @@ def gqa_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False,
                   softmax_scale: float | None = None, window_size=(-1, -1),
                   cu_seqlens_q: Tensor | None = None, cu_seqlens_k: Tensor | None = None,
                   max_seqlen_q: int | None = None, max_seqlen_k: int | None = None,
-                  backend: str = "auto") -> Tensor:
+                  check_inputs: bool | None = None, backend: str = "auto") -> Tensor:
     """Differentiable GQA attention: o like q (see GQAAttentionForward; the options are
-    validated as the plan validates them); lse is not returned (use gqa_attention_forward)."""
+    validated as the plan validates them); lse is not returned (use gqa_attention_forward).
+    ``check_inputs=True`` (or FUSEDOPS_CHECK_INPUTS=1) checks the packed offsets on the host
+    first (a synchronisation; not under torch.compile tracing)."""
+    check = check_inputs_requested(check_inputs)
+    if not isinstance(backend, str) or backend not in ("auto", *BACKENDS):
+        raise ValidationError(f"backend: expected one of auto, {', '.join(BACKENDS)}, got {backend!r}")
     options = GQAAttentionForward.normalise_options(dict(
         causal=causal, softmax_scale=softmax_scale, window_size=window_size,
         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k))
     q, k, v, cu_q, cu_k = contiguous(q, k, v, cu_seqlens_q, cu_seqlens_k)
+    if check:
+        GQAAttentionForward.cached(dict(q=q, k=k, v=v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k),
+                                   backend=backend, **options).check_index_values(
+            cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     return _attn_fwd(q, k, v, cu_q, cu_k, options["max_seqlen_q"], options["max_seqlen_k"],
                      options["causal"], options["softmax_scale"], list(options["window_size"]),
                      backend)[0]

@@ -1,6 +1,7 @@
 """Independent float64 math of the attention contract (no SDPA, no code shared with the torch
 backend): explicit softmax and backward formulas per sequence and KV head group, the
-bottom-right causal/window masks, and the decode step's cache update, on the case's device."""
+bottom-right causal/window masks, and the decode step's cache update (a row with an invalid
+cache length or page writes nothing and gets o = 0, lse = -inf), on the case's device."""
 
 from __future__ import annotations
 
@@ -118,13 +119,16 @@ def decode(case) -> dict[str, torch.Tensor]:
     o = torch.zeros(b, T, hq, d, dtype=torch.float64, device=q.device)
     lse = torch.full((b, hq, T), float("-inf"), dtype=torch.float64, device=q.device)
     lengths = t["cache_seqlens"].tolist()
+    pages = caches["k"].shape[0]
     for row, length in enumerate(lengths):
+        if not 0 <= length <= capacity - T or (table is not None and any(
+                not 0 <= int(table[row, j]) < pages for j in range(-(-(length + T) // page)))):
+            continue                                # an invalid row: nothing written, o = 0, lse = -inf
         for n in ("k", "v"):
             for tok in range(T):
-                if length + tok < capacity:
-                    slot = where(row, length + tok)
-                    caches[n][slot] = stored(t[f"{n}_new"][row, tok], t[f"{n}_scale"], caches[n].dtype)
-        total = min(length + T, capacity)
+                slot = where(row, length + tok)
+                caches[n][slot] = stored(t[f"{n}_new"][row, tok], t[f"{n}_scale"], caches[n].dtype)
+        total = length + T
         keys = {n: torch.stack([caches[n][where(row, j)] for j in range(total)]).double()
                 if total else torch.zeros(0, *caches[n].shape[2:], dtype=torch.float64, device=q.device)
                 for n in ("k", "v")}

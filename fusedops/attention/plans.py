@@ -9,13 +9,16 @@ import torch
 
 from ..core.checks import expect_contiguous, expect_dtype, expect_ndim, expect_shape
 from ..core.dtypes import accumulator_dtype
+from ..core.index_checks import check_cu_seqlens, check_each_at_most
 from ..core.options import Option, expect_bool, expect_int, optional
+from ..core.status import STATUS_DTYPE
 from ..core.tupledict import TupleDict
 from ..errors import ValidationError
-from ..plan import Plan, indices, inputs, outputs, updated
+from ..plan import Plan, indices, inputs, outputs, status_word, updated
 from .contract import (DTYPES, FP8, MAX_HEAD_DIM, PAGE_MULTIPLE, AttentionProblem,
-                       DecodeAttentionProblem, default_num_splits, resolve_scale, softmax_scale,
-                       window_size)
+                       DecodeAttentionProblem, backward_floor, decode_context, decode_floor,
+                       default_num_splits, forward_floor, resolve_scale, sequence_lengths,
+                       softmax_scale, window_size)
 
 _length = optional(functools.partial(expect_int, minimum=0))
 
@@ -24,6 +27,20 @@ TRAINING_OPTIONS = (Option("causal", expect_bool, False),
                     Option("window_size", window_size, (-1, -1)),
                     Option("max_seqlen_q", _length, None),
                     Option("max_seqlen_k", _length, None))
+
+
+def _has_status(descs) -> bool:
+    """Whether a status word is given (checked: int32 [1])."""
+    status = descs.get("status")
+    if status is None:
+        return False
+    expect_dtype("status", status, (STATUS_DTYPE,))
+    expect_shape("status", status, (1,), "[1]")
+    return True
+
+
+def _host(t) -> list[int]:
+    return t.detach().reshape(-1).to("cpu", torch.int64).tolist()
 
 
 class _AttentionPlan(Plan):
@@ -63,13 +80,13 @@ class _AttentionPlan(Plan):
             if cq.shape[0] < 2:
                 raise ValidationError(
                     f"cu_seqlens_q: expected [nseq + 1] with nseq >= 1, got {list(cq.shape)}")
-            for name, value, total in (("max_seqlen_q", max_seqlen_q, q.shape[0]),
-                                       ("max_seqlen_k", max_seqlen_k, k.shape[0])):
-                if value is None or not value <= total:
-                    raise ValidationError(f"{name}: expected an int in [0, {total}] (the longest "
-                                          f"sequence) with packed sequences, got {value!r}")
-            batch, sq, sk = cq.shape[0] - 1, max_seqlen_q, max_seqlen_k
+            for name, value in (("max_seqlen_q", max_seqlen_q), ("max_seqlen_k", max_seqlen_k)):
+                if value is None:
+                    raise ValidationError(f"{name}: expected an int >= 0 (the longest sequence) "
+                                          f"with packed sequences, got None")
             total_q, total_k = q.shape[0], k.shape[0]
+            # no sequence covers more than the packed tokens: a larger bound changes nothing
+            batch, sq, sk = cq.shape[0] - 1, min(max_seqlen_q, total_q), min(max_seqlen_k, total_k)
         else:
             b, sq, _, _ = q.shape
             if k.shape[0] != b:
@@ -81,7 +98,42 @@ class _AttentionPlan(Plan):
                 expect_contiguous(name, descs[name])
         return AttentionProblem(q.dtype, batch, sq, sk, hq, hkv, d, causal, window_size,
                                 resolve_scale(softmax_scale, d), packed, total_q, total_k,
-                                self.device)
+                                self.device, _has_status(descs))
+
+    def _check_index_values(self, tensors) -> None:
+        """cu_seqlens_q/k (packed): starting at 0, non-decreasing, within the packed tokens, and
+        no sequence longer than max_seqlen_q/k."""
+        p = self.problem
+        if not p.packed:
+            return
+        for name, total, option in (("cu_seqlens_q", p.total_q, "max_seqlen_q"),
+                                    ("cu_seqlens_k", p.total_k, "max_seqlen_k")):
+            longest = getattr(self, option)
+            cu = tensors.get(name)
+            if cu is None:
+                continue
+            check_cu_seqlens(name, cu, total)
+            values = _host(cu)
+            for i in range(len(values) - 1):
+                if values[i + 1] - values[i] > longest:
+                    raise ValidationError(
+                        f"{name}: expected sequences of at most {option} = {longest} tokens, got "
+                        f"{name}[{i + 1}] - {name}[{i}] = {values[i + 1] - values[i]}")
+
+    def _tuning_tensors(self) -> dict[str, torch.Tensor]:
+        """Packed: valid offsets of the sequences the cost models count (the longest the plan
+        allows, as many as the tokens fill: ``contract.sequence_lengths``)."""
+        p = self.problem
+        if not p.packed:
+            return {}
+        lengths = sequence_lengths(p)
+        out = {}
+        for name, side in (("cu_seqlens_q", 0), ("cu_seqlens_k", 1)):
+            offsets = [0]
+            for pair in lengths:
+                offsets.append(offsets[-1] + pair[side])
+            out[name] = torch.tensor(offsets, dtype=torch.int32, device=self.device)
+        return out
 
     def _lse_shape(self, problem: AttentionProblem) -> tuple[int, ...]:
         p = problem
@@ -98,24 +150,36 @@ class GQAAttentionForward(_AttentionPlan):
     causal (bool), window_size=(left, right) ints >= -1, softmax_scale (a finite float > 0;
     default 1/sqrt(d)): the bottom-right aligned masks of ``fusedops.attention.contract``.
 
-    execute(q, k, v, o, lse, cu_seqlens_q=, cu_seqlens_k=) writes o like q and lse fp32 (float64
-    for float64 inputs) [b, h_q, s_q] (packed: [h_q, total_q]): the natural-log log-sum-exp of
-    the scaled, masked scores, -inf for a row that sees no key (its o is 0). No workspace. o and
-    lse must not overlap the inputs; keep them for the backward.
+    status: an optional int32 [1] status word (a tensor or TensorDesc; pass it to execute too):
+    the kernels OR Status.CU_SEQLENS into it when the packed offsets need sanitising.
+
+    execute(q, k, v, o, lse, cu_seqlens_q=, cu_seqlens_k=, workspace=, status=) writes o like q
+    and lse fp32 (float64 for float64 inputs) [b, h_q, s_q] (packed: [h_q, total_q]): the
+    natural-log log-sum-exp of the scaled, masked scores, -inf for a row that sees no key (its o
+    is 0). Packed offsets are sanitised on the device, never read on the host (docs/plans.md,
+    "Index data"): tokens no sequence covers get o = 0, lse = -inf. Workspace (Triton, packed):
+    the sanitised offsets, 2·4·(nseq + 1) bytes; none otherwise. o and lse must not overlap the
+    inputs; keep them for the backward.
     """
 
     op_name = "gqa_attention_forward"
     program_name = "forward"
     operands = (*inputs("q", "k", "v"), *outputs("o", "lse"),
-                *indices("cu_seqlens_q", "cu_seqlens_k", optional=True))
+                *indices("cu_seqlens_q", "cu_seqlens_k", optional=True), *status_word())
     returns = ("o", "lse")
 
     def __init__(self, q, k, v, *, causal: bool = False, softmax_scale=None, window_size=(-1, -1),
                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                 backend: str = "auto") -> None:
-        super().__init__(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k),
+                 status=None, backend: str = "auto") -> None:
+        super().__init__(dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                              status=status),
                          dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k), backend)
+
+    def floor(self):
+        """q, k, v read and o, lse written once; 4·b·h_q·s_q·s_k·d tensor-core FLOPs (about
+        half causal): ``contract.forward_floor``."""
+        return forward_floor(self.problem)
 
     def _validate(self, descs, **options) -> AttentionProblem:
         problem = self._validate_qkv(descs, **options)
@@ -124,10 +188,10 @@ class GQAAttentionForward(_AttentionPlan):
         return problem
 
     def execute(self, q, k, v, o, lse, *, cu_seqlens_q=None, cu_seqlens_k=None, workspace=None,
-                current_stream=None) -> TupleDict:
+                status=None, current_stream=None) -> TupleDict:
         """Runs the forward into ``o`` and ``lse``; returns TupleDict(o, lse)."""
         return self._execute(dict(q=q, k=k, v=v, o=o, lse=lse, cu_seqlens_q=cu_seqlens_q,
-                                  cu_seqlens_k=cu_seqlens_k, workspace=workspace,
+                                  cu_seqlens_k=cu_seqlens_k, workspace=workspace, status=status,
                                   current_stream=current_stream))
 
 
@@ -141,23 +205,30 @@ class GQAAttentionBackward(_AttentionPlan):
     execute(q, k, v, o, lse, do, dq, dk, dv, cu_seqlens_q=, cu_seqlens_k=, workspace=) writes dq
     like q and dk, dv like k (q's dtype). dk and dv are accumulated over the h_q / h_kv query heads
     of each KV head inside the kernels (never per query head) and deterministically (no float
-    atomics). Workspace (Triton): delta = rowsum(do ∘ o), fp32 per query row and head. The
-    gradients must not overlap the inputs or each other.
+    atomics). Tokens no sequence covers (packed offsets sanitised as in the forward) get zero
+    gradients; ``status`` as in the forward. Workspace (Triton): delta = rowsum(do ∘ o), fp32
+    per query row and head, and (packed) the sanitised offsets. The gradients must not overlap
+    the inputs or each other.
     """
 
     op_name = "gqa_attention_backward"
     program_name = "backward"
     operands = (*inputs("q", "k", "v", "o", "lse", "do"), *outputs("dq", "dk", "dv"),
-                *indices("cu_seqlens_q", "cu_seqlens_k", optional=True))
+                *indices("cu_seqlens_q", "cu_seqlens_k", optional=True), *status_word())
     returns = ("dq", "dk", "dv")
 
     def __init__(self, q, k, v, o, lse, do, *, causal: bool = False, softmax_scale=None,
                  window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                 max_seqlen_k=None, backend: str = "auto") -> None:
+                 max_seqlen_k=None, status=None, backend: str = "auto") -> None:
         super().__init__(dict(q=q, k=k, v=v, o=o, lse=lse, do=do, cu_seqlens_q=cu_seqlens_q,
-                              cu_seqlens_k=cu_seqlens_k),
+                              cu_seqlens_k=cu_seqlens_k, status=status),
                          dict(causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                               max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k), backend)
+
+    def floor(self):
+        """q, k, v, o, do, lse read and dq, dk, dv written once; the standard backward's five
+        products, 2.5x the forward's FLOPs: ``contract.backward_floor``."""
+        return backward_floor(self.problem)
 
     def _validate(self, descs, **options) -> AttentionProblem:
         problem = self._validate_qkv(descs, **options)
@@ -176,39 +247,47 @@ class GQAAttentionBackward(_AttentionPlan):
         return problem
 
     def execute(self, q, k, v, o, lse, do, dq, dk, dv, *, cu_seqlens_q=None, cu_seqlens_k=None,
-                workspace=None, current_stream=None) -> TupleDict:
+                workspace=None, status=None, current_stream=None) -> TupleDict:
         """Runs the backward into ``dq``, ``dk``, ``dv``; returns TupleDict(dq, dk, dv)."""
         return self._execute(dict(q=q, k=k, v=v, o=o, lse=lse, do=do, dq=dq, dk=dk, dv=dv,
                                   cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                  workspace=workspace, current_stream=current_stream))
+                                  workspace=workspace, status=status,
+                                  current_stream=current_stream))
 
 
 def gqa_attention_forward(q, k, v, *, causal: bool = False, softmax_scale=None, window_size=(-1, -1),
                           cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                          backend: str = "auto", current_stream=None) -> TupleDict:
-    """Eager forward (see GQAAttentionForward): allocates o and lse, returns TupleDict(o, lse).
+                          status=None, check_inputs: bool | None = None, backend: str = "auto",
+                          current_stream=None) -> TupleDict:
+    """Eager forward (see GQAAttentionForward): allocates o, lse and the workspace, returns
+    TupleDict(o, lse). ``check_inputs=True`` (or FUSEDOPS_CHECK_INPUTS=1) first checks the
+    packed offsets on the host (a synchronisation) and raises ValidationError naming the bad
+    entry; ``status``: the optional status word the kernels report into.
 
     Example::
 
         o, lse = fusedops.gqa_attention_forward(q, k, v, causal=True)
     """
     return GQAAttentionForward.eager(
-        dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k),
-        backend=backend, current_stream=current_stream, causal=causal, softmax_scale=softmax_scale,
-        window_size=window_size, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+        dict(q=q, k=k, v=v, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, status=status),
+        backend=backend, current_stream=current_stream, check_inputs=check_inputs, causal=causal,
+        softmax_scale=softmax_scale, window_size=window_size, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k)
 
 
 def gqa_attention_backward(q, k, v, o, lse, do, *, causal: bool = False, softmax_scale=None,
                            window_size=(-1, -1), cu_seqlens_q=None, cu_seqlens_k=None,
-                           max_seqlen_q=None, max_seqlen_k=None, backend: str = "auto",
+                           max_seqlen_q=None, max_seqlen_k=None, status=None,
+                           check_inputs: bool | None = None, backend: str = "auto",
                            current_stream=None) -> TupleDict:
     """Eager backward (see GQAAttentionBackward): allocates the gradients and the workspace,
-    returns TupleDict(dq, dk, dv)."""
+    returns TupleDict(dq, dk, dv). ``status``, ``check_inputs``: as in gqa_attention_forward."""
     return GQAAttentionBackward.eager(
         dict(q=q, k=k, v=v, o=o, lse=lse, do=do, cu_seqlens_q=cu_seqlens_q,
-             cu_seqlens_k=cu_seqlens_k),
-        backend=backend, current_stream=current_stream, causal=causal, softmax_scale=softmax_scale,
-        window_size=window_size, max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k)
+             cu_seqlens_k=cu_seqlens_k, status=status),
+        backend=backend, current_stream=current_stream, check_inputs=check_inputs, causal=causal,
+        softmax_scale=softmax_scale, window_size=window_size, max_seqlen_q=max_seqlen_q,
+        max_seqlen_k=max_seqlen_k)
 
 
 class GQAAttentionDecode(Plan):
@@ -224,18 +303,25 @@ class GQAAttentionDecode(Plan):
             the cache holds value / scale, saturated to +-448 (floating tensors 16-byte
             aligned, the scales too). Read and written in place.
         cache_seqlens: [b] int32 on the device: keys already in each row's cache. The new tokens
-            go to positions cache_seqlens .. cache_seqlens + T - 1 (not past the capacity);
-            cache_seqlens itself is not advanced (the caller does, as with flash_attn_with_kvcache).
+            go to positions cache_seqlens .. cache_seqlens + T - 1; cache_seqlens itself is not
+            advanced (the caller does, as with flash_attn_with_kvcache).
         softmax_scale: a finite float > 0 (default 1/sqrt(d)).
         num_splits: the fixed number of key ranges (flash-decoding), an int >= 1; default one
             per 512 positions of the capacity, at most 32.
+        status: an optional int32 [1] status word (pass it to execute too): the kernels OR
+            Status.CACHE_SEQLENS / Status.BLOCK_TABLE into it for invalid rows.
+
+    A row is valid when 0 <= cache_seqlens[i] <= capacity - T and (paged) every page it needs
+    (j·page_size < cache_seqlens[i] + T) is in [0, num_pages); decided on the device before
+    anything is written (docs/plans.md, "Index data"). An invalid row appends nothing and gets
+    o = 0, lse = -inf; the other rows are unaffected.
 
     execute(q, k_new, v_new, k_cache, v_cache, cache_seqlens, o, lse, block_table=, k_scale=,
-    v_scale=, workspace=) updates k_cache, v_cache and writes o [b, T, h_q, d] (q's dtype) and
-    lse [b, h_q, T] fp32; returns TupleDict(o, lse). Workspace (Triton): the splits' fp32
-    partial outputs and lse. Nothing depends on host-side lengths, so a decode step can be
-    captured in a CUDA Graph once and replayed as the cache grows. o, lse and the caches must
-    not overlap each other or the inputs.
+    v_scale=, workspace=, status=) updates k_cache, v_cache and writes o [b, T, h_q, d] (q's
+    dtype) and lse [b, h_q, T] fp32; returns TupleDict(o, lse). Workspace (Triton): the splits'
+    fp32 partial outputs and lse, and each row's validity. Nothing depends on host-side lengths,
+    so a decode step can be captured in a CUDA Graph once and replayed as the cache grows. o,
+    lse and the caches must not overlap each other or the inputs.
     """
 
     op_name = "gqa_attention_decode"
@@ -245,17 +331,17 @@ class GQAAttentionDecode(Plan):
     operands = (*inputs("q", "k_new", "v_new"), *updated("k_cache", "v_cache"),
                 *indices("cache_seqlens"), *outputs("o", "lse"),
                 *indices("block_table", optional=True),
-                *inputs("k_scale", "v_scale", optional=True))
+                *inputs("k_scale", "v_scale", optional=True), *status_word())
     options = (Option("softmax_scale", softmax_scale, None),
                Option("num_splits", optional(functools.partial(expect_int, minimum=1)), None))
     returns = ("o", "lse")
 
     def __init__(self, q, k_new, v_new, k_cache, v_cache, cache_seqlens, *, block_table=None,
-                 softmax_scale=None, k_scale=None, v_scale=None, num_splits=None,
+                 softmax_scale=None, k_scale=None, v_scale=None, num_splits=None, status=None,
                  backend: str = "auto") -> None:
         super().__init__(dict(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache,
                               cache_seqlens=cache_seqlens, block_table=block_table,
-                              k_scale=k_scale, v_scale=v_scale),
+                              k_scale=k_scale, v_scale=v_scale, status=status),
                          dict(softmax_scale=softmax_scale, num_splits=num_splits), backend)
 
     def _validate(self, descs, *, softmax_scale, num_splits) -> DecodeAttentionProblem:
@@ -303,6 +389,7 @@ class GQAAttentionDecode(Plan):
         expect_dtype("cache_seqlens", seqlens, (torch.int32,))
         expect_shape("cache_seqlens", seqlens, (b,), "[b]")
         per_head = self._validate_scales(descs, kc.dtype, hkv)
+        has_status = _has_status(descs)
         for name, desc in descs.items():
             expect_contiguous(name, desc)
         self._plan_tensor("o", (b, T, hq, d), q.dtype)
@@ -310,7 +397,46 @@ class GQAAttentionDecode(Plan):
         return DecodeAttentionProblem(
             q.dtype, kc.dtype, b, T, hq, hkv, d, table is not None, page_size, max_pages, capacity,
             resolve_scale(softmax_scale, d), per_head,
-            default_num_splits(capacity) if num_splits is None else num_splits, self.device)
+            default_num_splits(capacity) if num_splits is None else num_splits, self.device,
+            kc.shape[0], has_status)
+
+    def floor(self):
+        """The cache read once at the fullest valid context (cache_seqlens = capacity - T: it
+        is runtime data), the new tokens, o and lse written once: ``contract.decode_floor``."""
+        return decode_floor(self.problem)
+
+    def _tuning_tensors(self) -> dict[str, torch.Tensor]:
+        """Every row at the context the cost models take (capacity - T), a block table giving
+        each row its own pages (wrapping around a smaller pool), unit FP8 scales."""
+        p, dev = self.problem, self.device
+        out = dict(cache_seqlens=torch.full((p.batch,), decode_context(p), dtype=torch.int32,
+                                            device=dev))
+        if p.paged:
+            table = torch.arange(p.batch * p.max_pages, dtype=torch.int64, device=dev) % p.pages
+            out["block_table"] = table.view(p.batch, p.max_pages).to(torch.int32)
+        if p.cache_dtype == FP8:
+            shape = self.desc("k_scale").shape
+            out.update(k_scale=torch.ones(shape, device=dev), v_scale=torch.ones(shape, device=dev))
+        return out
+
+    def _check_index_values(self, tensors) -> None:
+        """cache_seqlens in [0, capacity - T]; then (paged) every page a row needs
+        (j·page_size < cache_seqlens + T) in [0, num_pages)."""
+        p = self.problem
+        lengths = tensors.get("cache_seqlens")
+        if lengths is None:
+            return
+        check_each_at_most("cache_seqlens", lengths, [p.capacity - p.tokens] * p.batch,
+                           f"room for the T = {p.tokens} new tokens in a capacity of {p.capacity}")
+        table = tensors.get("block_table")
+        if not p.paged or table is None:
+            return
+        rows = table.detach().to("cpu", torch.int64).tolist()
+        for i, length in enumerate(_host(lengths)):
+            for j in range(min(p.max_pages, -(-(length + p.tokens) // p.page_size))):
+                if not 0 <= rows[i][j] < p.pages:
+                    raise ValidationError(f"block_table: expected entries in [0, {p.pages}), got "
+                                          f"block_table[{i}, {j}] = {rows[i][j]}")
 
     @staticmethod
     def _validate_scales(descs, cache_dtype, hkv: int) -> bool:
@@ -332,21 +458,26 @@ class GQAAttentionDecode(Plan):
         return descs["k_scale"].shape == (hkv,) and hkv > 1
 
     def execute(self, q, k_new, v_new, k_cache, v_cache, cache_seqlens, o, lse, *, block_table=None,
-                k_scale=None, v_scale=None, workspace=None, current_stream=None) -> TupleDict:
+                k_scale=None, v_scale=None, workspace=None, status=None,
+                current_stream=None) -> TupleDict:
         """Appends to the caches and writes ``o`` and ``lse``; returns TupleDict(o, lse)."""
         return self._execute(dict(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache,
                                   cache_seqlens=cache_seqlens, o=o, lse=lse, block_table=block_table,
                                   k_scale=k_scale, v_scale=v_scale, workspace=workspace,
-                                  current_stream=current_stream))
+                                  status=status, current_stream=current_stream))
 
 
 def gqa_attention_decode(q, k_new, v_new, k_cache, v_cache, cache_seqlens, *, block_table=None,
                          softmax_scale=None, k_scale=None, v_scale=None, num_splits=None,
-                         backend: str = "auto", current_stream=None) -> TupleDict:
+                         status=None, check_inputs: bool | None = None, backend: str = "auto",
+                         current_stream=None) -> TupleDict:
     """Eager decode step (see GQAAttentionDecode): updates k_cache, v_cache in place, allocates
-    o, lse and the workspace; returns TupleDict(o, lse)."""
+    o, lse and the workspace; returns TupleDict(o, lse). ``check_inputs=True`` (or
+    FUSEDOPS_CHECK_INPUTS=1) first checks cache_seqlens and block_table on the host (a
+    synchronisation); ``status``: the optional status word the kernels report into."""
     return GQAAttentionDecode.eager(
         dict(q=q, k_new=k_new, v_new=v_new, k_cache=k_cache, v_cache=v_cache,
-             cache_seqlens=cache_seqlens, block_table=block_table, k_scale=k_scale, v_scale=v_scale),
-        backend=backend, current_stream=current_stream, softmax_scale=softmax_scale,
-        num_splits=num_splits)
+             cache_seqlens=cache_seqlens, block_table=block_table, k_scale=k_scale, v_scale=v_scale,
+             status=status),
+        backend=backend, current_stream=current_stream, check_inputs=check_inputs,
+        softmax_scale=softmax_scale, num_splits=num_splits)

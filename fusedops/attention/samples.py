@@ -3,7 +3,8 @@ compiles and the benchmark).
 
 Two kinds of case: training cases (q, k, v, do and, packed, cu_seqlens_q/k) that ``run``
 through the forward and backward plans, and decode cases (q, k_new, v_new, k_cache, v_cache,
-cache_seqlens, block_table, k_scale, v_scale) that ``run`` through the decode plan.
+cache_seqlens, block_table, k_scale, v_scale) that ``run`` through the decode plan; and
+``index_fuzz``, drawn valid and invalid index data for the memory-safety fuzz test.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import torch
 
 from ..core.desc import TensorDesc
 from ..core.dtypes import dtype_name
+from ..core.status import STATUS_DTYPE, Status
 from ..opinfo import Case, PlanCall
 from .contract import FP8, FP8_MAX
 from .plans import GQAAttentionBackward, GQAAttentionDecode, GQAAttentionForward
@@ -129,7 +131,7 @@ def cases(kind: str, *, dtype=torch.float32, device="cpu", backend: str = "torch
                 make_packed([1, 17, 1], [1, 24, 2], 4, 2, 16, dtype, seed=4, causal=True, **kw)]
     if kind == "decode":
         return [make_decode(3, 1, 8, 2, 32, 100, [0, 37, 99], dtype, num_splits=3, **kw),
-                make_decode(3, 3, 8, 2, 32, 100, [0, 37, 98], dtype, **kw),
+                make_decode(3, 3, 8, 2, 32, 100, [0, 37, 97], dtype, **kw),
                 make_decode(3, 2, 8, 2, 32, 96, [5, 40, 90], dtype, page_size=16, seed=9, **kw),
                 make_decode(2, 2, 8, 2, 64, 80, [10, 60], dtype, fp8="tensor", seed=10, **kw),
                 make_decode(2, 2, 8, 2, 64, 80, [10, 60], dtype, fp8="head", seed=10, **kw)]
@@ -143,9 +145,10 @@ def cases(kind: str, *, dtype=torch.float32, device="cpu", backend: str = "torch
 
 def production() -> list[tuple[str, list[PlanCall]]]:
     """Training at b=4, s=4096, h_q=32 bf16: d=128 with h_kv 8 (causal) and 2, d=64 and d=256
-    (h_kv 8, causal); decode at b=64, h_q=32, h_kv=8, d=128 with 8192 positions: T=1 on a
-    contiguous bf16 cache, T=4 on a paged (64-position pages) FP8 cache with per-head scales;
-    as TensorDescs on the CPU."""
+    (h_kv 8, causal), and 16K tokens packed in 8 sequences of up to 4096 (d=128, h_kv 8,
+    causal) with a status word; decode at b=64, h_q=32, h_kv=8, d=128 with 8192 positions: T=1 on a
+    contiguous bf16 cache, T=4 on a paged (64-position pages) FP8 cache with per-head scales,
+    both with a status word (as a server runs them); as TensorDescs on the CPU."""
     cpu = "cpu"
     bf16 = torch.bfloat16
     out = []
@@ -158,12 +161,24 @@ def production() -> list[tuple[str, list[PlanCall]]]:
         out.append((f"attn hkv{hkv} d{d}{' causal' if causal else ''}", [
             PlanCall(GQAAttentionForward, dict(q=q, k=kv, v=kv), options),
             PlanCall(GQAAttentionBackward, dict(q=q, k=kv, v=kv, o=q, lse=lse, do=q), options)]))
+    total, nseq, hq, hkv, d = 16384, 8, 32, 8, 128       # packed: 16K tokens, sequences <= 4K
+    q = TensorDesc((total, hq, d), bf16, device=cpu)
+    kv = TensorDesc((total, hkv, d), bf16, device=cpu)
+    packing = dict(cu_seqlens_q=TensorDesc((nseq + 1,), torch.int32, device=cpu),
+                   cu_seqlens_k=TensorDesc((nseq + 1,), torch.int32, device=cpu),
+                   status=TensorDesc((1,), STATUS_DTYPE, device=cpu))
+    options = dict(causal=True, max_seqlen_q=4096, max_seqlen_k=4096)
+    lse = TensorDesc((hq, total), torch.float32, device=cpu)
+    out.append(("attn packed hkv8 d128 causal status", [
+        PlanCall(GQAAttentionForward, dict(q=q, k=kv, v=kv, **packing), options),
+        PlanCall(GQAAttentionBackward, dict(q=q, k=kv, v=kv, o=q, lse=lse, do=q, **packing), options)]))
     b, hq, hkv, d, capacity = 64, 32, 8, 128, 8192
     for tokens, paged in ((1, False), (4, True)):
         q = TensorDesc((b, tokens, hq, d), bf16, device=cpu)
         new = TensorDesc((b, tokens, hkv, d), bf16, device=cpu)
         tensors = dict(q=q, k_new=new, v_new=new,
-                       cache_seqlens=TensorDesc((b,), torch.int32, device=cpu))
+                       cache_seqlens=TensorDesc((b,), torch.int32, device=cpu),
+                       status=TensorDesc((1,), STATUS_DTYPE, device=cpu))
         if paged:
             page = 64
             cache = TensorDesc((b * capacity // page, page, hkv, d), FP8, device=cpu)
@@ -202,21 +217,35 @@ def continuation(case: Case) -> dict:
                 cache_seqlens=torch.full((b,), sk - 1, dtype=torch.int32, device=q.device))
 
 
+def _status(device) -> torch.Tensor:
+    return torch.zeros(1, dtype=STATUS_DTYPE, device=device)
+
+
+def forward_outputs(call: PlanCall, backend: str) -> dict[str, torch.Tensor]:
+    """o and lse of a forward PlanCall run on ``backend`` (for its backward's call)."""
+    plan = call.build(backend).compile()
+    t = call.tensors
+    return dict(plan.execute(t["q"], t["k"], t["v"], **plan.allocate_outputs(),
+                             cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"],
+                             workspace=plan.allocate_workspace(), status=t.get("status")))
+
+
 def plan_calls(case: Case, backend: str) -> list[PlanCall]:
     """A training case: the forward, the backward (its o and lse from running the forward on
     ``backend``) and the decode plan (``continuation``), in INFO.plans order. A decode case: the
-    decode plan's call only."""
+    decode plan's call only. Each with a status word."""
     t = case.tensors
+    device = t["q"].device
     if is_decode(case):
-        return [PlanCall(GQAAttentionDecode, {n: t[n] for n in DECODE_TENSORS}, case.options)]
+        return [PlanCall(GQAAttentionDecode, dict({n: t[n] for n in DECODE_TENSORS},
+                                                  status=_status(device)), case.options)]
     options = _training_options(case)
-    forward = PlanCall(GQAAttentionForward, {n: t[n] for n in TRAINING_TENSORS}, options)
-    plan = forward.build(backend).compile()
-    o, lse = plan.execute(t["q"], t["k"], t["v"], **plan.allocate_outputs(),
-                          cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"])
+    forward = PlanCall(GQAAttentionForward, dict({n: t[n] for n in TRAINING_TENSORS},
+                                                 status=_status(device)), options)
     backward = PlanCall(GQAAttentionBackward,
-                        dict({n: t[n] for n in TRAINING_TENSORS}, o=o, lse=lse, do=t["do"]), options)
-    decode = PlanCall(GQAAttentionDecode, continuation(case),
+                        dict({n: t[n] for n in TRAINING_TENSORS}, **forward_outputs(forward, backend),
+                             do=t["do"], status=_status(device)), options)
+    decode = PlanCall(GQAAttentionDecode, dict(continuation(case), status=_status(device)),
                       {k: v for k, v in options.items() if k == "softmax_scale"})
     return [forward, backward, decode]
 
@@ -237,10 +266,141 @@ def run(case: Case, backend: str) -> dict[str, torch.Tensor]:
     cu = dict(cu_seqlens_q=t["cu_seqlens_q"], cu_seqlens_k=t["cu_seqlens_k"])
     fwd = GQAAttentionForward(t["q"], t["k"], t["v"], **cu, **options, backend=backend).compile()
     out = fwd.allocate_outputs()
-    fwd.execute(t["q"], t["k"], t["v"], out["o"], out["lse"], **cu)
+    fwd.execute(t["q"], t["k"], t["v"], out["o"], out["lse"], **cu, workspace=fwd.allocate_workspace())
     bwd = GQAAttentionBackward(t["q"], t["k"], t["v"], out["o"], out["lse"], t["do"], **cu,
                                **options, backend=backend).compile()
     grads = bwd.allocate_outputs()
     bwd.execute(t["q"], t["k"], t["v"], out["o"], out["lse"], t["do"], **grads, **cu,
                 workspace=bwd.allocate_workspace())
     return dict(out, **grads)
+
+
+# -- index fuzzing ---------------------------------------------------------------------------------
+INT32_MAX, INT32_MIN = 2**31 - 1, -2**31
+
+
+def _packed_fuzz(gen: torch.Generator, backend: str, device, draw: int) -> list:
+    """A forward and a backward FuzzCase of one draw of packed offsets: valid (padding tokens
+    after the last sequence included), or one kind of invalid offsets in cu_seqlens_q or _k."""
+    from ..testing.fuzz import FuzzCase
+    nseq = int(torch.randint(1, 4, (), generator=gen))
+    hq, hkv, d = 2, 1, 16
+
+    def lengths():
+        return torch.randint(0, 9, (nseq,), generator=gen)
+    lq, lk = lengths(), lengths()
+    pad_q, pad_k = (int(torch.randint(0, 3, (), generator=gen)) for _ in range(2))
+    pad_q, pad_k = max(pad_q, int(lq.sum() == 0)), max(pad_k, int(lk.sum() == 0))   # no empty q, k
+    total_q, total_k = int(lq.sum()) + pad_q, int(lk.sum()) + pad_k
+    cu_q = torch.cat([torch.zeros(1, dtype=torch.int64), lq.cumsum(0)])
+    cu_k = torch.cat([torch.zeros(1, dtype=torch.int64), lk.cumsum(0)])
+    max_q, max_k = max(1, int(lq.max())), max(1, int(lk.max()))
+    kinds = ("valid", "past the tokens", "not from 0", "negative start", "decreasing",
+             "longer than max_seqlen", "int32 extremes")
+    kind = kinds[draw % len(kinds)]
+    bad_k = bool(torch.randint(0, 2, (), generator=gen))
+    cu, total = (cu_k, total_k) if bad_k else (cu_q, total_q)
+    i = int(torch.randint(1, nseq + 1, (), generator=gen))
+    if kind == "past the tokens":
+        cu[i:] += total + 1 - int(cu[-1]) + int(torch.randint(0, 5, (), generator=gen))
+    elif kind == "not from 0":
+        cu[0] = int(torch.randint(1, max(2, total + 3), (), generator=gen))
+    elif kind == "negative start":
+        cu[0] = -int(torch.randint(1, 6, (), generator=gen))
+    elif kind == "decreasing":
+        cu[i] = int(cu[i - 1]) - 1 - int(torch.randint(0, 4, (), generator=gen))
+    elif kind == "longer than max_seqlen":
+        if bad_k:
+            max_k = max(0, int(lk.max()) - 1 - int(torch.randint(0, 2, (), generator=gen)))
+        else:
+            max_q = max(0, int(lq.max()) - 1 - int(torch.randint(0, 2, (), generator=gen)))
+        if int((lk if bad_k else lq).max()) == 0:
+            cu[-1] = total + 1                  # nothing to truncate: end past the tokens instead
+    elif kind == "int32 extremes":
+        cu[i] = INT32_MAX if i % 2 else INT32_MIN
+    g = torch.Generator().manual_seed(int(torch.randint(0, 2**30, (), generator=gen)))
+    q, do = (torch.randn(total_q, hq, d, generator=g).to(device) for _ in range(2))
+    k, v = (torch.randn(total_k, hkv, d, generator=g).to(device) for _ in range(2))
+    options = dict(causal=bool(draw % 2), max_seqlen_q=max_q, max_seqlen_k=max_k)
+    if draw % 3 == 2:
+        options["window_size"] = (3, 1)
+    index = dict(cu_seqlens_q=cu_q.to(device, torch.int32), cu_seqlens_k=cu_k.to(device, torch.int32))
+    expected = Status.OK if kind == "valid" else Status.CU_SEQLENS
+    label = f"packed {kind} ({'cu_seqlens_k' if bad_k else 'cu_seqlens_q'}) {cu.tolist()} {options}"
+    forward = PlanCall(GQAAttentionForward, dict(q=q, k=k, v=v, **index), options)
+    saved = forward_outputs(forward, backend)
+    backward = PlanCall(GQAAttentionBackward, dict(q=q, k=k, v=v, **saved, do=do, **index), options)
+    return [FuzzCase(f"forward {label}", forward, expected),
+            FuzzCase(f"backward {label}", backward, expected)]
+
+
+DECODE_KINDS = ("valid", "negative length", "no room", "length extremes")
+PAGED_KINDS = DECODE_KINDS + ("page past the pool", "negative page")
+
+
+def _decode_fuzz(gen: torch.Generator, device, draw: int) -> object:
+    """A decode FuzzCase: valid rows, or rows with a cache length out of range (negative, no room
+    for the T new tokens, int32 extremes) or (paged) a needed page out of the pool; pages a row
+    does not need may hold anything. fp32 caches (the harness compares outputs with isfinite,
+    which float8 lacks; FP8 caches' invalid rows are tested in tests/test_attention.py)."""
+    from ..testing.fuzz import FuzzCase
+    b, hq, hkv, d, page = 3, 4, 2, 16, 16
+    combos = [(k, False) for k in DECODE_KINDS] + [(k, True) for k in PAGED_KINDS]
+    kind, paged = combos[draw % len(combos)]
+    T = 1 + (draw // len(combos) + draw) % 2
+    max_pages = 3
+    capacity = page * max_pages
+    lengths = torch.randint(0, capacity - T + 1, (b,), generator=gen)
+    case = make_decode(b, T, hq, hkv, d, capacity, lengths.tolist(), page_size=page if paged else None,
+                       seed=int(torch.randint(0, 2**30, (), generator=gen)))
+    t = dict(case.tensors)
+    row = int(torch.randint(0, b, (), generator=gen))
+    lengths = lengths.clone()
+    expected = Status.OK
+    if kind == "negative length":
+        lengths[row] = -int(torch.randint(1, 40, (), generator=gen))
+        expected = Status.CACHE_SEQLENS
+    elif kind == "no room":
+        lengths[row] = capacity - T + 1 + int(torch.randint(0, 20, (), generator=gen))
+        expected = Status.CACHE_SEQLENS
+    elif kind == "length extremes":
+        lengths[row] = INT32_MAX if draw // len(combos) % 2 == 0 else INT32_MIN
+        expected = Status.CACHE_SEQLENS
+    t["cache_seqlens"] = lengths.to(device, torch.int32)
+    if paged:
+        table = t["block_table"].clone()
+        pages = t["k_cache"].shape[0]
+        needed = -(-(int(lengths[row]) + T) // page)
+        j = int(torch.randint(0, needed, (), generator=gen)) if needed > 0 else 0
+        if kind == "page past the pool":
+            table[row, j] = pages + int(torch.randint(0, 10_000, (), generator=gen))
+            expected = Status.BLOCK_TABLE
+        elif kind == "negative page":
+            table[row, j] = -1 - int(torch.randint(0, 10, (), generator=gen))
+            expected = Status.BLOCK_TABLE
+        for i in range(b):                      # pages no row needs: anything (valid data)
+            first_unneeded = -(-(int(lengths[i]) + T) // page)
+            if 0 <= first_unneeded < max_pages and (kind != "negative length" or i != row):
+                table[i, first_unneeded:] = -7 if i % 2 else 1 << 30
+        t["block_table"] = table
+        if kind == "length extremes" and int(lengths[row]) > 0:
+            expected |= Status.BLOCK_TABLE if bool(((table[row] < 0) | (table[row] >= pages)).any()) \
+                else Status.OK
+    label = f"decode {kind} T={T}{' paged' if paged else ''} lengths={lengths.tolist()}"
+    return FuzzCase(label, PlanCall(GQAAttentionDecode, {n: t[n] for n in DECODE_TENSORS}, case.options),
+                    expected)
+
+
+def index_fuzz(seed: int, backend: str, device="cpu") -> list:
+    """Drawn index data for every plan that reads it (fp32, small shapes): packed offsets for
+    the forward and the backward (valid; past the tokens; not starting at 0; negative;
+    decreasing; a sequence longer than max_seqlen; int32 extremes) and decode rows (valid;
+    cache lengths negative, without room, at the int32 extremes; pages past the pool or
+    negative; garbage in pages no row needs), from a generator seeded with ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    cases = []
+    for draw in range(21):
+        cases += _packed_fuzz(gen, backend, device, draw)
+    for draw in range(20):
+        cases.append(_decode_fuzz(gen, device, draw))
+    return cases

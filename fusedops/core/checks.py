@@ -14,6 +14,7 @@ import torch
 from ..errors import ValidationError
 from .desc import TensorDesc
 from .dtypes import dtype_name
+from .overlap import byte_range, shares_bytes
 
 ALIGNMENT = 16  # bytes: every floating tensor and workspace must start on a 16-byte boundary
 
@@ -46,6 +47,30 @@ def expect_contiguous(name: str, desc: TensorDesc) -> None:
             f"{list(desc.stride)}")
 
 
+def expect_last_dim_contiguous(name: str, desc: TensorDesc, *, vector_bytes: int = ALIGNMENT) -> None:
+    """A strided view whose last dimension is contiguous (stride 1) and whose other strides are
+    non-negative multiples of ``vector_bytes`` (so every row starts aligned for the kernels'
+    vector loads; 1 where a kernel does not vectorise): views of a fused projection go in
+    without a copy. Dimensions of size 1 may have any stride."""
+    dims = [(size, stride) for size, stride in zip(desc.shape, desc.stride) if size > 1]
+    if desc.ndim and desc.shape[-1] > 1 and desc.stride[-1] != 1:
+        raise ValidationError(
+            f"{name}: expected the last dimension contiguous (stride 1), got shape "
+            f"{list(desc.shape)} with strides {list(desc.stride)}")
+    e = desc.element_size
+    for size, stride in dims[:-1] if desc.shape and desc.shape[-1] > 1 else dims:
+        if stride < 0 or (stride * e) % vector_bytes:
+            raise ValidationError(
+                f"{name}: expected strides of multiples of {vector_bytes} bytes "
+                f"({vector_bytes // e} elements), got strides {list(desc.stride)} for shape "
+                f"{list(desc.shape)}")
+
+
+def same_layout(shape, stride_a, stride_b) -> bool:
+    """Equal strides in every dimension of size > 1 (the others are never stepped)."""
+    return all(size <= 1 or a == b for size, a, b in zip(shape, stride_a, stride_b))
+
+
 def expect_aligned(name: str, tensor: torch.Tensor, alignment: int = ALIGNMENT) -> None:
     if alignment > 1 and tensor.numel() > 0 and tensor.data_ptr() % alignment:
         raise ValidationError(
@@ -53,17 +78,34 @@ def expect_aligned(name: str, tensor: torch.Tensor, alignment: int = ALIGNMENT) 
             f"{tensor.data_ptr():#x} (offset {tensor.data_ptr() % alignment})")
 
 
-def check_execute_tensor(name: str, tensor, desc: TensorDesc, alignment: int) -> None:
-    """Checks a tensor handed to execute() against its planned declaration (host facts only)."""
+def rows_layout(shape, stride, element_size: int, vector_bytes: int = ALIGNMENT) -> bool:
+    """Last dimension contiguous, other strides non-negative multiples of ``vector_bytes``."""
+    for i, (size, s) in enumerate(zip(shape, stride)):
+        if size <= 1:
+            continue
+        if i == len(shape) - 1:
+            if s != 1:
+                return False
+        elif s < 0 or (s * element_size) % vector_bytes:
+            return False
+    return True
+
+
+def check_execute_tensor(name: str, tensor, desc: TensorDesc, alignment: int,
+                         strided: bool = False) -> None:
+    """Checks a tensor handed to execute() against its planned declaration (host facts only):
+    dtype, shape, device, alignment, and the planned strides (``strided``: any row layout)."""
     if isinstance(tensor, torch.Tensor) and (
             tensor.dtype == desc.dtype and tensor.shape == desc.shape
-            and tensor.device == desc.device and tensor.is_contiguous()
+            and tensor.device == desc.device
+            and (rows_layout(desc.shape, tensor.stride(), tensor.element_size()) if strided
+                 else same_layout(desc.shape, tensor.stride(), desc.stride))
             and (alignment <= 1 or tensor.data_ptr() % alignment == 0)):
         return
-    _raise_mismatch(name, tensor, desc, alignment)
+    _raise_mismatch(name, tensor, desc, alignment, strided)
 
 
-def _raise_mismatch(name: str, tensor, desc: TensorDesc, alignment: int) -> None:
+def _raise_mismatch(name: str, tensor, desc: TensorDesc, alignment: int, strided: bool = False) -> None:
     if not isinstance(tensor, torch.Tensor):
         raise ValidationError(f"{name}: expected a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype != desc.dtype:
@@ -74,36 +116,32 @@ def _raise_mismatch(name: str, tensor, desc: TensorDesc, alignment: int) -> None
             f"{name}: expected shape {list(desc.shape)} as planned, got {list(tensor.shape)}")
     if tensor.device != desc.device:
         raise ValidationError(f"{name}: expected device {desc.device} as planned, got {tensor.device}")
-    if not tensor.is_contiguous():
+    if strided and not rows_layout(desc.shape, tensor.stride(), tensor.element_size()):
         raise ValidationError(
-            f"{name}: expected a contiguous tensor, got strides {list(tensor.stride())}")
+            f"{name}: expected the last dimension contiguous and the other strides multiples of "
+            f"{ALIGNMENT} bytes, got strides {list(tensor.stride())}")
+    if not strided and not same_layout(desc.shape, tensor.stride(), desc.stride):
+        planned = "a contiguous tensor" if desc.is_contiguous() else f"strides {list(desc.stride)} as planned"
+        raise ValidationError(f"{name}: expected {planned}, got strides {list(tensor.stride())}")
     expect_aligned(name, tensor, alignment)
-
-
-def byte_range(tensor: torch.Tensor) -> tuple[int, int]:
-    """[start, end) of the bytes a tensor may touch (its strided extent)."""
-    if tensor.numel() == 0:
-        return (0, 0)
-    extent = 1 + sum((size - 1) * abs(stride) for size, stride in zip(tensor.shape, tensor.stride()))
-    start = tensor.data_ptr()
-    return start, start + extent * tensor.element_size()
 
 
 def check_no_overlap(inputs: Mapping[str, torch.Tensor | None],
                      outputs: Mapping[str, torch.Tensor | None]) -> None:
-    """Outputs (and workspace) must not share bytes with inputs or with each other."""
-    seen = [(name, byte_range(t), t.device) for name, t in inputs.items() if t is not None]
+    """Outputs (and workspace) must not share a byte with an input or with each other (exact
+    for strided views: slices of one fused buffer that never meet are fine)."""
+    seen = [(name, t) for name, t in inputs.items() if t is not None]
     for name, tensor in outputs.items():
         if tensor is None:
             continue
-        lo, hi = byte_range(tensor)
-        if hi > lo:
-            for other, (olo, ohi), device in seen:
-                if lo < ohi and olo < hi and device == tensor.device:
-                    raise ValidationError(
-                        f"{name}: must not overlap {other}; their byte ranges "
-                        f"[{lo:#x}, {hi:#x}) and [{olo:#x}, {ohi:#x}) intersect")
-        seen.append((name, (lo, hi), tensor.device))
+        for other, placed in seen:
+            if placed.device == tensor.device and shares_bytes(tensor, placed):
+                lo, hi = byte_range(tensor)
+                olo, ohi = byte_range(placed)
+                raise ValidationError(
+                    f"{name}: must not overlap {other}; they share bytes (extents "
+                    f"[{lo:#x}, {hi:#x}) and [{olo:#x}, {ohi:#x}))")
+        seen.append((name, tensor))
 
 
 def check_workspace(workspace, required: int, device: torch.device) -> None:

@@ -10,7 +10,8 @@ was handed.
 A stage names a kernel (a Triton ``KernelSpec`` or a CuTe ``CuteKernel``: both carry their
 launch grid) and where each of its runtime arguments comes from. By default an argument takes
 the plan tensor of its own name (a trailing ``_ptr`` dropped); ``bind`` overrides that with
-another tensor name, a piece of a caller buffer (``Piece``), or a plan-time scalar. The same
+another tensor name, a piece of a caller buffer (``Piece``), a stride of a bound tensor
+(``Stride``: strided views go in without a copy), or a plan-time scalar. The same
 stage list gives the AOT compiles, the kernel report and the benchmark's kernel list.
 """
 
@@ -45,6 +46,18 @@ class Piece:
 
     buffer: str
     name: str
+
+
+@dataclass(frozen=True)
+class Stride:
+    """A kernel argument: stride ``dim`` of the bound tensor ``tensor`` divided by ``unit``
+    elements (pass the elements of a 16-byte vector, and multiply by that constexpr in the
+    kernel: the compiler then knows every row starts 16-byte aligned and vectorises). Read from
+    the tensor handed to execute() (a host fact), 0 when the tensor is absent."""
+
+    tensor: str
+    dim: int
+    unit: int = 1
 
 
 def workspace_piece(name: str) -> Piece:
@@ -118,6 +131,15 @@ class Program:
                 raise ValueError(f"stage {stage.name}: argument {arg} takes {source.buffer} piece "
                                  f"{source.name!r}, which the layout does not have ({layout})")
             return lambda binding, b=source.buffer, p=source.name, lay=layout: lay.carve(binding[b], p)
+        if isinstance(source, Stride):
+            if source.tensor not in names:
+                raise ValueError(f"stage {stage.name}: argument {arg} takes a stride of "
+                                 f"{source.tensor!r}, which the plan does not bind")
+
+            def stride(binding, t=source.tensor, d=source.dim, u=source.unit):
+                value = binding.get(t)
+                return 0 if value is None else value.stride(d) // u
+            return stride
         if isinstance(source, str):
             if source not in names:
                 raise ValueError(f"stage {stage.name}: argument {arg} takes tensor {source!r}, "

@@ -20,6 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.cost import Cost
+from ..core.dtypes import accumulator_dtype, element_size
+
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 DEFAULT_EPS = 1e-20
 MIN_EPS = torch.finfo(torch.float32).tiny     # eps must be a normal fp32 number
@@ -51,3 +54,27 @@ def token_blocks(tokens: int, max_blocks: int) -> tuple[int, int]:
     grad_weight partial row per block and sum the rows in order: deterministic."""
     per_block = max(MIN_TOKENS_PER_BLOCK, math.ceil(tokens / max(1, max_blocks)))
     return per_block, math.ceil(tokens / per_block)
+
+
+FORWARD_FLOPS_PER_ELEMENT = 9     # x·x, k·k, x·w·k (2, 2, 3) and x + gate·v (2), per (n, s, d)
+BACKWARD_FLOPS_PER_ELEMENT = 13   # g·v, gate·g, grad_x (4), grad_k (3), the grad_weight term (2)
+
+
+def forward_floor(problem: GateProblem) -> Cost:
+    """The least any forward can do: read x, kv, weight and the mask once, write out and saved
+    once; 9 FLOPs per element of x."""
+    n, s, d = problem.tokens, problem.streams, problem.hidden
+    e, a = element_size(problem.dtype), element_size(accumulator_dtype(problem.dtype))
+    read = n * (2 * s + 1) * d * e + s * d * a + (n if problem.has_mask else 0)
+    written = n * s * d * e + n * s * 4 * a
+    return Cost(FORWARD_FLOPS_PER_ELEMENT * n * s * d, read, written)
+
+
+def backward_floor(problem: GateProblem) -> Cost:
+    """The least any backward can do: read x, kv, weight, saved and grad_out once, write
+    grad_x, grad_kv and grad_weight once (read it too when accumulating)."""
+    n, s, d = problem.tokens, problem.streams, problem.hidden
+    e, a = element_size(problem.dtype), element_size(accumulator_dtype(problem.dtype))
+    read = n * (3 * s + 1) * d * e + n * s * 4 * a + s * d * a * (2 if problem.accumulate else 1)
+    written = n * (2 * s + 1) * d * e + s * d * a
+    return Cost(BACKWARD_FLOPS_PER_ELEMENT * n * s * d, read, written)

@@ -17,7 +17,8 @@ from ..core.options import Option, expect_bool, expect_float
 from ..core.tupledict import TupleDict
 from ..errors import ValidationError
 from ..plan import Plan, inputs, outputs
-from .contract import ACTIVATION_DTYPES, DEFAULT_EPS, MIN_EPS, GateProblem
+from .contract import (ACTIVATION_DTYPES, DEFAULT_EPS, MIN_EPS, GateProblem, backward_floor,
+                       forward_floor)
 
 
 def _eps(name: str, value) -> float:
@@ -46,8 +47,11 @@ class _GatePlan(Plan):
         return n, s, d, x
 
     def _check_contiguous(self, descs) -> None:
+        """The operands that are not strided views (weight, saved, mask) are contiguous."""
+        strided = {o.name for o in self.operands if o.strided}
         for name, desc in descs.items():
-            expect_contiguous(name, desc)
+            if name not in strided:
+                expect_contiguous(name, desc)
 
 
 class EngramGateSavedForward(_GatePlan):
@@ -65,14 +69,17 @@ class EngramGateSavedForward(_GatePlan):
     execute(x, kv, weight, mask, out, saved) writes out [N, S, D] (x's dtype, rounded once) and
     saved [N, S, 4] fp32 = (gate, dot, rstd_x, rstd_k), which the backward plan consumes. Keep
     x, kv, weight and saved unchanged until the backward has run. No workspace. out and saved
-    must not overlap the inputs or each other; all tensors contiguous, floating ones 16-byte
+    must not overlap the inputs or each other. x, kv and out may be strided views (last
+    dimension contiguous, other strides multiples of 16 bytes: slices of a larger buffer go in
+    and out without a copy); weight, mask and saved are contiguous; floating tensors 16-byte
     aligned.
     """
 
     op_name = "engram_gate_saved_forward"
     program_name = "forward"
-    operands = (*inputs("x", "kv", "weight"), *inputs("mask", optional=True, alignment=1),
-                *outputs("out", "saved"))
+    operands = (*inputs("x", "kv", strided=True), *inputs("weight"),
+                *inputs("mask", optional=True, alignment=1), *outputs("out", strided=True),
+                *outputs("saved"))
     options = (Option("eps", _eps, DEFAULT_EPS),)
     returns = ("out", "saved")
 
@@ -89,6 +96,9 @@ class EngramGateSavedForward(_GatePlan):
         self._plan_tensor("out", (n, s, d), x.dtype)
         self._plan_tensor("saved", (n, s, 4), accumulator_dtype(x.dtype))
         return GateProblem(x.dtype, n, s, d, eps, "mask" in descs, False, self.device)
+
+    def floor(self):
+        return forward_floor(self.problem)
 
     @property
     def out_desc(self) -> TensorDesc:
@@ -118,12 +128,14 @@ class EngramGateSavedBackward(_GatePlan):
     grad_v = sum over streams summed in fp32 and rounded once) and grad_weight [S, D] fp32. The
     grad_weight reduction over tokens is fp32 and fixed-order through ``workspace``
     (``workspace_size`` bytes, see docs/engram_gate.md), so results are bitwise reproducible.
+    x, kv, grad_out, grad_x and grad_kv may be strided views (as in the forward).
     """
 
     op_name = "engram_gate_saved_backward"
     program_name = "backward"
-    operands = (*inputs("x", "kv", "weight", "saved", "grad_out"),
-                *outputs("grad_x", "grad_kv", "grad_weight"))
+    operands = (*inputs("x", "kv", strided=True), *inputs("weight", "saved"),
+                *inputs("grad_out", strided=True), *outputs("grad_x", "grad_kv", strided=True),
+                *outputs("grad_weight"))
     options = (Option("accumulate", expect_bool, False),)
     returns = ("grad_x", "grad_kv", "grad_weight")
 
@@ -143,6 +155,9 @@ class EngramGateSavedBackward(_GatePlan):
         self._plan_tensor("grad_kv", (n, (s + 1) * d), x.dtype)
         self._plan_tensor("grad_weight", (s, d), accumulator_dtype(x.dtype))
         return GateProblem(x.dtype, n, s, d, DEFAULT_EPS, False, accumulate, self.device)
+
+    def floor(self):
+        return backward_floor(self.problem)
 
     def execute(self, x, kv, weight, saved, grad_out, grad_x, grad_kv, grad_weight,
                 workspace=None, *, current_stream=None) -> TupleDict:

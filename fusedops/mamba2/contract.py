@@ -11,6 +11,13 @@ softplus(u) = u above SOFTPLUS_THRESHOLD (derivative 1), else log(1 + exp(u)) (d
 sigmoid(u)); the clamp passes the gradient at its bounds. The scan is computed per *segment*
 (at most chunk_size tokens of one sequence); a sequence of length L has ceil(L / chunk_size).
 
+Packed sequences (cu_seqlens, any values; docs/plans.md, "Index data"): the kernels use the
+sanitised offsets c'[0] = clamp(c[0], 0, total), c'[i] = clamp(c[i], c'[i-1], total) (the
+running maximum of max(c, 0), capped at the ``total`` packed tokens); sequence i covers tokens
+[c'[i], c'[i+1]) (an empty sequence's final state is its initial state, or 0), tokens no
+sequence covers get y = 0 and zero gradients, and Status.CU_SEQLENS is reported when c[0] != 0
+or c' != c.
+
 The dt transform, the dt_limit check and the checks of the per-token and per-head operands are
 shared with the Mamba2 inference plans (fusedops.mamba2_inference.contract).
 """
@@ -23,11 +30,13 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.dtypes import accumulator_dtype
-
+from ..core.cost import Cost
+from ..core.dtypes import accumulator_dtype, element_size
 from ..core.checks import expect_dtype, expect_shape
 from ..core.desc import TensorDesc
+from ..core.index_checks import check_cu_seqlens
 from ..core.options import expect_float_range
+from ..core.status import STATUS_DTYPE
 from ..errors import ValidationError
 
 ACTIVATION_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -83,6 +92,23 @@ def check_gate(descs: dict[str, TensorDesc], x: TensorDesc, layout: str) -> None
         expect_shape("z", descs["z"], tuple(x.shape), layout)
 
 
+def check_status(descs: dict[str, TensorDesc]) -> bool:
+    """The optional status word: int32 [1] (fusedops.core.status). Returns whether it is given."""
+    if "status" not in descs:
+        return False
+    expect_dtype("status", descs["status"], (STATUS_DTYPE,))
+    expect_shape("status", descs["status"], (1,), "[1]")
+    return True
+
+
+def check_cu_seqlens_values(tensors, total: int) -> None:
+    """Host check of cu_seqlens (check_inputs=True): starts at 0, non-decreasing, ends at most at
+    the ``total`` packed tokens."""
+    cu = tensors.get("cu_seqlens")
+    if isinstance(cu, torch.Tensor):
+        check_cu_seqlens("cu_seqlens", cu, total)
+
+
 # -- the problem ------------------------------------------------------------------------------------
 def max_segments(batch: int, length: int, chunk: int, num_sequences: int | None) -> int:
     """Segments a problem can have: batch·ceil(l/Q) without cu_seqlens, else ceil(l/Q) + nseq
@@ -117,6 +143,7 @@ class ScanProblem:
     accumulate: bool
     has_dfinal_states: bool
     device: torch.device
+    has_status: bool = False    # a status word is given: the kernels report CU_SEQLENS into it
 
     @property
     def sequences(self) -> int:
@@ -135,3 +162,99 @@ class ScanProblem:
     def states_bytes(self) -> int:
         """fp32 state at the start of every segment: max_segments·h·p·n·4 bytes."""
         return self.max_segments * self.heads * self.head_dim * self.state * 4
+
+
+# -- the floor: the least any implementation moves and computes (docs/mamba2.md) ----------------
+def segment_lengths(problem: ScanProblem) -> list[tuple[int, int]]:
+    """(length, count) of the used segments: b rows of l tokens, or with cu_seqlens the l packed
+    tokens split as evenly as possible over the nseq sequences (the plan cannot know the real
+    split; the tuning inputs and the benchmarks use this one). Segments of a sequence are
+    ``chunk`` long but the last."""
+    Q = problem.chunk
+    if problem.num_sequences is None:
+        lengths = [(problem.length, problem.batch)]
+    else:
+        base, extra = divmod(problem.length, problem.num_sequences)
+        lengths = [(base + 1, extra), (base, problem.num_sequences - extra)]
+    out: dict[int, int] = {}
+    for length, sequences in lengths:
+        if sequences and length:
+            full, rest = divmod(length, Q)
+            if full:
+                out[Q] = out.get(Q, 0) + full * sequences
+            if rest:
+                out[rest] = out.get(rest, 0) + sequences
+    return sorted(out.items(), reverse=True)
+
+
+def causal_pairs(problem: ScanProblem) -> int:
+    """Pairs (i, j <= i) of tokens of one segment, over every segment: sum of L(L+1)/2."""
+    return sum(count * length * (length + 1) // 2 for length, count in segment_lengths(problem))
+
+
+def _operand_bytes(problem: ScanProblem) -> tuple[float, float, float]:
+    """(bytes of x-sized, per-head-token, per-sequence-state) tensors."""
+    T = problem.batch * problem.length
+    e = element_size(problem.dtype)
+    a = element_size(problem.param_dtype)
+    return (T * problem.heads * problem.head_dim * e, T * problem.heads,
+            problem.sequences * problem.heads * problem.head_dim * problem.state * a)
+
+
+def _parameter_bytes(problem: ScanProblem) -> float:
+    """A, and D and dt_bias where given."""
+    a = element_size(problem.param_dtype)
+    h, p = problem.heads, problem.head_dim
+    D = (h * p if problem.D_per_channel else h) if problem.has_D else 0
+    return a * (h + D + (h if problem.has_dt_bias else 0))
+
+
+def forward_floor(problem: ScanProblem) -> Cost:
+    """The least any forward does: read x, dt, B, C, A (and z, D, dt_bias, initial_states,
+    cu_seqlens where given) once and write y and final_states once. What a forward saves for
+    its backward (states, y before the gate) is an implementation's choice, not part of the
+    floor. FLOPs: the chunked algorithm's products at this chunk size, on tensor cores: each
+    segment's own state (2·T·h·p·n) and the entering state's term of y (2·T·h·p·n), the causal
+    C·B of every pair j <= i per group (2·n) and its use per head (2·p); on the CUDA cores the dt
+    transform, the pair decay weights (4 per pair and head), D and the gate."""
+    T = problem.batch * problem.length
+    h, g, p, n = problem.heads, problem.groups, problem.head_dim, problem.state
+    e, edt = element_size(problem.dtype), element_size(problem.dt_dtype)
+    xbytes, head_tokens, states = _operand_bytes(problem)
+    read = (xbytes * (1 + problem.has_z) + head_tokens * edt + 2 * T * g * n * e
+            + _parameter_bytes(problem) + (states if problem.has_initial_states else 0)
+            + (4 * (problem.sequences + 1) if problem.num_sequences is not None else 0))
+    written = xbytes + states
+    pairs = causal_pairs(problem)
+    mma = 4 * T * h * p * n + pairs * (2 * h * p + 2 * g * n)
+    cuda = (head_tokens * (4 + problem.has_dt_bias + 6 * problem.dt_softplus) + 4 * pairs * h
+            + T * h * p * (2 * problem.has_D + 5 * problem.has_z))
+    return Cost(mma + cuda, read, written, mma)
+
+
+def backward_floor(problem: ScanProblem) -> Cost:
+    """The least any backward does: read the forward's inputs, dy (and dfinal_states) once,
+    write every gradient once (and read dA, dD, ddt_bias when accumulating). FLOPs: the
+    backward's products without recomputation: dx (the end-state term 2·T·h·p·n and the causal
+    pairs, 2·p per pair and head), d(C·B) = dy·x (2·p per pair and head), dB and dC (each the
+    causal pairs, 2·n per pair and group, and a state term, 2·T·h·p·n) and the state gradient
+    dy·C (2·T·h·p·n). Recomputing the states and C·B (a backward that was saved nothing) would
+    add 2·T·h·p·n + 2·n per pair and group; like the forward's saved states it is not counted,
+    so the two floors together bound either choice from below."""
+    T = problem.batch * problem.length
+    h, g, p, n = problem.heads, problem.groups, problem.head_dim, problem.state
+    e, edt = element_size(problem.dtype), element_size(problem.dt_dtype)
+    xbytes, head_tokens, states = _operand_bytes(problem)
+    params = _parameter_bytes(problem)
+    bc = 2 * T * g * n * e
+    read = (xbytes * (2 + problem.has_z) + head_tokens * edt + bc + params
+            + states * (problem.has_initial_states + problem.has_dfinal_states)
+            + (4 * (problem.sequences + 1) if problem.num_sequences is not None else 0)
+            + (params if problem.accumulate else 0))
+    written = (xbytes * (1 + problem.has_z) + head_tokens * edt + bc + params
+               + (states if problem.has_initial_states else 0))
+    pairs = causal_pairs(problem)
+    mma = 8 * T * h * p * n + pairs * (4 * h * p + 4 * g * n)
+    cuda = (head_tokens * (10 + 6 * problem.dt_softplus) + 8 * pairs * h
+            + T * h * p * (2 * problem.has_D + 10 * problem.has_z))
+    return Cost(mma + cuda, read, written, mma)

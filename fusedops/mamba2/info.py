@@ -38,4 +38,4 @@ INFO = OpInfo(
     cases=samples.cases, production=samples.production, plan_calls=samples.plan_calls,
     run=samples.run, oracle=oracle, tolerance=tolerance,
     demo_limit=2.5e-2,   # bf16 operands of the tensor-core products (the Triton kernels)
-    bench=("mamba2_scan",))
+    bench=("mamba2_scan",), index_fuzz=samples.index_fuzz)

@@ -7,6 +7,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from ..core.index_checks import check_inputs_requested
+from ..errors import ValidationError
+from ..plan import BACKENDS
 from ..plan.torch_ops import contiguous, describe, empty_like_planned
 from .contract import DEFAULT_CHUNK_SIZE, DEFAULT_DT_LIMIT
 from .plans import Mamba2ChunkScanForward, mamba2_chunk_scan_backward, mamba2_chunk_scan_forward
@@ -74,16 +77,33 @@ def _scan_backward(ctx, dy, d_final, _d_saved):
 _scan_fwd.register_autograd(_scan_backward, setup_context=_scan_setup)
 
 
+def _expect_backend(backend) -> str:
+    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
+        raise ValidationError(f"backend: expected one of auto, {', '.join(BACKENDS)}, got {backend!r}")
+    return backend
+
+
 def mamba2_chunk_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
                       chunk_size: int = DEFAULT_CHUNK_SIZE, *, D: Tensor | None = None,
                       z: Tensor | None = None, dt_bias: Tensor | None = None,
                       dt_softplus: bool = False, dt_limit=DEFAULT_DT_LIMIT,
                       initial_states: Tensor | None = None, cu_seqlens: Tensor | None = None,
-                      backend: str = "auto") -> tuple[Tensor, Tensor]:
+                      backend: str = "auto",
+                      check_inputs: bool | None = None) -> tuple[Tensor, Tensor]:
     """Differentiable Mamba2 chunked scan: (y [b, l, h, p], final_states [nseq, h, p, n]), with
     gradients for x, dt, A, B, C and the optional D, z, dt_bias, initial_states (see
-    Mamba2ChunkScanForward)."""
+    Mamba2ChunkScanForward). The options are validated first (ValidationError naming the
+    option: chunk_size=64.0 is refused, not truncated); ``check_inputs`` (default:
+    FUSEDOPS_CHECK_INPUTS) checks cu_seqlens on the host before the op (a synchronisation)."""
+    options = Mamba2ChunkScanForward.normalise_options(
+        dict(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit))
+    backend = _expect_backend(backend)
+    check = check_inputs_requested(check_inputs)
     args = contiguous(x, dt, A, B, C, D, z, dt_bias, initial_states, cu_seqlens)
-    y, final, _ = _scan_fwd(*args, int(chunk_size), bool(dt_softplus),
-                            [float(v) for v in dt_limit], backend)
+    if check and cu_seqlens is not None:
+        names = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states", "cu_seqlens")
+        plan = Mamba2ChunkScanForward.cached(dict(zip(names, args)), backend=backend, **options)
+        plan.check_index_values(cu_seqlens=args[-1])
+    y, final, _ = _scan_fwd(*args, options["chunk_size"], options["dt_softplus"],
+                            list(options["dt_limit"]), backend)
     return y, final

@@ -14,9 +14,11 @@ from ..core.dtypes import accumulator_dtype
 from ..core.options import Option, expect_bool
 from ..core.tupledict import TupleDict
 from ..errors import ValidationError
-from ..plan import Plan, indices, inputs, outputs, saved_buffer
+from ..plan import Plan, indices, inputs, outputs, saved_buffer, status_word
 from .contract import (ACTIVATION_DTYPES, DEFAULT_CHUNK_SIZE, DEFAULT_DT_LIMIT, ScanProblem,
-                       check_dt, check_gate, check_heads, expect_chunk_size, expect_dt_limit)
+                       backward_floor, check_cu_seqlens_values, check_dt, check_gate,
+                       check_heads, check_status, expect_chunk_size, expect_dt_limit,
+                       forward_floor)
 
 _OPTIONAL = ("D", "z", "dt_bias", "initial_states")
 _GRAD_OF = {"x": "dx", "dt": "ddt", "A": "dA", "B": "dB", "C": "dC", "D": "dD", "z": "dz",
@@ -69,6 +71,7 @@ class _ScanPlan(Plan):
             expect_dtype("initial_states", h0, (param,))
             expect_shape("initial_states", h0, (seqs, h, p, n),
                          "[nseq, h, p, n]" if nseq is not None else "[b, h, p, n]")
+        has_status = check_status(descs)
         for name, desc in descs.items():
             expect_contiguous(name, desc)
         D = descs.get("D")
@@ -76,7 +79,20 @@ class _ScanPlan(Plan):
                     head_dim=p, groups=g, state=n, num_sequences=nseq, has_D=D is not None,
                     D_per_channel=D is not None and D.ndim == 2, has_z="z" in descs,
                     has_dt_bias="dt_bias" in descs, has_initial_states="initial_states" in descs,
-                    device=self.device)
+                    device=self.device, has_status=has_status)
+
+    def _check_index_values(self, tensors) -> None:
+        """cu_seqlens starts at 0, never decreases and ends at most at the l packed tokens."""
+        check_cu_seqlens_values(tensors, self.problem.length)
+
+    def _tuning_tensors(self) -> dict[str, torch.Tensor]:
+        """Packed sequences: valid cu_seqlens, the l tokens split as evenly as possible over the
+        nseq sequences (the split the cost model assumes)."""
+        if self.problem.num_sequences is None:
+            return {}
+        nseq, total = self.problem.num_sequences, self.problem.length
+        cu = torch.arange(nseq + 1, dtype=torch.int64) * total // nseq
+        return dict(cu_seqlens=cu.to(device=self.device, dtype=torch.int32))
 
     @property
     def saved_states_bytes(self) -> int:
@@ -97,9 +113,13 @@ class Mamba2ChunkScanForward(_ScanPlan):
         dt_softplus, dt_limit=(lo, hi): the dt transform (softplus threshold 20; the clamp).
         initial_states: [nseq, h, p, n] fp32 (nseq = b, or len(cu_seqlens) - 1).
         cu_seqlens: [nseq + 1] int32 packed-sequence boundaries (b must be 1); every sequence
-            starts from its initial state (or zero) and none mixes with another.
+            starts from its initial state (or zero) and none mixes with another. Any values are
+            memory-safe: the kernels use the sanitised offsets (contract; tokens no sequence
+            covers get y = 0) and report Status.CU_SEQLENS into ``status``.
         recompute_states: do not save the segment-start states (saved_states_bytes); the
             backward recomputes them.
+        status: optional int32 [1] status word (fusedops.core.status), ORed into, never
+            cleared.
 
     execute(x, dt, A, B, C, y, final_states, saved, ...) writes y [b, l, h, p] (x's dtype),
     final_states [nseq, h, p, n] fp32 and ``saved`` (``saved_size`` bytes, for the backward:
@@ -111,16 +131,16 @@ class Mamba2ChunkScanForward(_ScanPlan):
     program_name = "forward"
     operands = (*inputs("x", "dt", "A", "B", "C"), *outputs("y", "final_states"),
                 *saved_buffer("out"), *inputs(*_OPTIONAL, optional=True),
-                *indices("cu_seqlens", optional=True))
+                *indices("cu_seqlens", optional=True), *status_word())
     options = _SCAN_OPTIONS
     returns = ("y", "final_states", "saved")
 
     def __init__(self, x, dt, A, B, C, *, chunk_size: int = DEFAULT_CHUNK_SIZE, D=None, z=None,
                  dt_bias=None, dt_softplus: bool = False, dt_limit=DEFAULT_DT_LIMIT,
                  initial_states=None, cu_seqlens=None, recompute_states: bool = False,
-                 backend: str = "auto") -> None:
+                 status=None, backend: str = "auto") -> None:
         super().__init__(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
-                              initial_states=initial_states, cu_seqlens=cu_seqlens),
+                              initial_states=initial_states, cu_seqlens=cu_seqlens, status=status),
                          dict(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
                               recompute_states=recompute_states), backend)
 
@@ -135,14 +155,20 @@ class Mamba2ChunkScanForward(_ScanPlan):
                                            problem.state), problem.param_dtype)
         return problem
 
+    def floor(self):
+        """The forward's floor (``contract.forward_floor``): inputs read once, y and
+        final_states written once; saved state is not part of it."""
+        return forward_floor(self.problem)
+
     def execute(self, x, dt, A, B, C, y, final_states, saved, *, D=None, z=None, dt_bias=None,
-                initial_states=None, cu_seqlens=None, workspace=None,
+                initial_states=None, cu_seqlens=None, status=None, workspace=None,
                 current_stream=None) -> TupleDict:
         """Runs the forward; returns TupleDict(y, final_states, saved)."""
         return self._execute(dict(x=x, dt=dt, A=A, B=B, C=C, y=y, final_states=final_states,
                                   saved=saved, D=D, z=z, dt_bias=dt_bias,
                                   initial_states=initial_states, cu_seqlens=cu_seqlens,
-                                  workspace=workspace, current_stream=current_stream))
+                                  status=status, workspace=workspace,
+                                  current_stream=current_stream))
 
 
 class Mamba2ChunkScanBackward(_ScanPlan):
@@ -155,7 +181,9 @@ class Mamba2ChunkScanBackward(_ScanPlan):
     heads of each group in fp32, rounded once) and, for the optional inputs the plan was built
     with, dD, dz, ddt_bias and dinitial_states. dA, dD and ddt_bias are fp32 sums over every
     token in fixed order (deterministic); with ``accumulate=True`` they are added to the
-    caller's buffers. ``workspace``: ``workspace_size`` bytes.
+    caller's buffers. ``workspace``: ``workspace_size`` bytes. cu_seqlens is sanitised as in the
+    forward (tokens no sequence covers get zero gradients); ``status``: the optional int32 [1]
+    status word.
     """
 
     op_name = "mamba2_chunk_scan_backward"
@@ -163,18 +191,19 @@ class Mamba2ChunkScanBackward(_ScanPlan):
     operands = (*inputs("x", "dt", "A", "B", "C", "dy"), *saved_buffer("in"),
                 *outputs("dx", "ddt", "dA", "dB", "dC"), *inputs(*_OPTIONAL, optional=True),
                 *indices("cu_seqlens", optional=True), *inputs("dfinal_states", optional=True),
-                *outputs("dD", "dz", "ddt_bias", "dinitial_states", optional=True))
+                *outputs("dD", "dz", "ddt_bias", "dinitial_states", optional=True),
+                *status_word())
     options = (*_SCAN_OPTIONS, Option("accumulate", expect_bool, False))
     returns = tuple(_GRAD_OF.values())
 
     def __init__(self, x, dt, A, B, C, dy, *, chunk_size: int = DEFAULT_CHUNK_SIZE, D=None, z=None,
                  dt_bias=None, dt_softplus: bool = False, dt_limit=DEFAULT_DT_LIMIT,
                  initial_states=None, cu_seqlens=None, dfinal_states=None,
-                 recompute_states: bool = False, accumulate: bool = False,
+                 recompute_states: bool = False, accumulate: bool = False, status=None,
                  backend: str = "auto") -> None:
         super().__init__(dict(x=x, dt=dt, A=A, B=B, C=C, dy=dy, D=D, z=z, dt_bias=dt_bias,
                               initial_states=initial_states, cu_seqlens=cu_seqlens,
-                              dfinal_states=dfinal_states),
+                              dfinal_states=dfinal_states, status=status),
                          dict(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
                               recompute_states=recompute_states, accumulate=accumulate), backend)
 
@@ -200,6 +229,11 @@ class Mamba2ChunkScanBackward(_ScanPlan):
                 self._plan_tensor(grad, descs[name].shape, descs[name].dtype)
         return problem
 
+    def floor(self):
+        """The backward's floor (``contract.backward_floor``): inputs and dy read once, every
+        gradient written once, no recomputation."""
+        return backward_floor(self.problem)
+
     @property
     def gradient_names(self) -> tuple[str, ...]:
         """The gradients execute() writes, in TupleDict order."""
@@ -207,25 +241,27 @@ class Mamba2ChunkScanBackward(_ScanPlan):
 
     def execute(self, x, dt, A, B, C, dy, saved, dx, ddt, dA, dB, dC, *, D=None, z=None,
                 dt_bias=None, initial_states=None, cu_seqlens=None, dfinal_states=None, dD=None,
-                dz=None, ddt_bias=None, dinitial_states=None, workspace=None,
+                dz=None, ddt_bias=None, dinitial_states=None, status=None, workspace=None,
                 current_stream=None) -> TupleDict:
         """Runs the backward; returns a TupleDict of the gradients (``gradient_names``)."""
         return self._execute(dict(x=x, dt=dt, A=A, B=B, C=C, dy=dy, saved=saved, dx=dx, ddt=ddt,
                                   dA=dA, dB=dB, dC=dC, D=D, z=z, dt_bias=dt_bias,
                                   initial_states=initial_states, cu_seqlens=cu_seqlens,
                                   dfinal_states=dfinal_states, dD=dD, dz=dz, ddt_bias=ddt_bias,
-                                  dinitial_states=dinitial_states, workspace=workspace,
-                                  current_stream=current_stream))
+                                  dinitial_states=dinitial_states, status=status,
+                                  workspace=workspace, current_stream=current_stream))
 
 
 def mamba2_chunk_scan_forward(x, dt, A, B, C, chunk_size: int = DEFAULT_CHUNK_SIZE, *, D=None,
                               z=None, dt_bias=None, dt_softplus: bool = False,
                               dt_limit=DEFAULT_DT_LIMIT, initial_states=None, cu_seqlens=None,
-                              recompute_states: bool = False, backend: str = "auto",
-                              current_stream=None) -> TupleDict:
+                              recompute_states: bool = False, status=None,
+                              backend: str = "auto", current_stream=None,
+                              check_inputs: bool | None = None) -> TupleDict:
     """Eager forward: allocates y, final_states, saved and the workspace; returns
     TupleDict(y, final_states, saved). Pass ``saved`` and the same options to
-    ``mamba2_chunk_scan_backward``.
+    ``mamba2_chunk_scan_backward``. ``status``: the optional status word; ``check_inputs``
+    (default: FUSEDOPS_CHECK_INPUTS) checks cu_seqlens on the host first (a synchronisation).
 
     Example::
 
@@ -233,21 +269,26 @@ def mamba2_chunk_scan_forward(x, dt, A, B, C, chunk_size: int = DEFAULT_CHUNK_SI
     """
     return Mamba2ChunkScanForward.eager(
         dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
-             cu_seqlens=cu_seqlens),
-        backend=backend, current_stream=current_stream, chunk_size=chunk_size,
-        dt_softplus=dt_softplus, dt_limit=dt_limit, recompute_states=recompute_states)
+             cu_seqlens=cu_seqlens, status=status),
+        backend=backend, current_stream=current_stream, check_inputs=check_inputs,
+        chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
+        recompute_states=recompute_states)
 
 
 def mamba2_chunk_scan_backward(x, dt, A, B, C, dy, saved, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
                                D=None, z=None, dt_bias=None, dt_softplus: bool = False,
                                dt_limit=DEFAULT_DT_LIMIT, initial_states=None, cu_seqlens=None,
-                               dfinal_states=None, recompute_states: bool = False,
-                               backend: str = "auto", current_stream=None) -> TupleDict:
+                               dfinal_states=None, recompute_states: bool = False, status=None,
+                               backend: str = "auto", current_stream=None,
+                               check_inputs: bool | None = None) -> TupleDict:
     """Eager backward: allocates the gradients and workspace; returns TupleDict(dx, ddt, dA, dB,
-    dC[, dD][, dz][, ddt_bias][, dinitial_states])."""
+    dC[, dD][, dz][, ddt_bias][, dinitial_states]). ``status`` and ``check_inputs`` as in the
+    forward."""
     return Mamba2ChunkScanBackward.eager(
         dict(x=x, dt=dt, A=A, B=B, C=C, dy=dy, saved=saved, D=D, z=z, dt_bias=dt_bias,
-             initial_states=initial_states, cu_seqlens=cu_seqlens, dfinal_states=dfinal_states),
-        backend=backend, current_stream=current_stream, chunk_size=chunk_size,
-        dt_softplus=dt_softplus, dt_limit=dt_limit, recompute_states=recompute_states)
+             initial_states=initial_states, cu_seqlens=cu_seqlens, dfinal_states=dfinal_states,
+             status=status),
+        backend=backend, current_stream=current_stream, check_inputs=check_inputs,
+        chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
+        recompute_states=recompute_states)
 

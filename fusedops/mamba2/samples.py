@@ -7,6 +7,7 @@ import torch
 
 from ..core.desc import TensorDesc
 from ..core.dtypes import accumulator_dtype
+from ..core.status import STATUS_DTYPE, Status
 from ..opinfo import Case, PlanCall
 from .contract import DEFAULT_DT_LIMIT
 from .plans import Mamba2ChunkScanBackward, Mamba2ChunkScanForward
@@ -113,8 +114,8 @@ def cases(kind: str, *, dtype=torch.float32, device="cpu", backend: str = "torch
 
 def production() -> list[tuple[str, list[PlanCall]]]:
     """Nemotron-H shapes (h=128, p=64, n=128, g=8, bf16, every option) at chunk 256 and 128,
-    packed sequences (64 of them in 8192 tokens) and p = 80 with D per channel; forward and
-    backward, as TensorDescs on the CPU."""
+    packed sequences (64 of them in 8192 tokens, with a status word) and p = 80 with D per
+    channel; forward and backward, as TensorDescs on the CPU."""
     def desc(*shape, dtype=torch.bfloat16):
         return TensorDesc(shape, dtype, device="cpu")
 
@@ -131,7 +132,8 @@ def production() -> list[tuple[str, list[PlanCall]]]:
                        D=desc(h, p, dtype=f32) if per_channel else desc(h, dtype=f32),
                        z=desc(b, l, h, p), dt_bias=desc(h, dtype=f32),
                        initial_states=desc(seqs, h, p, n, dtype=f32),
-                       cu_seqlens=None if nseq is None else desc(nseq + 1, dtype=torch.int32))
+                       cu_seqlens=None if nseq is None else desc(nseq + 1, dtype=torch.int32),
+                       status=None if nseq is None else desc(1, dtype=STATUS_DTYPE))
         options = dict(chunk_size=chunk, dt_softplus=True)
         out.append((f"scan {label}", [
             PlanCall(Mamba2ChunkScanForward, tensors, options),
@@ -145,17 +147,24 @@ def _forward_tensors(t) -> dict:
     return {k: t[k] for k in _FORWARD_TENSORS}
 
 
+def _status(device) -> torch.Tensor:
+    return torch.zeros(1, dtype=STATUS_DTYPE, device=device)
+
+
 def plan_calls(case: Case, backend: str) -> list[PlanCall]:
-    """The forward and the backward plan of ``case`` (the backward's saved from the forward)."""
+    """The forward and the backward plan of ``case`` (the backward's saved from the forward),
+    each with a status word."""
     t = case.tensors
-    forward = PlanCall(Mamba2ChunkScanForward, _forward_tensors(t), case.options)
+    device = t["x"].device
+    forward = PlanCall(Mamba2ChunkScanForward, dict(_forward_tensors(t), status=_status(device)),
+                       case.options)
     plan = forward.build(backend).compile()
     outputs = plan.allocate_outputs()
-    plan.execute(**_forward_tensors(t), **outputs,
+    plan.execute(**_forward_tensors(t), **outputs, status=_status(device),
                  workspace=plan.allocate_workspace() if plan.workspace_size else None)
     backward = PlanCall(Mamba2ChunkScanBackward,
                         dict(_forward_tensors(t), dy=t["dy"], dfinal_states=t["dfinal_states"],
-                             saved=outputs["saved"]), case.options)
+                             saved=outputs["saved"], status=_status(device)), case.options)
     return [forward, backward]
 
 
@@ -177,3 +186,64 @@ def run(case: Case, backend: str, *, accumulate: bool = False,
                 dfinal_states=t["dfinal_states"], **buffers, workspace=bwd.allocate_workspace())
     return dict(y=outputs["y"], final_states=outputs["final_states"],
                 **{k: buffers[k] for k in bwd.gradient_names})
+
+
+# -- index-data fuzzing ---------------------------------------------------------------------------
+FUZZ_SHAPE = (1, 24, 2, 4, 1, 4)          # b, l, h, p, g, n: two chunks of 16, four sequences
+FUZZ_KINDS = ("valid", "valid-short", "start-not-0", "negative", "decreasing", "past-tokens",
+              "extreme")
+
+
+def _draw_cu_seqlens(kind: str, gen: torch.Generator, total: int, nseq: int) -> list[int]:
+    """nseq + 1 offsets of one ``kind``: valid (an empty sequence, ending at the last token, or
+    short of it), not starting at 0, negative, decreasing, past the packed tokens, or extreme
+    int32 values."""
+    def randint(lo, hi):                            # in [lo, hi), or lo when that is empty
+        return int(torch.randint(lo, max(hi, lo + 1), (1,), generator=gen))
+    cuts = sorted(randint(0, total + 1) for _ in range(nseq - 1))
+    cu = [0, *cuts, total]
+    cu[2] = cu[1]                                   # an empty sequence
+    if kind == "valid-short":
+        cu[-1] = randint(cu[-2], total)             # trailing tokens no sequence covers: valid
+    elif kind == "start-not-0":
+        cu[0] = randint(1, cu[1] + 1)
+    elif kind == "negative":
+        cu[randint(0, nseq + 1)] = -randint(1, 1000)
+    elif kind == "decreasing":
+        i = randint(1, nseq)
+        cu[i], cu[i + 1] = cu[i + 1] + randint(1, 8), cu[i]
+    elif kind == "past-tokens":
+        cu[randint(1, nseq + 1)] = total + randint(1, 1000)
+    elif kind == "extreme":
+        cu[randint(0, nseq)] = -2**31
+        cu[-1] = 2**31 - 1
+    return cu
+
+
+def _expected(cu: list[int], total: int) -> Status:
+    bad = cu[0] != 0 or any(b < a for a, b in zip(cu, cu[1:])) or cu[-1] > total
+    return Status.CU_SEQLENS if bad else Status.OK
+
+
+def index_fuzz(seed: int, backend: str, device) -> list:
+    """Forward and backward plans over drawn cu_seqlens of every FUZZ_KINDS kind (fp32, D,
+    dt_bias, initial and final-state gradients). recompute_states=True and no z: the plans then
+    save nothing, so the torch reference takes the same (empty) ``saved`` as the backend under
+    test; the kernels and buffers the saved states and y before the gate would use are the same
+    as the workspace's."""
+    from ..testing.fuzz import FuzzCase
+    gen = torch.Generator().manual_seed(seed)
+    b, l, h, p, g, n = FUZZ_SHAPE
+    cases = []
+    for i, kind in enumerate(FUZZ_KINDS):
+        case = make(b, l, h, p, g, n, torch.float32, seed=seed + i, device=device, D="h",
+                    dt_bias=True, initial_states=True, dfinal=True, lengths=[6, 6, 6, 6],
+                    recompute_states=True)
+        cu = _draw_cu_seqlens(kind, gen, l, 4)
+        tensors = dict(case.tensors, cu_seqlens=torch.tensor(cu, dtype=torch.int32, device=device))
+        case = Case(f"{kind} cu_seqlens={cu}", tensors, case.options)
+        forward, backward = plan_calls(case, backend)
+        expected = _expected(cu, l)
+        cases += [FuzzCase(f"forward {case.label}", forward, expected),
+                  FuzzCase(f"backward {case.label}", backward, expected)]
+    return cases

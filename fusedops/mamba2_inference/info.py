@@ -32,4 +32,5 @@ INFO = OpInfo(
     run=samples.run, oracle=oracle, tolerance=tolerance,
     demo_limit=8e-3,   # fp32 recurrence, fp16 states, each bf16 y rounded once
     bench=("mamba2_decode", "mamba2_state_storage"),
-    demo_reference="oracle")   # the inference plans take no float64
+    demo_reference="oracle",   # the inference plans take no float64
+    index_fuzz=samples.index_fuzz)

@@ -38,9 +38,9 @@ def decode_sequential(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_so
 
 def oracle(case) -> dict[str, torch.Tensor]:
     """y, snapshots and the state after the update and the rollback (the names ``samples.run``
-    returns), in float64. Rows with an invalid slot keep their zero-filled y and snapshots and
-    touch no slot; a row whose accepted count is outside [0, T] keeps the state after all T
-    tokens."""
+    returns), in float64. Rows with an invalid slot (negative, or past the cache) get zero y and
+    snapshots and touch no slot; a row whose accepted count is outside [0, T] keeps the state
+    after all T tokens."""
     t = {k: (v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in case.tensors.items()}
     state = t["state"].double()
     b, T = t["x"].shape[:2]

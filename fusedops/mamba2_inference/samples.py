@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..core.desc import TensorDesc
+from ..core.status import STATUS_DTYPE, Status
 from ..opinfo import Case, PlanCall
 from .contract import DEFAULT_DT_LIMIT, RNG_DTYPE
 from .plans import Mamba2StateRollback, Mamba2StateUpdate
@@ -19,10 +20,10 @@ def make(b: int, T: int, h: int, p: int, g: int, n: int, dtype=torch.float32, *,
          accepted=None, dt_dtype=None, dt_softplus: bool = True, dt_limit=DEFAULT_DT_LIMIT,
          seed: int = 0, device="cpu") -> Case:
     """Random x, dt, B, C, z, D, dt_bias N(0, 1), A = -0.5 - U[0, 1), a state cache [slots, h,
-    p, n] N(0, 1) in ``state_dtype`` (slots: b by default), slot ``indices`` (a list; negative or
-    past the cache: padding), the per-row seeds and offsets of stochastic rounding (offsets near
-    2^32, so the counter's high word changes), the ``accepted`` counts of the rollback (default:
-    row i accepts i mod (T + 1) tokens) and a zero snapshots buffer [b, T+1, h, p, n]. Options:
+    p, n] N(0, 1) in ``state_dtype`` (slots: b by default), slot ``indices`` (a list; negative:
+    padding; past the cache: skipped and reported), the per-row seeds and offsets of stochastic
+    rounding (offsets near 2^32, so the counter's high word changes), the ``accepted`` counts of
+    the rollback (default: row i accepts i mod (T + 1) tokens) and a zero snapshots buffer [b, T+1, h, p, n]. Options:
     dt_softplus, dt_limit, rounding, checkpoint_period."""
     gen = torch.Generator().manual_seed(seed)
     rnd = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
@@ -103,8 +104,8 @@ def cases(kind: str, *, dtype=torch.float32, device="cpu", backend: str = "torch
 
 def production() -> list[tuple[str, list[PlanCall]]]:
     """Decode at h=128, p=64, n=128, g=8 (bf16 activations, D, z, dt_bias, a 512-slot pool, 256
-    rows) for each state dtype and rounding: one token, and a speculative 4-token launch with
-    snapshots; the fp16 rollback. TensorDescs on the CPU."""
+    rows, a status word) for each state dtype and rounding: one token, and a speculative 4-token
+    launch with snapshots; the fp16 rollback. TensorDescs on the CPU."""
     def desc(*shape, dtype=torch.bfloat16):
         return TensorDesc(shape, dtype, device="cpu")
 
@@ -119,13 +120,14 @@ def production() -> list[tuple[str, list[PlanCall]]]:
                            C=desc(b, T, g, n), D=desc(h, dtype=torch.float32), z=desc(b, T, h, p),
                            dt_bias=desc(h, dtype=torch.float32),
                            state_batch_indices=desc(b, dtype=torch.int32),
-                           snapshots=desc(b, T + 1, h, p, n, dtype=state_dtype) if snaps else None)
+                           snapshots=desc(b, T + 1, h, p, n, dtype=state_dtype) if snaps else None,
+                           status=desc(1, dtype=STATUS_DTYPE))
             out.append((f"decode T={T} {name}{' snapshots' if snaps else ''}", [
                 PlanCall(Mamba2StateUpdate, tensors, dict(dt_softplus=True, rounding=rounding))]))
     out.append(("rollback fp16", [PlanCall(Mamba2StateRollback, dict(
         state=desc(slots, h, p, n, dtype=torch.float16),
         snapshots=desc(b, 5, h, p, n, dtype=torch.float16), accepted=desc(b, dtype=torch.int32),
-        state_batch_indices=desc(b, dtype=torch.int32)))]))
+        state_batch_indices=desc(b, dtype=torch.int32), status=desc(1, dtype=STATUS_DTYPE)))]))
     return out
 
 
@@ -134,20 +136,26 @@ def _update_args(t, state, snapshots) -> dict:
 
 
 def plan_calls(case: Case, backend: str) -> list[PlanCall]:
-    """The update (with snapshots) and the rollback of ``case``; the rollback's snapshots come
-    from running the update on ``backend`` (on a copy of the state)."""
+    """The update (with snapshots) and the rollback of ``case``, each with a status word; the
+    rollback's snapshots come from running the update on ``backend`` (on a copy of the state)."""
     t = case.tensors
+    device = t["x"].device
     update = PlanCall(Mamba2StateUpdate,
                       dict(_update_args(t, t["state"], t["snapshots"]), rng_seed=t["rng_seed"],
-                           rng_offset=t["rng_offset"]), case.options)
+                           rng_offset=t["rng_offset"], status=_status(device)), case.options)
     snapshots = torch.zeros_like(t["snapshots"])
     plan = update.build(backend).compile()
     plan.execute(**_update_args(t, t["state"].clone(), snapshots), y=torch.zeros_like(t["x"]),
-                 rng_seed=t["rng_seed"], rng_offset=t["rng_offset"])
+                 rng_seed=t["rng_seed"], rng_offset=t["rng_offset"], status=_status(device))
     rollback = PlanCall(Mamba2StateRollback, dict(state=t["state"], snapshots=snapshots,
                                                   accepted=t["accepted"],
-                                                  state_batch_indices=t["state_batch_indices"]))
+                                                  state_batch_indices=t["state_batch_indices"],
+                                                  status=_status(device)))
     return [update, rollback]
+
+
+def _status(device) -> torch.Tensor:
+    return torch.zeros(1, dtype=STATUS_DTYPE, device=device)
 
 
 def run(case: Case, backend: str) -> dict[str, torch.Tensor]:
@@ -166,3 +174,60 @@ def run(case: Case, backend: str) -> dict[str, torch.Tensor]:
                                    backend=backend).compile()
     rollback.execute(state, snapshots, t["accepted"], state_batch_indices=t["state_batch_indices"])
     return dict(y=y, snapshots=snapshots, state=state)
+
+
+# -- index-data fuzzing ---------------------------------------------------------------------------
+FUZZ_SHAPE = (4, 2, 2, 4, 1, 4)           # b, T, h, p, g, n
+FUZZ_SLOTS = 6
+SLOT_KINDS = ("valid", "past-cache", "extreme")
+ACCEPTED_KINDS = ("valid", "above-T", "negative", "extreme")
+
+
+def _draw_slots(kind: str, gen: torch.Generator, b: int, slots: int) -> list[int]:
+    """Distinct valid slots with padding (negative entries), plus, by ``kind``, a slot past the
+    cache or extreme int32 values."""
+    def randint(lo, hi):
+        return int(torch.randint(lo, hi, (1,), generator=gen))
+    idx = torch.randperm(slots, generator=gen)[:b].tolist()
+    idx[randint(0, b)] = -randint(1, 100)
+    if kind == "past-cache":
+        idx[randint(0, b)] = slots + randint(0, 50)
+    elif kind == "extreme":
+        idx[0], idx[-1] = 2**31 - 1, -2**31
+    return idx
+
+
+def _draw_accepted(kind: str, gen: torch.Generator, b: int, T: int) -> list[int]:
+    """Accepted counts in [0, T], plus, by ``kind``, one above T, one negative, or extremes."""
+    acc = torch.randint(0, T + 1, (b,), generator=gen).tolist()
+    i = int(torch.randint(0, b, (1,), generator=gen))
+    if kind == "above-T":
+        acc[i] = T + 1 + int(torch.randint(0, 10, (1,), generator=gen))
+    elif kind == "negative":
+        acc[i] = -int(torch.randint(1, 10, (1,), generator=gen))
+    elif kind == "extreme":
+        acc[0], acc[-1] = 2**31 - 1, -2**31
+    return acc
+
+
+def index_fuzz(seed: int, backend: str, device) -> list:
+    """The update (with snapshots) over drawn slot indices, and the rollback over drawn slots and
+    accepted counts (its snapshots from the update on ``backend`` with the same slots); fp32."""
+    from ..testing.fuzz import FuzzCase
+    gen = torch.Generator().manual_seed(seed)
+    b, T, h, p, g, n = FUZZ_SHAPE
+    cases = []
+    for i, (slot_kind, accepted_kind) in enumerate(
+            [(s, "valid") for s in SLOT_KINDS] + [("valid", a) for a in ACCEPTED_KINDS[1:]]
+            + [("past-cache", "above-T")]):
+        idx = _draw_slots(slot_kind, gen, b, FUZZ_SLOTS)
+        acc = _draw_accepted(accepted_kind, gen, b, T)
+        case = make(b, T, h, p, g, n, torch.float32, slots=FUZZ_SLOTS, indices=idx, D="h", z=True,
+                    dt_bias=True, accepted=acc, seed=seed + i, device=device)
+        update, rollback = plan_calls(case, backend)
+        slot_bit = Status.SLOT_INDEX if any(s >= FUZZ_SLOTS for s in idx) else Status.OK
+        acc_bit = Status.ACCEPTED_COUNT if any(not 0 <= a <= T for a in acc) else Status.OK
+        if accepted_kind == "valid":
+            cases.append(FuzzCase(f"update slots={idx}", update, slot_bit))
+        cases.append(FuzzCase(f"rollback slots={idx} accepted={acc}", rollback, slot_bit | acc_bit))
+    return cases

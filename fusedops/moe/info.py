@@ -40,6 +40,6 @@ INFO = OpInfo(
     eager=(moe_router, relu2_moe_forward, relu2_moe_backward, moe_router_backward),
     torch_ops=(moe_router_op, relu2_moe),
     cases=samples.cases, production=samples.production, plan_calls=samples.plan_calls,
-    run=samples.run, oracle=oracle, tolerance=tolerance,
+    run=samples.run, oracle=oracle, tolerance=tolerance, index_fuzz=samples.index_fuzz,
     demo_limit=8e-3,   # fp32 math, each bf16 output rounded once
     bench=("moe",))

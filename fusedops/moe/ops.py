@@ -7,9 +7,19 @@ import torch
 from torch import Tensor
 
 from ..core.dtypes import accumulator_dtype
+from ..core.index_checks import check_inputs_requested
+from ..errors import ValidationError
+from ..plan import BACKENDS
 from ..plan.torch_ops import contiguous, describe, empty_like_planned
-from .plans import (ReLU2MoEForward, moe_router as _moe_router, moe_router_backward,
+from .plans import (MoERouter, ReLU2MoEForward, moe_router as _moe_router, moe_router_backward,
                     relu2_moe_backward, relu2_moe_forward)
+
+
+def _expect_backend(backend) -> str:
+    if not isinstance(backend, str) or (backend != "auto" and backend not in BACKENDS):
+        raise ValidationError(
+            f"backend: expected one of auto, {', '.join(BACKENDS)}, got {backend!r}")
+    return backend
 
 
 # -- router ----------------------------------------------------------------------------------------
@@ -63,10 +73,16 @@ def moe_router(logits: Tensor, top_k: int, *, correction_bias: Tensor | None = N
                n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                routed_scaling_factor: float = 1.0, backend: str = "auto") -> tuple[Tensor, Tensor]:
     """Differentiable router: (topk_weights [t, k] fp32, differentiable w.r.t. logits; topk_ids
-    [t, k] int32). See MoERouter."""
+    [t, k] int32). See MoERouter (NaN logits: NaN weights, ids still k distinct experts). The
+    options are validated first (ValidationError naming the option: top_k=2.0 is refused, not
+    truncated)."""
+    o = MoERouter.normalise_options(dict(top_k=top_k, n_group=n_group, topk_group=topk_group,
+                                         norm_topk_prob=norm_topk_prob,
+                                         routed_scaling_factor=routed_scaling_factor))
+    backend = _expect_backend(backend)
     logits, bias = contiguous(logits, correction_bias)
-    return _router_fwd(logits, bias, int(top_k), int(n_group), int(topk_group),
-                       bool(norm_topk_prob), float(routed_scaling_factor), backend)
+    return _router_fwd(logits, bias, o["top_k"], o["n_group"], o["topk_group"],
+                       o["norm_topk_prob"], o["routed_scaling_factor"], backend)
 
 
 # -- routed ReLU2 experts --------------------------------------------------------------------------
@@ -122,8 +138,17 @@ _moe_fwd.register_autograd(_moe_backward, setup_context=_moe_setup)
 
 def relu2_moe(x: Tensor, w_up: Tensor, w_down: Tensor, topk_ids: Tensor, topk_weights: Tensor, *,
               shared_w_up: Tensor | None = None, shared_w_down: Tensor | None = None,
-              backend: str = "auto") -> Tensor:
+              backend: str = "auto", check_inputs: bool | None = None) -> Tensor:
     """Differentiable routed ReLU2 experts: out [t, H], gradients for x, the weights, the routing
-    weights and the shared expert (weight gradients in the weights' dtype). See ReLU2MoEForward."""
+    weights and the shared expert (weight gradients in the weights' dtype). See ReLU2MoEForward
+    (an id outside [0, E) drops the assignment). ``check_inputs`` (default:
+    FUSEDOPS_CHECK_INPUTS) checks topk_ids on the host before the op (a synchronisation) and
+    raises a ValidationError naming the first id outside [0, E) other than -1."""
+    backend = _expect_backend(backend)
+    check = check_inputs_requested(check_inputs)
     args = contiguous(x, w_up, w_down, topk_ids, topk_weights, shared_w_up, shared_w_down)
+    if check:
+        names = ("x", "w_up", "w_down", "topk_ids", "topk_weights", "shared_w_up", "shared_w_down")
+        plan = ReLU2MoEForward.cached(dict(zip(names, args)), backend=backend)
+        plan.check_index_values(topk_ids=args[3])
     return _moe_fwd(*args, backend)[0]

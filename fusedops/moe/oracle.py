@@ -4,16 +4,24 @@ explicit tie rules), so the reference is checked against math it does not share 
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 WEIGHT_NAMES = ("x", "w_up", "w_down", "topk_weights", "shared_w_up", "shared_w_down")
 
 
+def _nan_lowest(value: float) -> float:
+    return float("-inf") if math.isnan(value) else value
+
+
 def router(logits, top_k, bias=None, n_group=1, topk_group=1, norm=True, scale=1.0):
-    """The router token by token in float64 with explicit tie rules (the lower index wins);
-    returns (weights [t, k] float64, differentiable w.r.t. logits; ids [t, k] int64)."""
+    """The router token by token in float64 with explicit tie rules (the lower index wins; a NaN
+    choice or group score ranks as -inf); returns (weights [t, k] float64, differentiable
+    w.r.t. logits; ids [t, k] int64)."""
     s = torch.sigmoid(logits.double())
-    choice = (s + (bias.double() if bias is not None else 0.0)).detach().tolist()
+    choice = [[_nan_lowest(v) for v in row]
+              for row in (s + (bias.double() if bias is not None else 0.0)).detach().tolist()]
     t, E = s.shape
     size = E // n_group
     ids = []
@@ -22,7 +30,7 @@ def router(logits, top_k, bias=None, n_group=1, topk_group=1, norm=True, scale=1
         if n_group > 1:
             def group_score(g):
                 best = sorted(row[g * size:(g + 1) * size], reverse=True)
-                return best[0] + best[1]
+                return _nan_lowest(best[0] + best[1])
             groups = sorted(range(n_group), key=lambda g: (-group_score(g), g))[:topk_group]
             eligible = {e for e in range(E) if e // size in groups}
         ids.append(sorted(eligible, key=lambda e: (-row[e], e))[:top_k])

@@ -7,13 +7,16 @@ from __future__ import annotations
 import torch
 
 from ..core.checks import expect_contiguous, expect_dtype, expect_ndim, expect_shape
+from ..core.index_checks import check_range
+from ..core.status import STATUS_DTYPE
 from ..core.dtypes import accumulator_dtype, dtype_name
 from ..core.options import (Option, expect_bool, expect_dtype_choice, expect_float, expect_int,
                             optional)
 from ..core.tupledict import TupleDict
 from ..errors import ValidationError
-from ..plan import Plan, indices, inputs, outputs, saved_buffer
+from ..plan import Plan, indices, inputs, outputs, saved_buffer, status_word
 from .contract import (DTYPES, LOGIT_DTYPES, MAX_GROUPS, MoEProblem, RouterProblem,
+                       backward_floor, forward_floor, router_backward_floor, router_forward_floor,
                        weight_grad_dtypes)
 
 
@@ -32,6 +35,35 @@ def _all_contiguous(descs) -> None:
 
 _SCALE = Option("routed_scaling_factor", expect_float, 1.0)
 _NORM = Option("norm_topk_prob", expect_bool, True)
+
+
+def _has_status(descs) -> bool:
+    """Checks the optional status word (int32 [1]); whether the plan has one."""
+    if "status" not in descs:
+        return False
+    expect_dtype("status", descs["status"], (STATUS_DTYPE,))
+    expect_shape("status", descs["status"], (1,), "[1]")
+    return True
+
+
+def _uniform_routing(problem, device) -> dict[str, torch.Tensor]:
+    """Index data for timing autotune candidates: topk_ids with k distinct experts per token
+    drawn uniformly (fixed seed: the production shapes' routing, about t·k / E rows per expert)
+    and topk_weights in [0.1, 1.1)."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    t, E, k = problem.tokens, problem.experts, problem.top_k
+    scores = torch.rand(t, E, generator=gen, device=device)
+    ids = scores.argsort(dim=1)[:, :k].to(torch.int32).contiguous()
+    weights = torch.rand(t, k, generator=gen, device=device) + 0.1
+    dtype = problem.weight_dtype if isinstance(problem, MoEProblem) else problem.compute_dtype
+    return dict(topk_ids=ids, topk_weights=weights.to(dtype))
+
+
+def _check_expert_ids(tensors, experts: int) -> None:
+    """Host check of topk_ids (check_inputs): every id in [0, E) or -1 (padding)."""
+    ids = tensors.get("topk_ids")
+    if ids is not None:
+        check_range("topk_ids", ids, 0, experts, allowed=(-1,), meaning=" (padding)")
 
 
 # -- router ----------------------------------------------------------------------------------------
@@ -71,8 +103,14 @@ class MoERouter(_RouterPlan):
 
     execute(logits, topk_weights, topk_ids) writes topk_weights [t, k] fp32 (fp64 with fp64
     logits) and topk_ids [t, k] int32, in descending order of the choice score with ties to the
-    lower expert index. NaN logits give unspecified ids. Deterministic; no workspace; saves
-    nothing (the backward reads logits and ids). The outputs must not overlap the inputs.
+    lower expert index. Deterministic; no workspace; saves nothing (the backward reads logits
+    and ids). The outputs must not overlap the inputs.
+
+    NaN: for the selection a NaN choice score (a NaN logit or bias) ranks below every number,
+    as -inf, ties to the lower expert index (a NaN group score likewise, ties to the lower
+    group index), so topk_ids always holds k distinct experts in [0, E), of eligible groups.
+    The weights are garbage in, garbage out: a selected expert with a NaN score gets a NaN
+    weight (with norm_topk_prob, so does every weight of its token).
     """
 
     op_name = "moe_router"
@@ -118,6 +156,9 @@ class MoERouter(_RouterPlan):
                              topk_group if grouped else 1, norm_topk_prob, routed_scaling_factor,
                              "correction_bias" in descs, self.device)
 
+    def floor(self):
+        return router_forward_floor(self.problem)
+
     def execute(self, logits, topk_weights, topk_ids, *, correction_bias=None, workspace=None,
                 current_stream=None) -> TupleDict:
         """Runs the router; returns TupleDict(topk_weights, topk_ids)."""
@@ -131,28 +172,42 @@ class MoERouterBackward(_RouterPlan):
 
     Args: logits [t, E] as in the forward; topk_ids [t, k] int32 (1 <= k <= E) from it;
     d_topk_weights [t, k] fp32 (fp64 with fp64 logits); norm_topk_prob and
-    routed_scaling_factor as in the forward.
+    routed_scaling_factor as in the forward; status: optional int32 [1] status word (a tensor
+    or TensorDesc; docs/plans.md, "Index data").
 
     With r = sigmoid(logits)[ids], S = sum r + 1e-20 and c = routed_scaling_factor:
     d_r_j = c · (d_w_j / S - sum_i d_w_i r_i / S²) when norm_topk_prob, else c · d_w_j; then
     execute(logits, topk_ids, d_topk_weights, d_logits) writes d_logits [t, E] (logits' dtype)
-    = d_r_j · r_j (1 - r_j) at ids_j and zero for every unselected expert (the hard top-k and
-    the correction bias carry no gradient). Ids outside [0, E) are skipped. Deterministic; no
+    = d_r_j · r_j (1 - r_j) at ids_j (a repeated id: the sum, in slot order) and zero for every
+    unselected expert (the hard top-k and the correction bias carry no gradient). An id outside
+    [0, E) is dropped: it contributes nothing (its r_j counts 0 in S and its d_w_j is not read);
+    unless it is -1 (padding) it sets Status.EXPERT_ID in ``status``. Deterministic; no
     workspace.
     """
 
     op_name = "moe_router_backward"
     program_name = "backward"
     operands = (*inputs("logits"), *indices("topk_ids"), *inputs("d_topk_weights"),
-                *outputs("d_logits"))
+                *outputs("d_logits"), *status_word())
     options = (_NORM, _SCALE)
     returns = ("d_logits",)
 
     def __init__(self, logits, topk_ids, d_topk_weights, *, norm_topk_prob: bool = True,
-                 routed_scaling_factor: float = 1.0, backend: str = "auto") -> None:
-        super().__init__(dict(logits=logits, topk_ids=topk_ids, d_topk_weights=d_topk_weights),
+                 routed_scaling_factor: float = 1.0, status=None, backend: str = "auto") -> None:
+        super().__init__(dict(logits=logits, topk_ids=topk_ids, d_topk_weights=d_topk_weights,
+                              status=status),
                          dict(norm_topk_prob=norm_topk_prob,
                               routed_scaling_factor=routed_scaling_factor), backend)
+
+    def _check_index_values(self, tensors) -> None:
+        _check_expert_ids(tensors, self.problem.experts)
+
+    def _tuning_tensors(self) -> dict[str, torch.Tensor]:
+        """A uniform routing's topk_ids (the candidates are timed on valid ids)."""
+        return dict(topk_ids=_uniform_routing(self.problem, self.device)["topk_ids"])
+
+    def floor(self):
+        return router_backward_floor(self.problem)
 
     def _validate(self, descs, *, norm_topk_prob, routed_scaling_factor) -> RouterProblem:
         t, E = self._validate_logits(descs)
@@ -168,15 +223,16 @@ class MoERouterBackward(_RouterPlan):
         expect_dtype("d_topk_weights", descs["d_topk_weights"], (compute,))
         expect_shape("d_topk_weights", descs["d_topk_weights"], (t, top_k), "[t, k] like topk_ids")
         _all_contiguous(descs)
+        has_status = _has_status(descs)
         self._plan_tensor("d_logits", (t, E), logits_dtype)
         return RouterProblem(logits_dtype, t, E, top_k, 1, 1, norm_topk_prob,
-                             routed_scaling_factor, False, self.device)
+                             routed_scaling_factor, False, self.device, has_status)
 
-    def execute(self, logits, topk_ids, d_topk_weights, d_logits, *, workspace=None,
+    def execute(self, logits, topk_ids, d_topk_weights, d_logits, *, status=None, workspace=None,
                 current_stream=None) -> TupleDict:
         """Runs the backward; returns TupleDict(d_logits)."""
         return self._execute(dict(logits=logits, topk_ids=topk_ids, d_topk_weights=d_topk_weights,
-                                  d_logits=d_logits, workspace=workspace,
+                                  d_logits=d_logits, status=status, workspace=workspace,
                                   current_stream=current_stream))
 
 
@@ -197,13 +253,15 @@ def moe_router(logits, top_k: int, *, correction_bias=None, n_group: int = 1, to
 
 
 def moe_router_backward(logits, topk_ids, d_topk_weights, *, norm_topk_prob: bool = True,
-                        routed_scaling_factor: float = 1.0, backend: str = "auto",
-                        current_stream=None) -> TupleDict:
-    """Eager router backward: returns TupleDict(d_logits [t, E], logits' dtype)."""
+                        routed_scaling_factor: float = 1.0, status=None, backend: str = "auto",
+                        current_stream=None, check_inputs: bool | None = None) -> TupleDict:
+    """Eager router backward: returns TupleDict(d_logits [t, E], logits' dtype). ``status``: an
+    optional int32 [1] status word; ``check_inputs`` (default: FUSEDOPS_CHECK_INPUTS) checks
+    topk_ids on the host first (a synchronisation) and raises naming the first bad entry."""
     return MoERouterBackward.eager(
-        dict(logits=logits, topk_ids=topk_ids, d_topk_weights=d_topk_weights),
+        dict(logits=logits, topk_ids=topk_ids, d_topk_weights=d_topk_weights, status=status),
         norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
-        backend=backend, current_stream=current_stream)
+        backend=backend, current_stream=current_stream, check_inputs=check_inputs)
 
 
 # -- experts ---------------------------------------------------------------------------------------
@@ -211,12 +269,21 @@ _WEIGHT_GRADS = (("w_up", "d_w_up"), ("w_down", "d_w_down"), ("shared_w_up", "d_
                  ("shared_w_down", "d_shared_w_down"))
 _EXPERT_INPUTS = (*inputs("x", "w_up", "w_down"), *indices("topk_ids"), *inputs("topk_weights"))
 _SHARED_INPUTS = inputs("shared_w_up", "shared_w_down", optional=True)
+_STATUS = status_word()
 
 
 class _ExpertPlan(Plan):
     backend_module = "moe"
     backends = ("torch", "triton")
     auto_order = ("triton", "torch")
+
+    def _check_index_values(self, tensors) -> None:
+        _check_expert_ids(tensors, self.problem.experts)
+
+    def _tuning_tensors(self) -> dict[str, torch.Tensor]:
+        """A uniform routing (topk_ids, topk_weights): the candidates are timed on the
+        production shapes' routing, not on zeros (every token to expert 0)."""
+        return _uniform_routing(self.problem, self.device)
 
     def _validate_experts(self, descs) -> dict:
         """The checks shared by the forward and the backward; returns the problem's shape facts."""
@@ -260,7 +327,8 @@ class _ExpertPlan(Plan):
             expect_dtype("shared_w_down", descs["shared_w_down"], (x.dtype,))
             expect_shape("shared_w_down", descs["shared_w_down"], (H, shared), "[H, I_shared]")
         return dict(dtype=x.dtype, tokens=t, hidden=H, experts=E, intermediate=I, top_k=k,
-                    shared_intermediate=shared, device=self.device)
+                    shared_intermediate=shared, device=self.device,
+                    has_status=_has_status(descs))
 
 
 class ReLU2MoEForward(_ExpertPlan):
@@ -269,10 +337,13 @@ class ReLU2MoEForward(_ExpertPlan):
     Args (tensors or TensorDescs; all contiguous):
         x: [t, H] bf16/fp16/fp32 (fp64: reference precision, torch backend only).
         w_up: [E, I, H], w_down: [E, H, I], x's dtype (transformers' NemotronHExperts layout).
-        topk_ids: [t, k] int32 (ids outside [0, E) drop the assignment); topk_weights: [t, k]
-            fp32 (fp64 with fp64 x), e.g. from MoERouter.
+        topk_ids: [t, k] int32 (an id outside [0, E) drops the assignment; -1 is padding);
+            topk_weights: [t, k] fp32 (fp64 with fp64 x), e.g. from MoERouter (a dropped
+            assignment's weight is never read).
         shared_w_up: [I_s, H], shared_w_down: [H, I_s]: a shared expert applied to every token
             with weight 1 (nn.Linear layout), added into the same fp32 sum.
+        status: optional int32 [1] status word: an id outside [0, E) other than -1 sets
+            Status.EXPERT_ID (docs/plans.md, "Index data").
         is_inference: no ``saved`` buffer (no backward will follow).
 
     execute(...) writes out [t, H] (x's dtype; the fp32 sum over the k experts and the shared
@@ -286,15 +357,16 @@ class ReLU2MoEForward(_ExpertPlan):
     op_name = "relu2_moe_forward"
     program_name = "forward"
     operands = (*_EXPERT_INPUTS, *outputs("out"), *saved_buffer("out", optional=True),
-                *_SHARED_INPUTS)
+                *_SHARED_INPUTS, *_STATUS)
     options = (Option("is_inference", expect_bool, False),)
     returns = ("out", "saved")
 
     def __init__(self, x, w_up, w_down, topk_ids, topk_weights, *, shared_w_up=None,
-                 shared_w_down=None, is_inference: bool = False, backend: str = "auto") -> None:
+                 shared_w_down=None, is_inference: bool = False, status=None,
+                 backend: str = "auto") -> None:
         super().__init__(dict(x=x, w_up=w_up, w_down=w_down, topk_ids=topk_ids,
                               topk_weights=topk_weights, shared_w_up=shared_w_up,
-                              shared_w_down=shared_w_down),
+                              shared_w_down=shared_w_down, status=status),
                          dict(is_inference=is_inference), backend)
 
     def _validate(self, descs, *, is_inference) -> MoEProblem:
@@ -308,47 +380,53 @@ class ReLU2MoEForward(_ExpertPlan):
         if not self.is_inference:       # an inference plan has no saved buffer at all
             super()._declare_program_buffers()
 
+    def floor(self):
+        return forward_floor(self.problem)
+
     def _result(self, binding) -> TupleDict:
         return TupleDict(out=binding["out"], saved=binding.get("saved"))
 
     def execute(self, x, w_up, w_down, topk_ids, topk_weights, out, saved=None, *,
-                shared_w_up=None, shared_w_down=None, workspace=None,
+                shared_w_up=None, shared_w_down=None, status=None, workspace=None,
                 current_stream=None) -> TupleDict:
         """Runs the forward; returns TupleDict(out, saved) (saved is None for is_inference)."""
         return self._execute(dict(x=x, w_up=w_up, w_down=w_down, topk_ids=topk_ids,
                                   topk_weights=topk_weights, out=out, saved=saved,
                                   shared_w_up=shared_w_up, shared_w_down=shared_w_down,
-                                  workspace=workspace, current_stream=current_stream))
+                                  status=status, workspace=workspace,
+                                  current_stream=current_stream))
 
 
 class ReLU2MoEBackward(_ExpertPlan):
     """Backward of the routed ReLU2 experts (docs/moe.md).
 
-    Takes the forward's inputs (the same shared expert and backend), d_out [t, H] (x's dtype)
-    and the forward's ``saved`` buffer. Writes d_x [t, H] (x's dtype: the fp32 sum over the k
-    experts and the shared expert rounded once), d_topk_weights [t, k] fp32 (<d_out_t, y_tj>;
-    zero for dropped assignments), and d_w_up [E, I, H], d_w_down [E, H, I] (and
-    d_shared_w_up, d_shared_w_down) in ``weight_grad_dtype`` (default fp32 main-grad buffers,
-    fp64 for fp64 inputs; or the weights' dtype), summed over each expert's tokens in fp32 in a
-    fixed order; with ``accumulate=True`` added to the buffers' contents. ``workspace_size``
-    bytes of workspace. Deterministic: no float atomics.
+    Takes the forward's inputs (the same topk_ids, shared expert and backend: the saved buffer
+    holds the dispatch of those ids), d_out [t, H] (x's dtype), the forward's ``saved`` buffer
+    and an optional ``status`` word (as the forward's). Writes d_x [t, H] (x's dtype: the fp32
+    sum over the k experts and the shared expert rounded once), d_topk_weights [t, k] fp32
+    (<d_out_t, y_tj>; zero for dropped assignments, ids outside [0, E)), and d_w_up [E, I, H],
+    d_w_down [E, H, I] (and d_shared_w_up, d_shared_w_down) in ``weight_grad_dtype`` (default
+    fp32 main-grad buffers, fp64 for fp64 inputs; or the weights' dtype), summed over each
+    expert's tokens in fp32 in a fixed order; with ``accumulate=True`` added to the buffers'
+    contents. ``workspace_size`` bytes of workspace. Deterministic: no float atomics.
     """
 
     op_name = "relu2_moe_backward"
     program_name = "backward"
     operands = (*_EXPERT_INPUTS, *inputs("d_out"), *saved_buffer("in"),
                 *outputs("d_x", "d_topk_weights", "d_w_up", "d_w_down"), *_SHARED_INPUTS,
-                *outputs("d_shared_w_up", "d_shared_w_down", optional=True))
+                *outputs("d_shared_w_up", "d_shared_w_down", optional=True), *_STATUS)
     options = (Option("accumulate", expect_bool, False),
                Option("weight_grad_dtype", optional(_weight_grad_dtype), None))
     returns = ("d_x", "d_topk_weights", "d_w_up", "d_w_down", "d_shared_w_up", "d_shared_w_down")
 
     def __init__(self, x, w_up, w_down, topk_ids, topk_weights, d_out, *, shared_w_up=None,
                  shared_w_down=None, accumulate: bool = False,
-                 weight_grad_dtype: torch.dtype | None = None, backend: str = "auto") -> None:
+                 weight_grad_dtype: torch.dtype | None = None, status=None,
+                 backend: str = "auto") -> None:
         super().__init__(dict(x=x, w_up=w_up, w_down=w_down, topk_ids=topk_ids,
                               topk_weights=topk_weights, d_out=d_out, shared_w_up=shared_w_up,
-                              shared_w_down=shared_w_down),
+                              shared_w_down=shared_w_down, status=status),
                          dict(accumulate=accumulate, weight_grad_dtype=weight_grad_dtype), backend)
 
     def _validate(self, descs, *, accumulate, weight_grad_dtype) -> MoEProblem:
@@ -370,6 +448,30 @@ class ReLU2MoEBackward(_ExpertPlan):
         return MoEProblem(**facts, is_inference=False, accumulate=accumulate,
                           weight_grad_dtype=grad_dtype)
 
+    def floor(self):
+        return backward_floor(self.problem)
+
+    def _tuning_tensors(self) -> dict[str, torch.Tensor]:
+        """A uniform routing, random inputs and the ``saved`` buffer a forward on the same
+        backend writes for them (the dispatch the backward reads), so candidates are timed on
+        the production shapes' routing."""
+        tensors = _uniform_routing(self.problem, self.device)
+        gen = torch.Generator(device=self.device).manual_seed(1)
+        for name in ("x", "w_up", "w_down", "shared_w_up", "shared_w_down"):
+            if name in self._descs:
+                desc = self._descs[name]
+                tensors[name] = (0.1 * torch.randn(desc.shape, generator=gen, device=self.device)
+                                 ).to(desc.dtype)
+        names = ("x", "w_up", "w_down", "topk_ids", "topk_weights")
+        shared = {n: tensors.get(n) for n in ("shared_w_up", "shared_w_down")}
+        forward = ReLU2MoEForward(*(tensors[n] for n in names), **shared,
+                                  backend=self.selected_backend).compile(autotune=False)
+        saved = forward.allocate_saved()
+        forward.execute(*(tensors[n] for n in names), torch.empty_like(tensors["x"]), saved,
+                        **shared, workspace=forward.allocate_workspace())
+        tensors["saved"] = saved
+        return tensors
+
     @property
     def gradient_names(self) -> tuple[str, ...]:
         """The gradients execute() writes, in TupleDict order."""
@@ -377,21 +479,26 @@ class ReLU2MoEBackward(_ExpertPlan):
 
     def execute(self, x, w_up, w_down, topk_ids, topk_weights, d_out, saved, d_x, d_topk_weights,
                 d_w_up, d_w_down, *, shared_w_up=None, shared_w_down=None, d_shared_w_up=None,
-                d_shared_w_down=None, workspace=None, current_stream=None) -> TupleDict:
+                d_shared_w_down=None, status=None, workspace=None,
+                current_stream=None) -> TupleDict:
         """Runs the backward; returns a TupleDict of the gradients (``gradient_names``)."""
         return self._execute(dict(x=x, w_up=w_up, w_down=w_down, topk_ids=topk_ids,
                                   topk_weights=topk_weights, d_out=d_out, saved=saved, d_x=d_x,
                                   d_topk_weights=d_topk_weights, d_w_up=d_w_up, d_w_down=d_w_down,
                                   shared_w_up=shared_w_up, shared_w_down=shared_w_down,
                                   d_shared_w_up=d_shared_w_up, d_shared_w_down=d_shared_w_down,
-                                  workspace=workspace, current_stream=current_stream))
+                                  status=status, workspace=workspace,
+                                  current_stream=current_stream))
 
 
 def relu2_moe_forward(x, w_up, w_down, topk_ids, topk_weights, *, shared_w_up=None,
-                      shared_w_down=None, is_inference: bool = False, backend: str = "auto",
-                      current_stream=None) -> TupleDict:
+                      shared_w_down=None, is_inference: bool = False, status=None,
+                      backend: str = "auto", current_stream=None,
+                      check_inputs: bool | None = None) -> TupleDict:
     """Eager forward: returns TupleDict(out, saved) (saved is None with is_inference=True).
-    Pass ``saved`` to ``relu2_moe_backward``.
+    Pass ``saved`` to ``relu2_moe_backward``. ``status``: an optional int32 [1] status word;
+    ``check_inputs`` (default: FUSEDOPS_CHECK_INPUTS) checks topk_ids on the host first (a
+    synchronisation) and raises naming the first bad entry.
 
     Example::
 
@@ -399,16 +506,21 @@ def relu2_moe_forward(x, w_up, w_down, topk_ids, topk_weights, *, shared_w_up=No
     """
     return ReLU2MoEForward.eager(
         dict(x=x, w_up=w_up, w_down=w_down, topk_ids=topk_ids, topk_weights=topk_weights,
-             shared_w_up=shared_w_up, shared_w_down=shared_w_down),
-        is_inference=is_inference, backend=backend, current_stream=current_stream)
+             shared_w_up=shared_w_up, shared_w_down=shared_w_down, status=status),
+        is_inference=is_inference, backend=backend, current_stream=current_stream,
+        check_inputs=check_inputs)
 
 
 def relu2_moe_backward(x, w_up, w_down, topk_ids, topk_weights, d_out, saved, *, shared_w_up=None,
                        shared_w_down=None, weight_grad_dtype: torch.dtype | None = None,
-                       backend: str = "auto", current_stream=None) -> TupleDict:
+                       status=None, backend: str = "auto", current_stream=None,
+                       check_inputs: bool | None = None) -> TupleDict:
     """Eager backward: allocates the gradients; returns TupleDict(d_x, d_topk_weights, d_w_up,
-    d_w_down[, d_shared_w_up, d_shared_w_down])."""
+    d_w_down[, d_shared_w_up, d_shared_w_down]). ``status`` and ``check_inputs`` as in
+    ``relu2_moe_forward``."""
     return ReLU2MoEBackward.eager(
         dict(x=x, w_up=w_up, w_down=w_down, topk_ids=topk_ids, topk_weights=topk_weights,
-             d_out=d_out, saved=saved, shared_w_up=shared_w_up, shared_w_down=shared_w_down),
-        weight_grad_dtype=weight_grad_dtype, backend=backend, current_stream=current_stream)
+             d_out=d_out, saved=saved, shared_w_up=shared_w_up, shared_w_down=shared_w_down,
+             status=status),
+        weight_grad_dtype=weight_grad_dtype, backend=backend, current_stream=current_stream,
+        check_inputs=check_inputs)

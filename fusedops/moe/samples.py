@@ -7,6 +7,7 @@ import torch
 
 from ..core.desc import TensorDesc
 from ..core.dtypes import accumulator_dtype
+from ..core.status import STATUS_DTYPE, Status
 from ..opinfo import Case, PlanCall
 from .plans import MoERouter, MoERouterBackward, ReLU2MoEBackward, ReLU2MoEForward
 
@@ -112,21 +113,26 @@ def production() -> list[tuple[str, list[PlanCall]]]:
     grouped one (E=256, 8 groups, top-4 groups, k=8), fp32 logits with a bias; the experts at
     Nano shapes (H=2688, E=128, k=6, I=1856, shared 3712) for t=8192 (row tile 128) and t=64
     (decode-sized, tile 16, forward only, also for inference) and at Super's (latent 1024,
-    E=512, k=22, I=2688, t=8192); bf16, as TensorDescs on the CPU."""
+    E=512, k=22, I=2688, t=8192); bf16, as TensorDescs on the CPU. The Nano router backward
+    and the Nano t=8192 experts take a status word (the reporting compiled in), the others
+    none."""
     def desc(shape, dtype=torch.bfloat16):
         return TensorDesc(shape, dtype, device="cpu")
     out = []
     t = 8192
+    status = desc((1,), torch.int32)
     for label, E, k, groups, top_groups in (("nano E128 k6", 128, 6, 1, 1),
                                             ("super E512 k22", 512, 22, 1, 1),
                                             ("grouped E256 k8 g8/4", 256, 8, 8, 4)):
         logits = desc((t, E), torch.float32)
+        word = status if label.startswith("nano") else None
         out.append((f"router {label}", [
             PlanCall(MoERouter, dict(logits=logits, correction_bias=desc((E,), torch.float32)),
                      dict(top_k=k, n_group=groups, topk_group=top_groups,
                           routed_scaling_factor=2.5)),
             PlanCall(MoERouterBackward, dict(logits=logits, topk_ids=desc((t, k), torch.int32),
-                                             d_topk_weights=desc((t, k), torch.float32)),
+                                             d_topk_weights=desc((t, k), torch.float32),
+                                             status=word),
                      dict(routed_scaling_factor=2.5))]))
     for label, t, H, E, k, I, S, backward in (("nano t8192", 8192, 2688, 128, 6, 1856, 3712, True),
                                               ("nano t64", 64, 2688, 128, 6, 1856, 3712, False),
@@ -134,7 +140,8 @@ def production() -> list[tuple[str, list[PlanCall]]]:
         experts = dict(x=desc((t, H)), w_up=desc((E, I, H)), w_down=desc((E, H, I)),
                        topk_ids=desc((t, k), torch.int32), topk_weights=desc((t, k), torch.float32),
                        shared_w_up=desc((S, H)) if S else None,
-                       shared_w_down=desc((H, S)) if S else None)
+                       shared_w_down=desc((H, S)) if S else None,
+                       status=status if label == "nano t8192" else None)
         calls = [PlanCall(ReLU2MoEForward, experts)]
         if not backward:
             calls.append(PlanCall(ReLU2MoEForward, experts, dict(is_inference=True)))
@@ -154,6 +161,11 @@ def _execute(plan, tensors) -> dict[str, torch.Tensor]:
     return outputs
 
 
+def _status(device) -> torch.Tensor:
+    """A zeroed status word on ``device``."""
+    return torch.zeros(1, dtype=STATUS_DTYPE, device=device)
+
+
 def _expert_tensors(t, weights, ids) -> dict:
     return dict(x=t["x"], w_up=t["w_up"], w_down=t["w_down"], topk_ids=ids, topk_weights=weights,
                 **{n: t.get(n) for n in SHARED})
@@ -162,21 +174,24 @@ def _expert_tensors(t, weights, ids) -> dict:
 def plan_calls(case: Case, backend: str) -> list[PlanCall]:
     """The four plans of ``case`` in INFO.plans order: the router (run on ``backend`` for the
     experts' ids and weights), the experts' forward (run for the backward's saved buffer), the
-    experts' backward, and the router's backward (with a fixed d_topk_weights)."""
+    experts' backward, and the router's backward (with a fixed d_topk_weights); the three that
+    read topk_ids with a status word each."""
     t, o = case.tensors, case.options
+    device = t["logits"].device
     router = PlanCall(MoERouter, dict(logits=t["logits"], correction_bias=t.get("correction_bias")),
                       {n: o[n] for n in ROUTER_OPTIONS})
     routed = _execute(router.build(backend).compile(), router.tensors)
     experts = _expert_tensors(t, routed["topk_weights"], routed["topk_ids"])
-    forward = PlanCall(ReLU2MoEForward, experts)
-    saved = _execute(forward.build(backend).compile(), experts)["saved"]
-    backward = PlanCall(ReLU2MoEBackward, dict(experts, d_out=t["d_out"], saved=saved))
+    forward = PlanCall(ReLU2MoEForward, dict(experts, status=_status(device)))
+    saved = _execute(forward.build(backend).compile(), forward.tensors)["saved"]
+    backward = PlanCall(ReLU2MoEBackward, dict(experts, d_out=t["d_out"], saved=saved,
+                                               status=_status(device)))
     weights = routed["topk_weights"]
     d_weights = torch.linspace(-1.0, 1.0, weights.numel(), dtype=weights.dtype,
                                device=weights.device).reshape(weights.shape)
     router_backward = PlanCall(
         MoERouterBackward, dict(logits=t["logits"], topk_ids=routed["topk_ids"],
-                                d_topk_weights=d_weights),
+                                d_topk_weights=d_weights, status=_status(device)),
         {n: o[n] for n in ROUTER_BACKWARD_OPTIONS})
     return [router, forward, backward, router_backward]
 
@@ -206,3 +221,83 @@ def run(case: Case, backend: str) -> dict[str, torch.Tensor]:
                                               d_topk_weights=grads["d_topk_weights"]))["d_logits"]
     return dict(topk_weights=routed["topk_weights"], topk_ids=routed["topk_ids"], out=out["out"],
                 **grads, d_logits=d_logits)
+
+
+# -- index-data fuzzing (docs/plans.md, "Index data") ----------------------------------------------
+FUZZ_SHAPE = (12, 16, 5, 24, 3, 8)      # t, H, E, I, k, I_shared: small, the interpreter is slow
+INT32_MIN, INT32_MAX = -2 ** 31, 2 ** 31 - 1
+
+
+def _fuzz_draws(seed: int, t: int, E: int, k: int):
+    """(label, topk_ids [t, k] int32, expected Status) draws: valid ids (some -1 padding), then
+    ids past E, negative ids, the int32 extremes and a mix, each in a few random slots."""
+    gen = torch.Generator().manual_seed(seed)
+    valid = torch.stack([torch.randperm(E, generator=gen)[:k] for _ in range(t)]).int()
+    draws = [("valid ids", valid, Status.OK)]
+    padded = valid.clone()
+    padded[torch.rand(t, k, generator=gen) < 0.3] = -1
+    padded[0] = -1                                   # a token with no routed expert at all
+    draws.append(("valid ids with -1 padding", padded, Status.OK))
+    bad_values = {"ids past E": lambda n: E + torch.randint(0, 40, (n,), generator=gen),
+                  "negative ids": lambda n: -torch.randint(2, 40, (n,), generator=gen),
+                  "int32 extremes": lambda n: torch.tensor([INT32_MIN, INT32_MAX, E])[
+                      torch.randint(0, 3, (n,), generator=gen)],
+                  "mixed": lambda n: torch.randint(-2 * E, 2 * E, (n,), generator=gen)}
+    for label, values in bad_values.items():
+        ids = padded.clone()
+        where = torch.rand(t, k, generator=gen) < 0.35
+        where[1, 0] = True                           # at least one bad id in each draw
+        bad = values(int(where.sum()))
+        if label == "mixed":
+            bad[0] = E                               # one out of range for sure
+        ids[where] = bad.int()
+        draws.append((label, ids, Status.EXPERT_ID))
+    return draws
+
+
+def fuzz_cases(seed: int, backend: str, device, *, plans: tuple[str, ...]) -> list:
+    """FuzzCases of the MoE plans that read topk_ids (``plans``: any of "forward", "inference",
+    "backward", "router_backward") on the ``_fuzz_draws``: the dropped assignments' routing
+    weights and d_topk_weights are NaN (never read); the backward's saved buffer comes from
+    running the forward on ``backend`` with the same ids."""
+    from ..testing.fuzz import FuzzCase     # here: ``import fusedops`` does not load the testing kit
+    t, H, E, I, k, S = FUZZ_SHAPE
+    base = expert_inputs(t, H, E, I, k, shared=S, seed=seed, device=device)
+    logits = router_logits(t, E, bias=False, seed=seed, device=device)[0]
+    cases = []
+    for label, ids, expected in _fuzz_draws(seed, t, E, k):
+        ids = ids.to(device)
+        dropped = (ids < 0) | (ids >= E)
+        weights = base["topk_weights"].masked_fill(dropped, float("nan"))
+        experts = dict(_expert_tensors(base, weights, ids))
+        if "forward" in plans:
+            cases.append(FuzzCase(f"forward, {label}", PlanCall(ReLU2MoEForward, experts), expected))
+        if "inference" in plans:
+            cases.append(FuzzCase(f"inference forward, {label}",
+                                  PlanCall(ReLU2MoEForward, experts, dict(is_inference=True)),
+                                  expected))
+        if "backward" in plans:
+            forward = ReLU2MoEForward(*(experts[n] for n in ("x", "w_up", "w_down", "topk_ids",
+                                                               "topk_weights")),
+                                      **{n: experts[n] for n in SHARED}, backend=backend).compile()
+            saved = _execute(forward, experts)["saved"]
+            cases.append(FuzzCase(f"backward, {label}", PlanCall(
+                ReLU2MoEBackward, dict(experts, d_out=base["d_out"], saved=saved)), expected))
+        if "router_backward" in plans:
+            d_weights = torch.linspace(-1.0, 1.0, t * k, device=device).reshape(t, k)
+            cases.append(FuzzCase(f"router backward, {label}", PlanCall(
+                MoERouterBackward, dict(logits=logits, topk_ids=ids,
+                                        d_topk_weights=d_weights.masked_fill(dropped, float("nan"))),
+                dict(routed_scaling_factor=2.5)), expected))
+    return cases
+
+
+def index_fuzz(seed: int, backend: str, device) -> list:
+    """The registry's fuzz cases (``OpInfo.index_fuzz``): the experts' inference forward and the
+    router's backward on every backend, and on the torch backend also the experts' training
+    forward and backward. A kernel backend's training forward writes, and its backward reads,
+    an opaque ``saved`` buffer of its own layout, which the fuzz test would compare with (or
+    hand to) the torch backend's empty one: tests/test_moe.py fuzzes those two per backend
+    (``fuzz_cases``) under the same guard bands."""
+    extra = ("forward", "backward") if backend == "torch" else ()
+    return fuzz_cases(seed, backend, device, plans=("inference", "router_backward") + extra)

@@ -30,7 +30,8 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from ..core.checks import check_execute_tensor, check_no_overlap, check_workspace, expect_aligned
+from ..core.checks import (check_execute_tensor, check_no_overlap, check_workspace, expect_aligned,
+                           expect_last_dim_contiguous)
 from ..core.desc import TensorDesc
 from ..core.index_checks import check_inputs_requested
 from ..core.device import bind_device
@@ -38,7 +39,8 @@ from ..core.options import Option
 from ..core.program import Program
 from ..core.stream import allocation_stream, resolve_stream
 from ..core.tupledict import TupleDict
-from ..errors import PlanStateError, ValidationError
+from ..errors import PlanStateError, UnsupportedError, ValidationError
+from .autotune import autotune_requested, tune
 from .cache import EAGER_PLANS
 from .operands import Operand
 from .selection import select_backend
@@ -85,6 +87,9 @@ class Plan:
         if self._device is None:
             raise ValidationError(f"{type(self).__name__}: expected at least one tensor")
         self.problem = self._validate(dict(self._descs), **self.option_values)
+        for operand in self.operands:                 # after the contract's shape and dtype checks
+            if operand.strided and operand.name in tensors and operand.name in self._descs:
+                expect_last_dim_contiguous(operand.name, self._descs[operand.name])
         self._backend, self._impl = select_backend(
             self.op_name, backend, self._device, self.problem, self.backend_module, self.backends,
             self.auto_order)
@@ -96,6 +101,12 @@ class Plan:
         """Checks the declared inputs against the contract, declares the outputs
         (``_plan_tensor``) and returns the problem (plan-time facts) for the backend."""
         raise NotImplementedError
+
+    def floor(self):
+        """The operator's floor at this plan's sizes (``fusedops.core.cost.Cost``): the fewest
+        FLOPs and HBM bytes any implementation needs, from the contract. None where the family
+        does not model it yet."""
+        return None
 
     def _check_index_values(self, tensors: Mapping[str, Any]) -> None:
         """Host checks of the index tensors' values (``check_index_values``); plans that read
@@ -208,13 +219,56 @@ class Plan:
         kernels clamp or mask and report through the ``status`` word instead."""
         self._check_index_values(tensors)
 
-    def compile(self) -> Plan:
+    def compile(self, autotune: bool | None = None) -> Plan:
         """Builds every launcher execute() will use (compiled artifacts are cached process-wide
-        by plan-time values). Allocates no device memory. Returns the plan."""
+        by plan-time values). Allocates no device memory. Returns the plan.
+
+        ``autotune=True`` (or FUSEDOPS_AUTOTUNE=1 for CUDA plans) first times the backend's
+        candidate configurations on the device (allocating temporary inputs) and keeps the
+        fastest, remembered on disk (``fusedops.plan.autotune``); ``workspace_size`` may change
+        with the choice, so allocate the workspace after compile()."""
         if self._launch is None:
+            if autotune_requested(autotune, self._device):
+                self._program = self._tuned_program(explicit=autotune is True)
             names = frozenset(self._descs) | {"workspace"}
             self._launch = self._program.build(self._device, names)
         return self
+
+    def _tuned_program(self, explicit: bool) -> Program:
+        candidates = getattr(self._impl, f"{self.program_name}_candidates", None)
+        if candidates is None:
+            if explicit:
+                raise UnsupportedError(f"autotune: the {self._backend} backend has no candidate "
+                                       f"configurations for {self.op_name}")
+            return self._program
+        build = getattr(self._impl, f"{self.program_name}_program")
+        _, program = tune(self, candidates(self.problem),
+                          lambda config: build(self.problem, config=config),
+                          device_name=torch.cuda.get_device_name(self._device))
+        if program.saved.size != self._program.saved.size:
+            raise PlanStateError(f"{self.op_name}: an autotune candidate changed the saved layout")
+        return program
+
+    def _tuning_tensors(self) -> dict[str, torch.Tensor]:
+        """Valid values for the plan's index tensors when its candidates are timed (plans that
+        read index data override it); other tensors get random values."""
+        return {}
+
+    def _tuning_binding(self) -> dict[str, torch.Tensor]:
+        """Inputs and outputs of the plan's shapes for timing candidates (allocates)."""
+        binding = dict(self._tuning_tensors())
+        gen = torch.Generator(device=self._device).manual_seed(0)
+        for name, desc in self._descs.items():
+            if name in binding:
+                continue
+            if desc.dtype.is_floating_point and desc.dtype.itemsize > 1:
+                binding[name] = 0.1 * torch.randn(desc.shape, generator=gen, device=self._device,
+                                                  dtype=torch.float32).to(desc.dtype)
+            elif desc.dtype == torch.bool:
+                binding[name] = torch.ones(desc.shape, dtype=torch.bool, device=self._device)
+            else:
+                binding[name] = torch.zeros(desc.shape, dtype=desc.dtype, device=self._device)
+        return binding
 
     @property
     def is_compiled(self) -> bool:
@@ -237,7 +291,7 @@ class Plan:
                     raise ValidationError(f"{name}: this plan was built without {name}; expected "
                                           f"None, got {type(value).__name__}")
                 continue
-            check_execute_tensor(name, value, desc, operand.alignment)
+            check_execute_tensor(name, value, desc, operand.alignment, operand.strided)
             binding[name] = value
             (written if operand.is_written else read)[name] = value
         workspace = args.get("workspace")

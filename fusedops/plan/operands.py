@@ -18,7 +18,9 @@ class Operand:
     ``alignment``: bytes the data pointer must be aligned to (16 where kernels vectorise, the
     element size for index tensors). ``saved_buffer``: an opaque byte buffer whose size the
     selected backend's program decides (``Program.saved``), declared by the plan, not given
-    at construction.
+    at construction. ``strided``: execute() takes any view whose last dimension is contiguous
+    and whose other strides are multiples of 16 bytes (its kernels read the strides of the
+    tensor they are handed); otherwise the strides must be the planned ones.
     """
 
     name: str
@@ -26,6 +28,7 @@ class Operand:
     optional: bool = False
     alignment: int = ALIGNMENT
     saved_buffer: bool = False
+    strided: bool = False
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -40,19 +43,22 @@ class Operand:
         return self.role in ("out", "inout")
 
 
-def inputs(*names: str, optional: bool = False, alignment: int = ALIGNMENT) -> tuple[Operand, ...]:
+def inputs(*names: str, optional: bool = False, alignment: int = ALIGNMENT,
+           strided: bool = False) -> tuple[Operand, ...]:
     """Read-only operands."""
-    return tuple(Operand(n, "in", optional, alignment) for n in names)
+    return tuple(Operand(n, "in", optional, alignment, strided=strided) for n in names)
 
 
-def outputs(*names: str, optional: bool = False, alignment: int = ALIGNMENT) -> tuple[Operand, ...]:
+def outputs(*names: str, optional: bool = False, alignment: int = ALIGNMENT,
+            strided: bool = False) -> tuple[Operand, ...]:
     """Written operands."""
-    return tuple(Operand(n, "out", optional, alignment) for n in names)
+    return tuple(Operand(n, "out", optional, alignment, strided=strided) for n in names)
 
 
-def updated(*names: str, optional: bool = False, alignment: int = ALIGNMENT) -> tuple[Operand, ...]:
+def updated(*names: str, optional: bool = False, alignment: int = ALIGNMENT,
+            strided: bool = False) -> tuple[Operand, ...]:
     """Operands read and written in place."""
-    return tuple(Operand(n, "inout", optional, alignment) for n in names)
+    return tuple(Operand(n, "inout", optional, alignment, strided=strided) for n in names)
 
 
 def indices(*names: str, optional: bool = False, alignment: int = 4) -> tuple[Operand, ...]:

@@ -9,6 +9,7 @@ far outside the buffers (a crash in the Triton interpreter) fails the test inste
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -23,11 +24,14 @@ CANARY = 0xA5
 @dataclass(frozen=True)
 class FuzzCase:
     """One draw: the plan call (its tensors include the index tensors, and ``status`` is added
-    by the harness) and the status bits a correct run reports (``Status.OK``: valid data)."""
+    by the harness) and the status bits a correct run reports (``Status.OK``: valid data).
+    ``prepare(backend)``: tensors the call needs that depend on the backend, such as the opaque
+    saved buffer a backward reads (run the forward on that backend with the same index data)."""
 
     label: str
     call: PlanCall
     expected: Status
+    prepare: Callable[[str], dict] | None = None
 
 
 @dataclass
@@ -65,7 +69,9 @@ def run_guarded(case: FuzzCase, backend: str) -> FuzzResult:
     workspace, executes, and reports the status, the damaged guards and the outputs."""
     device = next(t.device for t in case.call.tensors.values() if isinstance(t, torch.Tensor))
     status = torch.zeros(1, dtype=STATUS_DTYPE, device=device)
-    call = PlanCall(case.call.plan, {**case.call.tensors, "status": status}, case.call.options)
+    extra = case.prepare(backend) if case.prepare is not None else {}
+    call = PlanCall(case.call.plan, {**case.call.tensors, **extra, "status": status},
+                    case.call.options)
     plan = call.build(backend).compile()
     guards: dict[str, Guarded] = {}
     for operand in plan.operands:
@@ -84,7 +90,10 @@ def run_guarded(case: FuzzCase, backend: str) -> FuzzResult:
     plan.execute(**args)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    written = {o.name for o in plan.operands if o.is_written and o.name != "status"}
+    # outputs compared across backends: not the status word, not an opaque saved buffer (its
+    # layout is the backend's own)
+    written = {o.name for o in plan.operands
+               if o.is_written and o.name != "status" and not o.saved_buffer}
     return FuzzResult(case.label, read_status(args["status"]),
                       sorted(name for name, g in guards.items() if not g.intact()),
                       {name: args[name].clone() for name in written if name in args})

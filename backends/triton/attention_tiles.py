@@ -1,0 +1,194 @@
+"""GQA attention: the Triton kernels' tile tables, one entry per architecture family (sm_80,
+sm_90, sm_100) and head-dim class, each with its reason, and the autotune candidates.
+
+The programs pick the entry of ``target_arch(problem.device)`` (``fusedops.core.target``) and
+accept any configuration of the same types as ``config=``; ``<program>_candidates(problem)``
+lists the entry first. Entries marked "today's tiles" are the tiles the kernels had before the
+table existed: nothing better is known without a GPU to measure (the performance issues that
+follow change them, with the kernel report and a benchmark as evidence).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import triton
+
+from fusedops.core.target import target_arch
+
+
+@dataclass(frozen=True)
+class Tiles:
+    """One training kernel's tiles: bm query rows and bn keys per step, warps per CTA, software
+    pipeline stages and a register budget for ptxas (None: its own choice), and another for the
+    packed variant (whose clearing of uncovered tokens adds registers; default: maxnreg)."""
+
+    bm: int
+    bn: int
+    warps: int
+    stages: int = 2
+    maxnreg: int | None = None
+    packed_maxnreg: int | None = None
+
+    def budget(self, packed: bool) -> int | None:
+        """The register budget of the dense or packed variant."""
+        return (self.packed_maxnreg or self.maxnreg) if packed else self.maxnreg
+
+
+@dataclass(frozen=True)
+class BackwardTiles:
+    """The backward's dk/dv kernel (a key block of bn keys against query blocks of bm rows) and
+    dq kernel (a query block of bm rows against key blocks of bn keys)."""
+
+    dkdv: Tiles
+    dq: Tiles
+
+
+@dataclass(frozen=True)
+class DecodeTiles:
+    """The decode split kernel: bn keys per step (at most: it must divide the page, so smaller
+    pages take the largest of 64, 32, 16 that does), warps, stages, register budget. Its rows
+    are fixed by the problem: T·h_q/h_kv padded to a power of two >= 16."""
+
+    bn: int = 64
+    warps: int = 4
+    stages: int = 2
+    maxnreg: int | None = None
+
+
+# ptxas for sm_100 holds the wide tiles to 128 registers and spills; these budgets give it room
+# (the dk/dv kernel needs up to ~216 registers on sm_90; the packed dq kernel spilled 8 bytes at
+# 128)
+WIDE_TILE_REGISTERS = 192
+DKDV_REGISTERS = 232
+
+_FWD_DUP = ("two warpgroups on a 64-row tile: on sm_90 both compute the whole QKᵀ and softmax "
+            "(1.5x the tensor-core work, 2x the exponentials: the kernel report's duplication "
+            "rule flags it; a 128-row tile or one warpgroup per 64 rows is the issue-15 work)")
+
+FORWARD = {
+    "sm_90": {
+        64: (Tiles(64, 64, 4), "today's tiles: one warpgroup owns the 64-row wgmma tile; 40 KiB "
+             "of shared memory, 4 CTAs per SM by registers"),
+        128: (Tiles(64, 64, 8, 2, WIDE_TILE_REGISTERS), "today's tiles: " + _FWD_DUP),
+        256: (Tiles(64, 32, 8, 2, WIDE_TILE_REGISTERS), "today's tiles, 32 keys per step to "
+              "keep q (64 x 256) and the accumulator in registers: " + _FWD_DUP),
+    },
+    "sm_100": {
+        64: (Tiles(64, 64, 4), "today's tiles: tcgen05 from one thread, 3 CTAs per SM"),
+        128: (Tiles(64, 64, 8, 2, WIDE_TILE_REGISTERS), "today's tiles; one thread issues each "
+              "tcgen05 MMA for the CTA and the warps share the score tile's softmax (no "
+              "duplicated work, unlike sm_90's wgmma); 192 registers keep ptxas from spilling"),
+        256: (Tiles(64, 32, 8, 2, WIDE_TILE_REGISTERS), "today's tiles (as d = 128, 32 keys "
+              "per step)"),
+    },
+    "sm_80": {
+        64: (Tiles(64, 64, 4), "today's tiles: mma.sync m16n8k16, four warps of 16 rows each; "
+             "3 CTAs per SM on 108 SMs"),
+        128: (Tiles(64, 64, 8, 2, WIDE_TILE_REGISTERS), "today's tiles: 8 warps of mma.sync (no "
+              "warpgroups, no duplicated work); 192 registers, no spill"),
+        256: (Tiles(64, 32, 8, 2, None), "sm_80's own entry: at 192 registers ptxas spilled 56 "
+              "bytes; without a budget it fits in 255 registers x 8 warps (one CTA per SM, as "
+              "with the budget)"),
+    },
+}
+
+BACKWARD = {
+    "sm_90": {
+        64: (BackwardTiles(Tiles(32, 64, 4), Tiles(32, 64, 4)), "today's tiles: 32 query rows "
+             "per step (below wgmma's 64: the S and dP products and all of dq are mma.sync); the "
+             "key block's dk, dv accumulators and k, v stay in registers (216 registers)"),
+        128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(32, 64, 8, 2, None, WIDE_TILE_REGISTERS)),
+              "today's tiles: dk/dv's [64 keys, 128] products are wgmma (N split over the two "
+              "warpgroups), S, dP and dq mma.sync at 32 rows; a 232-register budget for dk/dv "
+              "and 192 for the packed dq (it spilled 8 bytes at ptxas's 128)"),
+        256: (BackwardTiles(Tiles(16, 32, 8, 2, DKDV_REGISTERS), Tiles(16, 32, 8, 2, None, WIDE_TILE_REGISTERS)),
+              "today's tiles: 16 x 32 keeps the 32 x 256 dk, dv accumulators in registers; all "
+              "mma.sync"),
+    },
+    "sm_100": {
+        64: (BackwardTiles(Tiles(32, 64, 4), Tiles(32, 64, 4)), "today's tiles (as sm_90)"),
+        128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(32, 64, 8, 2, None, WIDE_TILE_REGISTERS)),
+              "today's tiles (as sm_90: the dk/dv products tcgen05, the rest mma.sync); the "
+              "budgets keep ptxas's sm_100 heuristics from spilling"),
+        256: (BackwardTiles(Tiles(16, 32, 8, 2, DKDV_REGISTERS), Tiles(16, 32, 8, 2, None, WIDE_TILE_REGISTERS)),
+              "today's tiles (as sm_90)"),
+    },
+    "sm_80": {
+        64: (BackwardTiles(Tiles(32, 32, 4), Tiles(32, 64, 4)), "sm_80's own entry: dk/dv on 32 "
+             "keys (at 64 keys on 4 warps it took 255 registers and spilled 56 bytes, and the "
+             "[64, 64] dk layout made the 32-row S and dP products run twice: 1.5x the MMA work; "
+             "8 warps spill nothing but run them 4x, 3x in all); 32 keys: 127 registers, 3 CTAs "
+             "per SM, no duplicated work, q and do read twice as often; dq as sm_90"),
+        128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(32, 64, 8, 2, None, WIDE_TILE_REGISTERS)),
+              "today's tiles: all mma.sync m16n8k16; no spill"),
+        256: (BackwardTiles(Tiles(16, 32, 8, 2, DKDV_REGISTERS), Tiles(16, 32, 8, 2, None, WIDE_TILE_REGISTERS)),
+              "today's tiles; no spill"),
+    },
+}
+
+DECODE = {
+    "sm_90": (DecodeTiles(64, 4, 2), "today's tiles: 64 cache positions per step, 4 warps; the "
+              "T·h_q/h_kv query rows (16 at T = 1..4, G = 4) are below wgmma's 64, so mma.sync; "
+              "the step is bound by reading the cache"),
+    "sm_100": (DecodeTiles(64, 4, 2), "today's tiles (as sm_90)"),
+    "sm_80": (DecodeTiles(64, 4, 2), "today's tiles: mma.sync; 4 CTAs per SM by shared memory"),
+}
+
+
+def head_class(head_dim: int) -> int:
+    """The tables' head-dim class: 64 (d <= 64), 128 or 256 (the padded tile width)."""
+    return max(64, triton.next_power_of_2(head_dim))
+
+
+def _fit(tiles: Tiles, problem) -> Tiles:
+    """Tiles no larger than the longest sequence needs (at least 16: the smallest MMA tile)."""
+    longest = triton.next_power_of_2(max(problem.seqlen_q, problem.seqlen_k, 1))
+    return replace(tiles, bm=max(16, min(tiles.bm, longest)), bn=max(16, min(tiles.bn, longest)))
+
+
+def forward_tiles(problem, config: Tiles | None = None) -> Tiles:
+    """The forward's tiles: ``config`` or the table's entry for the plan's architecture, cut to
+    the longest sequence."""
+    entry = config or FORWARD[target_arch(problem.device)][head_class(problem.head_dim)][0]
+    return _fit(entry, problem)
+
+
+def backward_tiles(problem, config: BackwardTiles | None = None) -> BackwardTiles:
+    entry = config or BACKWARD[target_arch(problem.device)][head_class(problem.head_dim)][0]
+    return BackwardTiles(_fit(entry.dkdv, problem), _fit(entry.dq, problem))
+
+
+def decode_tiles(problem, config: DecodeTiles | None = None) -> DecodeTiles:
+    """The decode split kernel's tiles: bn the largest of config.bn, 64 and 32 (at most
+    config.bn) dividing the page, else 16."""
+    entry = config or DECODE[target_arch(problem.device)][0]
+    bn = next((b for b in (entry.bn, 64, 32) if b <= entry.bn and problem.page_size % b == 0), 16)
+    return replace(entry, bn=bn)
+
+
+def forward_candidates(problem) -> list[Tiles]:
+    """The entry, then 128 query rows on 8 warps (one 64-row wgmma slab per warpgroup: no
+    duplicated QKᵀ), 64 rows on 4 warps, and 128 keys per step."""
+    base = FORWARD[target_arch(problem.device)][head_class(problem.head_dim)][0]
+    out = [base, replace(base, bm=128, warps=8), replace(base, warps=4, maxnreg=None),
+           replace(base, bn=2 * base.bn)]
+    return list(dict.fromkeys(out))
+
+
+def backward_candidates(problem) -> list[BackwardTiles]:
+    """The entry, then dq on 64-row tiles (wgmma on sm_90), dk/dv on 128 keys with 64 query
+    rows per step, and one more pipeline stage."""
+    base = BACKWARD[target_arch(problem.device)][head_class(problem.head_dim)][0]
+    out = [base,
+           replace(base, dq=replace(base.dq, bm=64, warps=4, maxnreg=None, packed_maxnreg=None)),
+           replace(base, dkdv=replace(base.dkdv, bm=64, bn=128, warps=8, maxnreg=255)),
+           BackwardTiles(replace(base.dkdv, stages=3), replace(base.dq, stages=3))]
+    return list(dict.fromkeys(out))
+
+
+def decode_candidates(problem) -> list[DecodeTiles]:
+    """The entry, then 128 and 32 positions per step, and 8 warps."""
+    base = DECODE[target_arch(problem.device)][0]
+    out = [base, replace(base, bn=128), replace(base, bn=32), replace(base, warps=8)]
+    return list(dict.fromkeys(out))

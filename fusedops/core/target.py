@@ -1,0 +1,63 @@
+"""Which GPU architecture's tile table a kernel is specialised for.
+
+Tile tables have one entry per architecture family: ``sm_80`` (Ampere and Ada: mma.sync, cp.async,
+up to 164 KiB of shared memory), ``sm_90`` (Hopper: wgmma, TMA, 228 KiB) and ``sm_100``
+(Blackwell: tcgen05, TMA, 228 KiB). On a CUDA device the compute capability decides; elsewhere
+(the CPU interpreter and emulator) the Hopper table is used. ``FUSEDOPS_TARGET_ARCH`` overrides
+both, and ``compiling_for(arch)`` overrides for a block (the kernel report compiles every arch's
+table without a GPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import os
+
+import torch
+
+from ..errors import ValidationError
+from .device import device_capability
+
+ARCHS = ("sm_80", "sm_90", "sm_100")
+TARGET_ENV = "FUSEDOPS_TARGET_ARCH"
+_OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar("fusedops_target_arch",
+                                                                       default=None)
+
+
+def normalise_arch(arch: str) -> str:
+    """``sm_90a`` -> ``sm_90``; refuses anything but the three table families."""
+    name = arch.removesuffix("a")
+    if name not in ARCHS:
+        raise ValidationError(f"arch: expected one of {', '.join(ARCHS)} (or with an 'a' suffix), "
+                              f"got {arch!r}")
+    return name
+
+
+def arch_of_capability(capability: tuple[int, int]) -> str:
+    """The tile-table family of a compute capability: 8.x -> sm_80, 9.x -> sm_90, 10.x and
+    later -> sm_100 (12.x consumer Blackwell, with 99 KiB of shared memory, takes sm_80)."""
+    major = capability[0]
+    if major >= 12 or major < 9:
+        return "sm_80"
+    return "sm_90" if major == 9 else "sm_100"
+
+
+def target_arch(device: torch.device) -> str:
+    """The tile-table family kernels for ``device`` are specialised for."""
+    override = _OVERRIDE.get() or os.environ.get(TARGET_ENV)
+    if override:
+        return normalise_arch(override)
+    if device.type == "cuda":
+        return arch_of_capability(device_capability(device.index))
+    return "sm_90"
+
+
+@contextlib.contextmanager
+def compiling_for(arch: str):
+    """Within the block, ``target_arch`` answers ``arch`` for every device."""
+    token = _OVERRIDE.set(normalise_arch(arch))
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)

@@ -1,0 +1,107 @@
+"""Compiling one kernel for one architecture and reading what the compiler made of it: resources
+from the cubin (registers, spills, shared memory, barriers) and the instruction mix from its SASS
+(tensor-core MMA kind and count, TMA and cp.async copies, barriers). No GPU needed; triton's
+wheel ships cuobjdump, and ptxas assembles the CuTe DSL kernels' PTX."""
+
+from __future__ import annotations
+
+import collections
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+
+# SASS opcode classes the rules look at
+MMA_KINDS = {
+    "HGMMA": "wgmma",            # sm_90 warpgroup MMA
+    "HMMA": "mma.sync",          # warp-level MMA (sm_80 style)
+    "UTCHMMA": "tcgen05",        # sm_100 tensor-core MMA from tensor memory
+    "UTCQMMA": "tcgen05",
+    "UTCIMMA": "tcgen05",
+    "UTCMMA": "tcgen05",
+}
+COPY_KINDS = {"UTMALDG": "tma load", "UTMASTG": "tma store", "UBLKCP": "bulk copy",
+              "LDGSTS": "cp.async"}
+BARRIER_OPS = ("BAR", "SYNCS")
+
+_OPCODE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*)", re.M)
+
+
+@dataclass(frozen=True)
+class Compiled:
+    """What one kernel compiled to for one architecture."""
+
+    arch: str
+    registers: int
+    spill_bytes: int             # local memory per thread: spills and stack arrays
+    shared_bytes: int            # static + dynamic, per CTA
+    opcodes: dict = field(default_factory=dict)      # SASS opcode -> count
+
+    def count(self, *prefixes: str) -> int:
+        return sum(n for op, n in self.opcodes.items() if op.startswith(prefixes))
+
+    @property
+    def mma(self) -> dict[str, int]:
+        """MMA kind ("wgmma", "mma.sync", "tcgen05") -> instruction count."""
+        out: dict[str, int] = collections.Counter()
+        for op, n in self.opcodes.items():
+            if op in MMA_KINDS:
+                out[MMA_KINDS[op]] += n
+        return dict(out)
+
+    @property
+    def copies(self) -> dict[str, int]:
+        out: dict[str, int] = collections.Counter()
+        for op, n in self.opcodes.items():
+            if op in COPY_KINDS:
+                out[COPY_KINDS[op]] += n
+        return dict(out)
+
+    @property
+    def barriers(self) -> int:
+        return self.count(*BARRIER_OPS)
+
+
+def tool(name: str) -> str:
+    """A CUDA binary tool: from triton's wheel when it ships one, else PATH."""
+    import triton
+    bundled = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return bundled if os.path.exists(bundled) else name
+
+
+def read_cubin(cubin: bytes, arch: str, extra_shared: int = 0) -> tuple[Compiled, str]:
+    """(resources and SASS opcode counts, SASS text) of a cubin."""
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        usage = subprocess.run([tool("cuobjdump"), "--dump-resource-usage", f.name], check=True,
+                               capture_output=True, text=True).stdout
+        sass = subprocess.run([tool("cuobjdump"), "-sass", f.name], check=True,
+                              capture_output=True, text=True).stdout
+    fields = dict(re.findall(r"(REG|LOCAL|SHARED|STACK):(\d+)", usage))
+    opcodes = dict(collections.Counter(_OPCODE.findall(sass)))
+    return Compiled(arch, int(fields.get("REG", 0)),
+                    int(fields.get("LOCAL", 0)) + int(fields.get("STACK", 0)),
+                    int(fields.get("SHARED", 0)) + extra_shared, opcodes), sass
+
+
+TRITON_TARGETS = {"sm_80": 80, "sm_90a": 90, "sm_100a": 100}
+
+
+def compile_triton(spec, arch: str):
+    """(Compiled, {"ptx", "sass", "cubin"}) of a Triton KernelSpec for ``arch``."""
+    from ..backends.triton.aot import compile_spec, gpu_target
+    compiled = compile_spec(spec, gpu_target(TRITON_TARGETS[arch]))
+    result, sass = read_cubin(compiled.asm["cubin"], arch)
+    shared = max(result.shared_bytes, int(compiled.metadata.shared))
+    result = Compiled(arch, result.registers, result.spill_bytes, shared, result.opcodes)
+    return result, dict(ptx=compiled.asm["ptx"], sass=sass, cubin=compiled.asm["cubin"])
+
+
+def compile_cute(kernel, arch: str):
+    """(Compiled, {"ptx", "sass", "cubin"}) of a CuteKernel for ``arch`` (PTX through ptxas)."""
+    from ..backends.cute.aot import assemble
+    ptx, cubin = assemble(kernel, arch)
+    result, sass = read_cubin(cubin, arch, extra_shared=kernel.dynamic_shared_bytes)
+    return result, dict(ptx=ptx, sass=sass, cubin=cubin)

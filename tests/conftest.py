@@ -17,6 +17,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
     os.environ.setdefault("FUSEDOPS_CUTE_EMULATE", "1")
 
+# Small ops on few shared cores are many times slower with torch's thread pool, and a process
+# forked after the pool started (the index-fuzz children) can hang in it.
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
+
 AOT_FIGURES_KEY = pytest.StashKey[list]()
 
 

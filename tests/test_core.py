@@ -96,6 +96,7 @@ def test_stream_handle_kinds():
 
 
 @requires_cuda
+@pytest.mark.gpu
 def test_special_stream_handles_on_gpu():
     """Eager wrappers allocate on the stream the handle names: 0/1 map to torch's default
     stream (not an ExternalStream wrapping a null handle), 2 to the per-thread stream."""
@@ -120,6 +121,7 @@ def test_cpu_stream_must_be_none():
 
 
 @requires_cuda
+@pytest.mark.gpu
 def test_cuda_stream_forms():
     device = torch.device("cuda", torch.cuda.current_device())
     s = torch.cuda.Stream()

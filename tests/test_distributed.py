@@ -127,6 +127,7 @@ def test_docs_torchrun_example_trains_on_two_cpu_processes(tmp_path):
 
 
 @requires_cuda
+@pytest.mark.gpu
 def test_world_size_one_on_the_gpu_through_the_same_code_path(tmp_path):
     """NCCL with one rank: every distributed operator on the GPU (Triton backend) against the
     single-process result, bitwise repeats included."""

@@ -19,7 +19,7 @@ from fusedops.errors import ValidationError
 from fusedops.plan import EAGER_PLANS
 from fusedops.mamba2 import samples
 from fusedops.mamba2.info import INFO
-from fusedops.mamba2.oracle import scan_with_gradients
+from fusedops.mamba2.oracle import mamba2_sequential, scan_with_gradients
 from fusedops.opinfo import Case, Tolerance
 from fusedops.testing import assert_close
 
@@ -234,7 +234,9 @@ def _base_inputs(**kw):
     (dict(cu_seqlens=torch.tensor([0, 20], dtype=torch.int64)), r"cu_seqlens: expected dtype int32, got int64"),
     (dict(dt_limit=(1.0, 0.5)), r"dt_limit: expected lo <= hi"),
     (dict(dt_softplus=1), r"dt_softplus: expected a bool, got 1"),
-    (dict(x=torch.zeros(2, 20, 8, 4, dtype=torch.bfloat16).transpose(2, 3)), r"x: expected a contiguous tensor"),
+    (dict(x=torch.zeros(2, 20, 8, 4, dtype=torch.bfloat16).transpose(2, 3)), r"x: expected the last dimension contiguous"),
+    (dict(seq_idx=torch.zeros(2, 20, dtype=torch.int64)), r"^seq_idx: expected dtype int32, got int64"),
+    (dict(seq_idx=torch.zeros(2, 21, dtype=torch.int32)), r"^seq_idx: expected shape \[b, l\] like x's first two dims = \[2, 20\]"),
 ])
 def test_construction_errors(change, match):
     core, _ = _base_inputs()
@@ -298,7 +300,7 @@ def test_triton_programs_compile_absent_operands_out():
              Mamba2ChunkScanBackward(**descs, dy=descs["x"], chunk_size=32, backend="torch"))
     optional = {"D_ptr", "z_ptr", "bias_ptr", "h0_ptr", "cu_ptr", "off_ptr", "ypre_ptr",
                 "dfinal_ptr", "dh0_ptr", "dD_part_ptr", "dbias_part_ptr", "dbias_ptr", "dD_ptr",
-                "cu_out_ptr", "status_ptr"}
+                "cu_out_ptr", "status_ptr", "runs_ptr", "entering_ptr", "seq_idx_ptr"}
     for plan in plans:
         program = plan.kernel_program("triton")
         for kernel in program.kernels:
@@ -526,6 +528,292 @@ def test_torch_backend_reads_no_index_value_on_the_host():
     assert mode.reads == [] and int(status) == Status.CU_SEQLENS
 
 
+# -- 4b. strided views -----------------------------------------------------------------------------
+STRIDED_DTYPES = {"torch": torch.float32, "triton": torch.bfloat16}
+FORWARD_NAMES = ("x", "dt", "A", "B", "C", *samples.OPTIONAL)
+
+
+def _in_wider(tensor, extra, fill=0.0, offset=0):
+    """(buffer, view): ``tensor`` [..., h, w] (or [..., w]) as columns [offset, offset + h·w) of
+    a wider buffer [..., h·w + extra] filled with ``fill`` (a slice of a fused projection)."""
+    width = tensor.shape[-1] * (tensor.shape[-2] if tensor.dim() == 4 else 1)
+    buffer = torch.full((*tensor.shape[:2], width + extra), fill, dtype=tensor.dtype,
+                        device=tensor.device)
+    view = buffer[..., offset:offset + width]
+    view = view.unflatten(-1, tensor.shape[-2:]) if tensor.dim() == 4 else view
+    view.copy_(tensor)
+    return buffer, view
+
+
+def _projection_views(t):
+    """x, B, C and z as slices of one in-projection-like buffer (x after 16 other columns), dt
+    as a slice of another, dy as a view of a wider buffer: what a Mamba2 layer hands the scan."""
+    x, B, C, z = t["x"], t["B"], t["C"], t["z"]
+    widths = [16, x[0, 0].numel(), B[0, 0].numel(), C[0, 0].numel(), z[0, 0].numel(), 8]
+    proj = torch.zeros(*x.shape[:2], sum(widths), dtype=x.dtype, device=x.device)
+    views, start = {}, widths[0]
+    for name, width in zip(("x", "B", "C", "z"), widths[1:]):
+        views[name] = proj[..., start:start + width].unflatten(-1, t[name].shape[-2:])
+        views[name].copy_(t[name])
+        start += width
+    _, views["dt"] = _in_wider(t["dt"], 24, offset=8)
+    _, views["dy"] = _in_wider(t["dy"], 16, offset=8)
+    return views
+
+
+def _run_views(case, backend, views, outputs):
+    """Forward and backward through the plans with the given inputs (``views``) writing y, dx,
+    ddt, dB, dC and dz into ``outputs``."""
+    t = dict(case.tensors, **views)
+    fwd = Mamba2ChunkScanForward(**{k: t[k] for k in FORWARD_NAMES}, **case.options,
+                                 backend=backend).compile()
+    out = dict(fwd.allocate_outputs(), y=outputs["y"])
+    fwd.execute(**{k: t[k] for k in FORWARD_NAMES}, **out, workspace=fwd.allocate_workspace())
+    bwd = Mamba2ChunkScanBackward(**{k: t[k] for k in FORWARD_NAMES}, dy=t["dy"],
+                                  dfinal_states=t["dfinal_states"], **case.options,
+                                  backend=backend).compile()
+    grads = dict(bwd.allocate_outputs(), **{k: outputs[k] for k in ("dx", "ddt", "dB", "dC", "dz")})
+    bwd.execute(**{k: t[k] for k in FORWARD_NAMES}, dy=t["dy"], saved=out["saved"],
+                dfinal_states=t["dfinal_states"], **grads, workspace=bwd.allocate_workspace())
+    return dict(y=out["y"], final_states=out["final_states"],
+                **{k: grads[k] for k in bwd.gradient_names})
+
+
+@pytest.mark.parametrize("backend", SCAN_BACKENDS)
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed-uncovered"])
+def test_strided_views_go_in_and_out_without_copies(backend, packed):
+    """x, B, C, z as slices of one projection, dt and dy as views of wider buffers, and y, dx,
+    ddt, dB, dC, dz written straight into views of NaN-filled wider buffers: the same bits as
+    the contiguous run, nothing written beside (packed: tokens no sequence covers, zeroed in
+    place)."""
+    dtype = STRIDED_DTYPES[backend]
+    if packed:
+        case = samples.make(1, 37, 8, 8, 2, 16, dtype, seed=40, device=DEVICE, lengths=[5, 0, 20, 12],
+                            **ALL)
+        case.tensors["cu_seqlens"] = torch.tensor([0, 5, 5, 25, 30], dtype=torch.int32, device=DEVICE)
+    else:
+        case = samples.make(2, 37, 8, 8, 2, 16, dtype, seed=40, device=DEVICE, **ALL)
+    t = case.tensors
+    contiguous = dict(y=torch.empty_like(t["x"]), dx=torch.empty_like(t["x"]),
+                      dz=torch.empty_like(t["x"]), ddt=torch.empty_like(t["dt"]),
+                      dB=torch.empty_like(t["B"]), dC=torch.empty_like(t["C"]))
+    expected = _run_views(case, backend, {}, contiguous)
+    likes = dict(y="x", dx="x", dz="x", ddt="dt", dB="B", dC="C")
+    buffers = {name: _in_wider(torch.empty_like(t[like]), 16, float("nan"), offset=8)
+               for name, like in likes.items()}
+    result = _run_views(case, backend, _projection_views(t),
+                        {name: view for name, (_, view) in buffers.items()})
+    for name, value in expected.items():
+        assert torch.equal(result[name], value), name
+    for name, (buffer, view) in buffers.items():
+        assert torch.isnan(buffer[..., :8].float()).all() and torch.isnan(buffer[..., -8:].float()).all(), name
+
+
+ALL = dict(D="h", z=True, dt_bias=True, initial_states=True, dfinal=True)
+
+
+def test_strides_must_keep_rows_aligned():
+    """Views need rows of whole 16-byte vectors with the other strides multiples of 16 bytes;
+    an operand whose rows are not whole vectors (4 bf16 heads of dt: 8 bytes) is taken
+    contiguous only, and a contiguous tensor of any size is always taken."""
+    core, t = _base_inputs()
+    x = torch.zeros(2, 20, 4, 9, dtype=torch.bfloat16, device=DEVICE)[..., :8]   # rows 18 bytes apart
+    with pytest.raises(ValidationError, match=r"^x: expected strides of multiples of 16 bytes"):
+        Mamba2ChunkScanForward(**dict(core, x=x), chunk_size=16, backend="torch")
+    _, dt = _in_wider(t["dt"], 8)
+    with pytest.raises(ValidationError, match=r"^dt: expected a contiguous tensor \(a view needs rows of a "
+                                              r"multiple of 16 bytes; 4 bfloat16 elements make 8\)"):
+        Mamba2ChunkScanForward(**dict(core, dt=dt), chunk_size=16, backend="torch")
+    assert Mamba2ChunkScanForward(**dict(core, dt=dt.contiguous()), chunk_size=16, backend="torch")
+    plan = Mamba2ChunkScanForward(**core, chunk_size=16, backend="torch").compile()
+    out = plan.allocate_outputs()
+    y = torch.zeros(2, 20, 4, 9, dtype=torch.bfloat16, device=DEVICE)[..., :8]
+    with pytest.raises(ValidationError, match=r"^y: expected the last dimension contiguous and the other "
+                                              r"strides multiples of 16 bytes"):
+        plan.execute(*core.values(), y, out["final_states"], out["saved"])
+
+
+def test_torch_op_hands_views_to_the_plans(monkeypatch):
+    """fusedops.ops.mamba2_chunk_scan passes the layer's slices to the plans as they are (no
+    copy), copies only a layout the plans cannot read (a transposed gradient), and its
+    gradients through views equal those through contiguous tensors."""
+    case = samples.make(2, 20, 8, 8, 2, 16, torch.float32, seed=41, device=DEVICE, D="h", z=True,
+                        dt_bias=True)
+    t = case.tensors
+    views = _projection_views(t)
+    seen = {}
+    original = fusedops.mamba2.ops.mamba2_chunk_scan_forward
+
+    def spy(x, dt, A, B, C, *args, **kwargs):
+        seen.update(x=x, dt=dt, B=B, C=C, z=kwargs["z"])
+        return original(x, dt, A, B, C, *args, **kwargs)
+    monkeypatch.setattr(fusedops.mamba2.ops, "mamba2_chunk_scan_forward", spy)
+    leaves = {k: views[k].detach().requires_grad_() if k in views else t[k]
+              for k in ("x", "dt", "B", "C", "z")}
+    args = dict(chunk_size=16, D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True, backend="torch")
+    y, _ = fusedops.ops.mamba2_chunk_scan(leaves["x"], leaves["dt"], t["A"], leaves["B"], leaves["C"],
+                                          z=leaves["z"], **{k: v for k, v in args.items() if k != "chunk_size"},
+                                          chunk_size=16)
+    for name in ("x", "dt", "B", "C", "z"):
+        assert seen[name].data_ptr() == views[name].data_ptr(), name
+        assert seen[name].stride() == views[name].stride(), name
+    y.backward(t["dy"])
+    dense = {k: t[k].clone().requires_grad_() for k in ("x", "dt", "B", "C", "z")}
+    y2, _ = fusedops.ops.mamba2_chunk_scan(dense["x"], dense["dt"], t["A"], dense["B"], dense["C"],
+                                           z=dense["z"], **args)
+    y2.backward(t["dy"])
+    assert torch.equal(y, y2)
+    for name in dense:
+        assert torch.equal(leaves[name].grad, dense[name].grad), name
+
+
+# -- 4c. sequence ids ------------------------------------------------------------------------------
+SEQ_IDX = {
+    "batch": [[0] * 10 + [1] * 20 + [2] * 7,        # a change mid-chunk, and one at a chunk start
+              [0] * 37,                              # one sequence: the initial state throughout
+              [3] * 5 + [4] * 31 + [5]],             # not starting at 0: no initial state; 1 token
+    "one-row": [[0] * 16 + [1] * 16 + [2] * 5],      # changes exactly at chunk boundaries
+}
+
+
+def _seq_case(dtype, kind, seed, **overrides):
+    ids = SEQ_IDX[kind]
+    options = dict(ALL, **overrides)
+    case = samples.make(len(ids), 37, 4, 8, 2, 16, dtype, seed=seed, device=DEVICE, **options)
+    tensors = dict(case.tensors, seq_idx=torch.tensor(ids, dtype=torch.int32, device=DEVICE))
+    return Case(f"{case.label} seq_idx {kind}", tensors, case.options)
+
+
+def _seq_run(case, backend, status=None):
+    t = case.tensors
+    names = (*FORWARD_NAMES, "seq_idx")
+    y, final, saved = fusedops.mamba2_chunk_scan_forward(**{k: t[k] for k in names}, **case.options,
+                                                         status=status, backend=backend)
+    grads = fusedops.mamba2_chunk_scan_backward(**{k: t[k] for k in names}, dy=t["dy"], saved=saved,
+                                                dfinal_states=t["dfinal_states"], **case.options,
+                                                status=status, backend=backend)
+    return dict(y=y, final_states=final, **grads)
+
+
+@pytest.mark.parametrize("kind", list(SEQ_IDX))
+def test_reference_with_seq_idx_matches_float64_recurrence(kind):
+    """The state restarts where the id changes along a row; a row's initial state enters only
+    a leading run of id 0; final_states are the rows' last states (mamba_ssm's rule)."""
+    case = _seq_case(torch.float64, kind, seed=42)
+    compare(_seq_run(case, "torch"), INFO.oracle(case), FLOAT64)
+    case.tensors["seq_idx"] = None
+    assert not torch.allclose(_seq_run(case, "torch")["y"],
+                              INFO.oracle(_seq_case(torch.float64, kind, seed=42))["y"])
+
+
+def test_seq_idx_recurrence_restarts_and_skips_the_initial_state():
+    """The oracle itself: a row of one id is the plain recurrence; a change of id is a fresh
+    sequence; a row starting with id 3 ignores its initial state."""
+    case = _seq_case(torch.float64, "batch", seed=43)
+    t = case.tensors
+    kw = dict(dt_bias=t["dt_bias"], dt_softplus=True)
+    y, final = mamba2_sequential(t["x"], t["dt"], t["A"], t["B"], t["C"], seq_idx=t["seq_idx"],
+                                 initial_states=t["initial_states"], **kw)
+    plain, plain_final = mamba2_sequential(t["x"][1:2], t["dt"][1:2], t["A"], t["B"][1:2], t["C"][1:2],
+                                           initial_states=t["initial_states"][1:2], **kw)
+    assert torch.equal(y[1:2], plain) and torch.equal(final[1:2], plain_final)
+    fresh, fresh_final = mamba2_sequential(t["x"][0:1, 10:30], t["dt"][0:1, 10:30], t["A"],
+                                           t["B"][0:1, 10:30], t["C"][0:1, 10:30], **kw)
+    assert torch.allclose(y[0:1, 10:30], fresh)
+    tail, tail_final = mamba2_sequential(t["x"][2:3, 5:36], t["dt"][2:3, 5:36], t["A"],
+                                         t["B"][2:3, 5:36], t["C"][2:3, 5:36], **kw)
+    assert torch.allclose(y[2:3, 5:36], tail)
+
+
+@pytest.mark.parametrize("backend", SCAN_KERNEL_BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
+@pytest.mark.parametrize("kind", list(SEQ_IDX))
+def test_kernels_with_seq_idx_match_oracle(backend, dtype, kind):
+    case = _seq_case(dtype, kind, seed=44)
+    compare(_seq_run(case, backend), INFO.oracle(case), INFO.tolerance("y", dtype))
+
+
+INVALID_SEQ_IDX = {
+    "decreasing": [[0] * 10 + [2] * 10 + [1] * 17, [0] * 37],
+    "negative": [[-1] * 4 + [0] * 33, [0] * 20 + [-5] * 17],
+    "extreme": [[2**31 - 1] * 3 + [-2**31] * 34, [0] * 37],
+}
+
+
+@pytest.mark.parametrize("backend", SCAN_BACKENDS)
+@pytest.mark.parametrize("kind", list(INVALID_SEQ_IDX))
+def test_invalid_seq_idx_follow_the_change_rule_and_report(backend, kind):
+    """Any ids are memory-safe: every backend restarts wherever the id changes (the oracle's
+    rule, applied to whatever they hold) and both plans report SEQ_IDX; valid ids report
+    nothing."""
+    case = _seq_case(torch.float32, "batch", seed=45)
+    case.tensors["seq_idx"] = torch.tensor(INVALID_SEQ_IDX[kind], dtype=torch.int32, device=DEVICE)[:, :37]
+    case.tensors.update({k: v[:2] for k, v in case.tensors.items()
+                         if k in ("x", "dt", "B", "C", "z", "dy", "initial_states", "dfinal_states")})
+    status = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    compare(_seq_run(case, backend, status), INFO.oracle(case), INFO.tolerance("y", torch.float32))
+    assert int(status) == Status.SEQ_IDX
+    valid = _seq_case(torch.float32, "batch", seed=45)
+    status.zero_()
+    _seq_run(valid, backend, status)
+    assert int(status) == 0
+
+
+@pytest.mark.parametrize("ids,match", [
+    ([[0, 0, 1, 0]], r"^seq_idx: expected ids non-decreasing along a row, got seq_idx\[0, 3\] = 0 < "
+                     r"seq_idx\[0, 2\] = 1$"),
+    ([[0, 0, -1, -1]], r"^seq_idx: expected non-negative ids, got seq_idx\[0, 2\] = -1$"),
+])
+def test_check_inputs_names_the_bad_seq_idx(ids, match):
+    case = samples.make(1, 4, 2, 8, 1, 8, torch.float32, seed=46, device=DEVICE)
+    t = case.tensors
+    seq_idx = torch.tensor(ids, dtype=torch.int32, device=DEVICE)
+    core = [t[k] for k in ("x", "dt", "A", "B", "C")]
+    with pytest.raises(ValidationError, match=match):
+        fusedops.mamba2_chunk_scan_forward(*core, 16, seq_idx=seq_idx, check_inputs=True,
+                                           backend="torch")
+    with pytest.raises(ValidationError, match=match):
+        fusedops.ops.mamba2_chunk_scan(*core, 16, seq_idx=seq_idx, check_inputs=True,
+                                       backend="torch")
+
+
+def test_seq_idx_and_segment_states_validation():
+    core, _ = _base_inputs()
+    seq_idx = torch.zeros(2, 20, dtype=torch.int32, device=DEVICE)
+    packed = {k: v[:1] for k, v in core.items() if k != "A"}
+    cu = torch.tensor([0, 20], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValidationError, match=r"^seq_idx: expected None with cu_seqlens"):
+        Mamba2ChunkScanForward(**packed, A=core["A"], chunk_size=16, cu_seqlens=cu,
+                               seq_idx=seq_idx[:1], backend="torch")
+    with pytest.raises(ValidationError, match=r"^segment_states: expected None with cu_seqlens"):
+        Mamba2ChunkScanForward(**packed, A=core["A"], chunk_size=16, cu_seqlens=cu, backend="torch",
+                               segment_states=TensorDesc((3, 4, 8, 8), torch.float32, device=DEVICE))
+    with pytest.raises(ValidationError, match=r"^segment_states: expected shape \[b·ceil\(l / chunk_size\), "
+                                              r"h, p, n\] = \[4, 4, 8, 8\]"):
+        Mamba2ChunkScanForward(**core, chunk_size=16, backend="torch",
+                               segment_states=TensorDesc((3, 4, 8, 8), torch.float32, device=DEVICE))
+
+
+@pytest.mark.parametrize("backend", SCAN_BACKENDS)
+def test_segment_states_are_the_states_entering_each_chunk(backend):
+    """segment_states[r·nc + c]: the state after token c·Q - 1 of row r (the initial state for
+    c = 0), as the float64 recurrence over the first c·Q tokens gives it."""
+    case = _seq_case(torch.float32, "batch", seed=47)
+    t = case.tensors
+    names = (*FORWARD_NAMES, "seq_idx")
+    out = fusedops.mamba2_chunk_scan_forward(**{k: t[k] for k in names}, **case.options,
+                                             return_segment_states=True, backend=backend)
+    states = out["segment_states"].view(3, 3, 4, 8, 16)
+    for c in (1, 2):
+        _, expected = mamba2_sequential(t["x"][:, :16 * c], t["dt"][:, :16 * c], t["A"],
+                                        t["B"][:, :16 * c], t["C"][:, :16 * c],
+                                        dt_bias=t["dt_bias"], dt_softplus=True,
+                                        initial_states=t["initial_states"],
+                                        seq_idx=t["seq_idx"][:, :16 * c])
+        assert_close(states[:, c], expected, INFO.tolerance("y", torch.float32), f"chunk {c}")
+    assert torch.equal(states[:, 0], t["initial_states"])
+
+
 # -- 5. the performance model, the tile table, autotune candidates -------------------------------
 def _production(label: str):
     """(forward plan, backward plan) of the registry's production shape ``label``, on the CPU."""
@@ -567,35 +855,99 @@ def test_segment_row_blocks_of_the_model():
         (2, 3, 164, 136, 500)
 
 
+def test_the_traffic_counter_credits_a_shared_tile_once_per_wave():
+    """The model's counter (docs/performance.md, "How traffic is counted") on a grid (4, 2), the
+    first dimension fastest: a tile the programs of one wave share counts once, and again in
+    each later wave that loads it; a wave whose working set overflows the L2 counts every
+    program's tiles; a program's own re-load counts once; programs that return at once take no
+    slot; what a program loads alone, and every store, counts once."""
+    pytest.importorskip("triton")
+    from fusedops.backends.triton.wave_model import Waves
+
+    def count(size, l2, key, active=None, twice=False):
+        w = Waves((4, 2), size, l2, active)
+        i, j = w.coords
+        every = torch.arange(w.programs)
+        for _ in range(1 + twice):
+            w.load("a", every, {"i": i, "j": j}[key], 10)
+        w.alone(every, 3)
+        w.store(every, 1)
+        return w.count()
+
+    # (read, written, waves, waves that fit); 3 bytes alone and 1 stored per program
+    assert count(4, 1000, "i") == (80 + 24, 8, 2, 2)  # tile i in each of the 2 waves
+    assert count(8, 1000, "i") == (40 + 24, 8, 1, 1)  # one wave: each tile once
+    assert count(4, 1000, "j", twice=True) == (20 + 24, 8, 2, 2)
+    # a wave's working set: its one tile (10), 4 x 3 alone, 4 x 1 stored = 26 bytes
+    assert count(4, 26, "j", twice=True) == (20 + 24, 8, 2, 2)
+    assert count(4, 25, "j", twice=True) == (80 + 24, 8, 2, 0)
+    assert count(2, 1000, "i", active=lambda i, j: i < 2) == (40 + 12, 4, 2, 2)   # 4 run
+
+
+def test_segment_tokens_follow_the_segment_lengths():
+    """The segments the models walk in grid order hold the lengths the floor sums (packed
+    sequences: the tuning inputs' even split), then the unused segments."""
+    pytest.importorskip("triton")
+    from collections import Counter
+
+    from fusedops.backends.triton.mamba2_model import segment_tokens
+    from fusedops.mamba2.contract import segment_lengths
+    for label in ("scan h128 p64 n128 Q256", "scan varlen Q256", "scan p80 Q128"):
+        problem = _production(label)[0].problem
+        tokens = segment_tokens(problem)
+        assert len(tokens) == problem.max_segments
+        assert Counter(t for t in tokens if t) == dict(segment_lengths(problem)), label
+    assert segment_tokens(_production("scan varlen Q256")[0].problem)[:65] == [128] * 64 + [0]
+
+
+def _wave_runs(first: int, runs: int, run: int, wave: int) -> int:
+    """(wave, run) pairs of ``runs`` consecutive runs of ``run`` programs from launch index
+    ``first``, in waves of ``wave`` programs: how often a tile each run's programs share counts."""
+    return sum((a + run - 1) // wave - a // wave + 1 for a in range(first, first + runs * run, run))
+
+
 def test_forward_model_and_floor_at_the_production_shape():
-    """The forward's modelled bytes, recomputed here in closed form for full segments (b=2,
-    l=8192, h=128, p=64, n=128, g=8, Q=256, bf16, BQ=BP=BN=64), and its floor: the output
-    kernel reads the passed fp32 states once per row block (4x) and x 2.5x, the segment-state
-    kernel x twice (one per state tile), B and C are re-read by the 16 heads of their group."""
+    """The forward's modelled bytes on sm_90 (b=2, l=8192, h=128, p=64, n=128, g=8, Q=256, bf16,
+    BQ=BP=BN=64), recomputed here from each grid's order and waves (132 SMs x the reported CTAs
+    per SM: 6 for C·B and the segment states, 3 for the output; every wave of theirs fits in the
+    50 MB L2, the state passing's does not), and its floor. The output kernel's row blocks run
+    S·h programs apart: the passed fp32 state is read once per row block (4x), x 2.5x; C and
+    C·B once per wave their group's 16 heads share; the segment-state kernel reads x once per
+    state tile (2x), B once per wave; C·B's pairs read B and C as often as the waves part them."""
     pytest.importorskip("triton")
     from fusedops.core.cost import total
-    fwd, _ = _production("scan h128 p64 n128 Q256")
+    from fusedops.core.target import compiling_for
+    with compiling_for("sm_90"):
+        fwd, _ = _production("scan h128 p64 n128 Q256")
+        kernels = fwd.kernel_program("triton").kernels
     b, l, h, p, g, n, Q, e = 2, 8192, 128, 64, 8, 128, 256, 2
-    T, S, BQ, NQB, NNB, pairs = b * l, b * l // Q, 64, 4, 2, 10
+    T, S, BQ, NQB, NNB, R = b * l, b * l // Q, 64, 4, 2, h // g
     xb, state, seq_state = T * h * p * e, S * h * p * n * 4, b * h * p * n * 4
+    acum = S * h * Q * 4                                  # dts and acum, fp32 per segment
+    tiles = set()                                         # C·B: the 10 pairs one after another
+    order = ((i, j, sg) for i in range(NQB) for j in range(i + 1) for sg in range(S * g))
+    for index, (i, j, sg) in enumerate(order):
+        tiles |= {(index // 792, "C", sg, i), (index // 792, "B", sg, j)}
     expected = {
-        "ssd_dt_cumsum_kernel": T * h * e + 8 * h + 2 * S * h * Q * 4,
-        "ssd_cb_kernel": S * g * pairs * 2 * BQ * n * e + S * g * pairs * BQ * BQ * 4,
-        "ssd_segment_state_kernel": (T * h * (p * NNB + n) * e + S * h * NQB * BQ * 8 * NNB
-                                     + 4 * S * h * NNB + state),
+        "ssd_dt_cumsum_kernel": T * h * e + 8 * h + 2 * acum,
+        "ssd_cb_kernel": len(tiles) * BQ * n * e + S * g * 10 * BQ * BQ * 4,
+        "ssd_segment_state_kernel": (NNB * (xb + 2 * acum + 4 * S * h) + state
+                                     + sum(_wave_runs(jn * S * h, S * g, R, 792)
+                                           for jn in range(NNB)) * Q * 64 * e),
         "ssd_state_passing_kernel": 2 * state + 4 * S * h * 8 + 2 * seq_state,
-        "ssd_chunk_scan_fwd_kernel": (S * h * (Q * n * e + NQB * BQ * 4 + pairs * BQ * (BQ + 2) * 4
-                                               + NQB * p * n * 4 + pairs * BQ * p * e)
+        "ssd_chunk_scan_fwd_kernel": (NQB * state + 5 * xb // 2 + 5 * acum
+                                      + sum(_wave_runs(i * S * h, S * g, R, 396)
+                                            * (BQ * n * e + (i + 1) * BQ * BQ * 4)
+                                            for i in range(NQB))
                                       + xb + 4 * h + 2 * xb),      # z, D; y, y before the gate
     }
-    kernels = fwd.kernel_program("triton").kernels
     assert {k.name: k.cost.bytes for k in kernels} == expected
     floor = fwd.floor()
     assert floor.bytes_read == 2 * xb + T * h * e + 2 * T * g * n * e + 4 * 3 * h + seq_state
     assert floor.bytes_written == xb + seq_state
     assert floor.mma_flops == 4 * T * h * p * n + S * Q * (Q + 1) // 2 * (2 * h * p + 2 * g * n)
     modelled = total(k.cost for k in kernels)
-    assert 7.4 < modelled.bytes / floor.bytes < 7.5            # docs/mamba2.md, Performance model
+    assert 4.9 < modelled.bytes / floor.bytes < 4.95          # docs/mamba2.md, Performance model
 
 
 def test_every_production_kernel_is_modelled_above_its_floor():

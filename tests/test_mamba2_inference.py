@@ -461,8 +461,9 @@ def test_triton_programs_compile_absent_operands_out():
     core, _, state = decode_inputs(2, 1, 2, 8, 1, 8)
     update = Mamba2StateUpdate(state, *core.values(), backend="torch").kernel_program("triton")
     (kernel,) = update.kernels
-    assert kernel.runtime_arg_names() == ("state_ptr", "x_ptr", "dt_ptr", "A_ptr", "B_ptr", "C_ptr",
-                                          "y_ptr", "SLOTS", "T", "dt_min", "dt_max")
+    names = [a for a in kernel.runtime_arg_names() if not a.startswith("stride_")]
+    assert names == ["state_ptr", "x_ptr", "dt_ptr", "A_ptr", "B_ptr", "C_ptr", "y_ptr", "SLOTS",
+                     "T", "dt_min", "dt_max"]
     snapshots = torch.zeros(2, 2, 2, 8, 8, device=DEVICE)
     rollback = Mamba2StateRollback(state, snapshots, torch.zeros(2, dtype=torch.int32, device=DEVICE),
                                    backend="torch").kernel_program("triton")
@@ -505,23 +506,54 @@ def test_block_table_follows_the_target_arch():
 
 
 def test_update_model_against_its_floor():
-    """The update's model is its floor plus what its programs re-read: dt, B and C per head and
-    head-dim tile (B and C are per group) and the slot index per program."""
+    """The update's model (backends/triton/mamba2_decode_model.py) on sm_90 is its floor plus what its
+    waves re-read: the grid (b, h, p/BP) runs the row fastest, 132 x the reported CTAs per SM at
+    a time (5 with nearest rounding, 4 stochastic); a wave counts each (row, group)'s B and C
+    rows, each (row, head)'s dt and each row's slot index and seeds once, every wave again
+    (every wave fits in the L2). Recounted here program by program. The rollback: a row's
+    accepted count and slot once per wave of 132 x 16 programs (256 tiles per row)."""
     pytest.importorskip("triton")
-    for label, b, T, bp in (("decode T=1 float32", 256, 1, 16),
-                            ("decode T=4 float16 stochastic snapshots", 256, 4, 8)):
+    from fusedops.backends.triton import mamba2_decode_model as model
+    from fusedops.core.target import compiling_for
+    h, p, g, n, e = 128, 64, 8, 128, 2
+    for label, b, T, bp, wave in (("decode T=1 float32", 256, 1, 16, 132 * 5),
+                                  ("decode T=4 float16 stochastic snapshots", 256, 4, 8, 132 * 4)):
         plan = _production(label)
-        (kernel,) = plan.kernel_program("triton").kernels
-        h, p, g, n, e = 128, 64, 8, 128, 2
-        npb = p // bp
-        extra = (b * T * h * npb * (e + 2 * n * e) - b * T * (h * e + 2 * g * n * e)
-                 + (b * h * npb - b) * (4 + 16 * plan.problem.stochastic))
+        stochastic = plan.problem.stochastic
+        seen = set()
+        for index in range(b * h * (p // bp)):
+            row, head, w = index % b, index // b % h, index // wave
+            seen |= {(w, "dt", row, head), (w, "BC", row, head // (h // g)), (w, "slot", row)}
+            if stochastic:
+                seen.add((w, "seeds", row))
+        size = {"dt": e, "BC": 2 * T * n * e, "slot": 4, "seeds": 16}
+        shared = sum(size[key[1]] * (T if key[1] == "dt" else 1) for key in seen)
         floor = plan.floor()
-        assert kernel.cost.bytes_written == floor.bytes_written
-        assert kernel.cost.bytes_read == floor.bytes_read + extra
+        once = b * T * (h * e + 2 * g * n * e) + b * (4 + 16 * stochastic)
+        with compiling_for("sm_90"):
+            cost = model.update_cost.__wrapped__(plan.problem, bp)
+        assert cost.bytes_written == floor.bytes_written
+        assert cost.bytes_read == floor.bytes_read - once + shared
+    rollback = _production("rollback fp16")
+    with compiling_for("sm_90"):
+        cost = model.rollback_cost.__wrapped__(rollback.problem, 4096)
+    floor = rollback.floor()
+    assert cost.bytes_written == floor.bytes_written == 256 * 128 * 64 * 128 * 2
+    waves, last = divmod(256 * 256, 132 * 16)            # 31 full waves hold every row
+    assert cost.bytes_read == floor.bytes_read - 256 * 8 + (waves * 256 + min(last, 256)) * 8
+
+
+def test_update_kernels_carry_the_model():
+    """The update's and the rollback's kernels carry mamba2_decode_model's cost."""
+    pytest.importorskip("triton")
+    from fusedops.backends.triton import mamba2_inference as kernels
+    from fusedops.backends.triton import mamba2_decode_model as model
+    plan = _production("decode T=1 float16")
+    (kernel,) = plan.kernel_program("triton").kernels
+    assert kernel.cost == model.update_cost(plan.problem, kernels._p_tile(plan.problem))
     rollback = _production("rollback fp16")
     (kernel,) = rollback.kernel_program("triton").kernels
-    assert kernel.cost.bytes_written == rollback.floor().bytes_written == 256 * 128 * 64 * 128 * 2
+    assert kernel.cost == model.rollback_cost(rollback.problem, 4096)
 
 
 def test_tuning_tensors_are_valid_index_data():

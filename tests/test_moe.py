@@ -442,12 +442,46 @@ def test_tile_tables_follow_the_arch_and_candidates_keep_the_saved_layout():
         assert router_kernels.forward_candidates(fwd.problem)[0] == tiles.ROUTER_TILES["sm_90"][0]
 
 
-def test_cost_model_exposes_the_fp32_rows_and_the_weight_rereads():
+def _moe_problem(t, H, E, I, k, *, shared=0, accumulate=False):
+    from fusedops.moe.contract import MoEProblem
+    return MoEProblem(torch.bfloat16, t, H, E, I, k, shared, False, accumulate, torch.float32,
+                      torch.device("cpu"))
+
+
+def test_cost_model_counts_a_waves_shared_tiles_once():
+    """docs/performance.md, "How traffic is counted", on the dense GEMM (GROUP_M = 8 row tiles
+    through every column tile, 132 programs a wave on sm_90): 8 × 16 = 128 programs are one
+    wave, so x and W count once; 16 row tiles make 256 programs, and the second wave re-reads
+    the 4 row tiles the first began and every column tile (counted again); with K so large that
+    the wave's tiles pass the 50 MB L2, every program's loads count (x once per column tile, W
+    once per row tile)."""
+    pytest.importorskip("triton")
+    from fusedops.backends.triton import moe_cost as C
+    N, BM = 2048, 128
+    for t, K, fits in ((1024, 256, True), (2048, 256, True), (1024, 16384, False)):
+        p = _moe_problem(t, K, 1, N, 1, shared=N)
+        cost = C.gemm_cost(p, routed=False, kdim=K, ndim=N, bm=BM, bn=128, bk=64, out_bytes=2,
+                           group_m=8, grid_m_tiles=t // BM, row_tile=BM, a_by_token=True,
+                           arch="sm_90a")
+        x, w, tile_a = t * K * 2, K * N * 2, BM * K * 2
+        if not fits:
+            expected = 16 * x + (t // BM) * w
+        else:
+            expected = x + w + (4 * tile_a + w if t == 2048 else 0)
+        assert cost.bytes_read == expected, (t, K)
+        assert cost.bytes_written == t * N * 2
+
+
+def test_cost_model_exposes_the_fp32_rows_and_the_wave_rereads():
     """At Nemotron 3 Nano's shapes (t = 8192, bf16): the down GEMM writes the weighted fp32 rows
-    [t·k, H] and the combine reads them back (~1.06 GB per direction); under the balanced
-    routing (384 rows per expert, 128-row tiles) each expert's weights are read once per row
-    tile (3×); every plan's floor is below its model, with the same tensor-core FLOPs to
-    within the tiles' padding."""
+    [t·k, H] and the combine reads them back (~1.06 GB per direction, passed through HBM:
+    counted on both sides). The down GEMM's waves fit the L2: each expert's weights count once
+    per GROUP_M group its rows reach (1 to 2 times) and act's rows once per wave (a group of 8
+    row tiles × 21 column tiles spans 2 waves). The routed weight gradient runs the expert
+    fastest: every expert of a gradient tile shares a wave, so d_out counts per token (not per
+    assignment) once or twice per column tile, while u is re-read by every row tile. Every
+    plan's floor is below its model, with the same tensor-core FLOPs to within the tiles'
+    padding."""
     pytest.importorskip("triton")
     from fusedops.core.cost import total
     from fusedops.moe.samples import production
@@ -455,15 +489,23 @@ def test_cost_model_exposes_the_fp32_rows_and_the_weight_rereads():
              for label, calls in production() for call in calls}
     fwd = plans[("moe nano t8192", "ReLU2MoEForward", ())]
     p = fwd.problem
+    e, R, t, H, I = 2, p.assignments, p.tokens, p.hidden, p.intermediate
     stages = fwd.kernel_program("triton").stages
     gemms = [s.kernel.cost for s in stages if s.name == "moe_gemm_kernel"]
     combine = next(s.kernel.cost for s in stages if s.name == "moe_combine_kernel")
-    y = 4 * p.assignments * p.hidden
+    y = 4 * R * H
     assert gemms[1].bytes_written == y and combine.bytes_read >= y
     assert 1.0e9 < y + y < 1.1e9
-    weights = p.experts * p.hidden * p.intermediate * 2
-    assert gemms[0].bytes_read - p.assignments * p.hidden * 2 * 15 == pytest.approx(
-        3 * weights, rel=1e-3)
+    weights = p.experts * H * I * e
+    act = R * I * e
+    assert weights + act < gemms[1].bytes_read < 2 * (weights + act)
+    assert gemms[1].bytes_read < 0.3 * (21 * act + 3 * weights)        # no L2: 7.7 GB
+    bwd = plans[("moe nano t8192", "ReLU2MoEBackward", ("accumulate",))]
+    wgrad = next(s.kernel.cost for s in bwd.kernel_program("triton").stages
+                 if s.name == "moe_wgrad_kernel")                       # d_W_down [H, I]
+    grads = p.experts * H * I * 4
+    least = 21 * R * I * e + 15 * t * H * e + grads
+    assert least < wgrad.bytes_read < least + 15 * t * H * e + 0.2e9
     for key, plan in plans.items():
         costs = [k.cost for k in plan.kernel_program("triton").kernels]
         assert all(c is not None for c in costs), key
@@ -931,3 +973,196 @@ def test_wrong_typed_options_raise_validation_error(call):
                                               r"backend|current_stream|check_inputs|is_inference|"
                                               r"weight_grad_dtype): expected"):
         call(case)
+
+
+# -- 6. strided activations ------------------------------------------------------------------------
+STRIDED_DTYPES = {"torch": torch.float32, "triton": torch.bfloat16}
+
+
+def _in_wider(tensor, extra, fill=0.0, offset=0):
+    """(buffer, view): ``tensor`` [rows, width] in columns [offset, offset + width) of a wider
+    buffer [rows, width + extra] filled with ``fill`` (a slice of a fused projection)."""
+    rows, width = tensor.shape
+    buffer = torch.full((rows, width + extra), fill, dtype=tensor.dtype, device=tensor.device)
+    view = buffer[:, offset:offset + width]
+    view.copy_(tensor)
+    return buffer, view
+
+
+def _padding_untouched(buffer, offset, width):
+    """Every column of ``buffer`` outside [offset, offset + width) still NaN."""
+    outside = torch.ones(buffer.shape[1], dtype=torch.bool, device=buffer.device)
+    outside[offset:offset + width] = False
+    return bool(torch.isnan(buffer[:, outside].float()).all())
+
+
+def _router_and_experts(backend, case, logits, *, outputs=None):
+    """Router, router backward, experts forward and backward through their plans with the
+    given activations (x, d_out and logits: tensors or views) writing into ``outputs`` (out,
+    d_x, d_logits: fresh contiguous tensors when None)."""
+    names = ("w_up", "w_down", "topk_ids", "topk_weights")
+    x, d_out = case["x"], case["d_out"]
+    t, H = x.shape
+    E, k = case["w_up"].shape[0], case["topk_ids"].shape[1]
+    outputs = outputs or dict(out=torch.empty(t, H, dtype=x.dtype, device=DEVICE),
+                              d_x=torch.empty(t, H, dtype=x.dtype, device=DEVICE),
+                              d_logits=torch.empty(t, E, device=DEVICE))
+    router = MoERouter(logits, top_k=k, routed_scaling_factor=2.5, backend=backend).compile()
+    weights, ids = torch.empty(t, k, device=DEVICE), torch.empty(t, k, dtype=torch.int32, device=DEVICE)
+    router.execute(logits, weights, ids)
+    d_weights = torch.linspace(-1.0, 1.0, t * k, device=DEVICE).reshape(t, k)
+    router_bwd = MoERouterBackward(logits, ids, d_weights, routed_scaling_factor=2.5,
+                                   backend=backend).compile()
+    router_bwd.execute(logits, ids, d_weights, outputs["d_logits"])
+    shared = dict(shared_w_up=case["shared_w_up"], shared_w_down=case["shared_w_down"])
+    params = [case[n] for n in names]
+    fwd = ReLU2MoEForward(x, *params, **shared, backend=backend).compile()
+    saved = fwd.allocate_saved()
+    fwd.execute(x, *params, outputs["out"], saved, **shared, workspace=fwd.allocate_workspace())
+    bwd = ReLU2MoEBackward(x, *params, d_out, **shared, backend=backend).compile()
+    grads = {n: torch.full(bwd.desc(n).shape, float("nan"), dtype=bwd.desc(n).dtype, device=DEVICE)
+             for n in bwd.gradient_names if n != "d_x"}
+    bwd.execute(x, *params, d_out, saved, outputs["d_x"], grads["d_topk_weights"],
+                grads["d_w_up"], grads["d_w_down"], **shared, d_shared_w_up=grads["d_shared_w_up"],
+                d_shared_w_down=grads["d_shared_w_down"], workspace=bwd.allocate_workspace())
+    return dict(topk_weights=weights, topk_ids=ids, saved=saved, **grads,
+                **{n: v.clone() for n, v in outputs.items()})
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_strided_views_go_in_and_out_without_copies(backend):
+    """logits, x and d_out as views of wider buffers (router logits in the middle of a fused
+    projection, x after other columns, d_out with rows 0 apart: one row broadcast to every
+    token), and out, d_x and d_logits written straight into views of NaN-filled wider buffers:
+    the same bits as the contiguous run, nothing written beside."""
+    dtype = STRIDED_DTYPES[backend]
+    case = experts_case(19, 32, 8, 48, 2, shared=40, dtype=dtype, seed=41)
+    case["d_out"] = case["d_out"][3].expand(19, 32)          # row stride 0
+    logits, _ = router_logits(19, 8, bias=False, seed=42, device=DEVICE)
+    expected = _router_and_experts(backend, dict(case, d_out=case["d_out"].contiguous()), logits)
+    _, x = _in_wider(case["x"], 40, offset=16)                 # columns [16, 48) of 72
+    _, logits_view = _in_wider(logits, 28, offset=12)          # columns [12, 20) of 36
+    buffers = dict(out=_in_wider(torch.empty_like(case["x"]), 8, float("nan"), offset=8),
+                   d_x=_in_wider(torch.empty_like(case["x"]), 24, float("nan")),
+                   d_logits=_in_wider(torch.empty_like(logits), 4, float("nan"), offset=4))
+    result = _router_and_experts(backend, dict(case, x=x), logits_view,
+                                 outputs={n: view for n, (_, view) in buffers.items()})
+    for name, value in expected.items():
+        if name == "saved" and backend != "torch":
+            continue                # bytes nothing writes (row padding) differ run to run
+        assert torch.equal(result[name], value), name
+    for name, (buffer, view) in buffers.items():
+        offset = view.storage_offset()
+        assert _padding_untouched(buffer, offset, view.shape[1]), name
+
+
+def test_strided_views_fill_the_same_saved_dispatch_and_u():
+    """The kernels' saved buffer (dispatch and u) is the same whether x is a view or not (the
+    bytes the forward writes; row padding aside)."""
+    if not KERNELS:
+        pytest.skip("needs a kernel backend")
+    case = experts_case(19, 32, 8, 48, 2, dtype=torch.bfloat16, seed=43)
+    names = ("x", "w_up", "w_down", "topk_ids", "topk_weights")
+    _, x = _in_wider(case["x"], 8)
+    plain = ReLU2MoEForward(*(case[n] for n in names), backend=KERNELS[0]).compile()
+    layout = plain.kernel_program(KERNELS[0]).saved
+    runs = []
+    for xs in (case["x"], x):
+        saved = torch.zeros(plain.saved_size, dtype=torch.uint8, device=DEVICE)
+        plain.execute(xs, *(case[n] for n in names[1:]), torch.empty_like(case["x"]), saved,
+                      workspace=plain.allocate_workspace())
+        runs.append(saved)
+    assert torch.equal(runs[0], runs[1]) and layout.size == plain.saved_size
+
+
+def test_strides_must_keep_rows_aligned():
+    """Rows of a view must start 16 bytes apart (and 16-byte aligned), the last dimension
+    contiguous; a row that is not a whole number of 16-byte vectors (E = 6 fp32 logits: 24
+    bytes) is taken contiguous only. The refusals name the tensor."""
+    case = experts_case(8, 32, 4, 24, 2, dtype=torch.bfloat16)
+    names = ("w_up", "w_down", "topk_ids", "topk_weights")
+    params = [case[n] for n in names]
+    misaligned = torch.zeros(8, 35, dtype=torch.bfloat16, device=DEVICE)[:, :32]  # rows 70 B apart
+    with pytest.raises(ValidationError, match=r"x: expected strides of multiples of 16 bytes"):
+        ReLU2MoEForward(misaligned, *params)
+    with pytest.raises(ValidationError, match=r"x: expected the last dimension contiguous"):
+        ReLU2MoEForward(torch.zeros(32, 8, dtype=torch.bfloat16, device=DEVICE).T, *params)
+    with pytest.raises(ValidationError, match=r"x: expected .*16"):
+        ReLU2MoEForward(torch.zeros(8, 48, dtype=torch.bfloat16, device=DEVICE)[:, 1:33], *params)
+    with pytest.raises(ValidationError, match=r"d_out: expected strides of multiples of 16 bytes"):
+        ReLU2MoEBackward(case["x"], *params, misaligned)
+    plan = ReLU2MoEForward(case["x"], *params, backend="torch").compile()
+    saved = plan.allocate_saved()
+    with pytest.raises(ValidationError, match=r"out: expected the last dimension contiguous and "
+                                              r"the other strides multiples of 16 bytes"):
+        plan.execute(case["x"], *params, misaligned, saved)
+    with pytest.raises(ValidationError, match=r"x: expected the last dimension contiguous and"):
+        plan.execute(misaligned, *params, torch.empty_like(case["x"]), saved)
+    logits = torch.zeros(8, 4, device=DEVICE)
+    router_bwd = MoERouterBackward(logits, case["topk_ids"], case["topk_weights"],
+                                   backend="torch").compile()
+    with pytest.raises(ValidationError, match=r"d_logits: expected the last dimension contiguous"):
+        router_bwd.execute(logits, case["topk_ids"], case["topk_weights"],
+                           torch.zeros(8, 5, device=DEVICE)[:, :4])
+    # E = 6 fp32: contiguous rows are 24 bytes apart, so logits are taken contiguous only
+    odd = torch.zeros(8, 6, device=DEVICE)
+    plan = MoERouter(odd, top_k=2, backend="torch").compile()
+    plan.execute(odd, torch.empty(8, 2, device=DEVICE),
+                 torch.empty(8, 2, dtype=torch.int32, device=DEVICE))
+    wide = torch.zeros(8, 8, device=DEVICE)[:, :6]
+    with pytest.raises(ValidationError, match=r"logits: expected a contiguous tensor \(a view needs "
+                                              r"rows of a multiple of 16 bytes; E = 6 float32 "
+                                              r"elements make 24\)"):
+        MoERouter(wide, top_k=2)
+    with pytest.raises(ValidationError, match=r"logits: expected a contiguous tensor, got strides"):
+        plan.execute(wide, torch.empty(8, 2, device=DEVICE),
+                     torch.empty(8, 2, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValidationError, match=r"w_up: expected a contiguous tensor"):
+        ReLU2MoEForward(case["x"], case["w_up"].transpose(1, 2).contiguous().transpose(1, 2),
+                        *params[1:])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_torch_ops_take_views_without_copies(backend):
+    """fusedops.ops.moe_router and relu2_moe take logits, x and d_out as views: forward and
+    backward dispatch no aten::contiguous or aten::clone (the torch profiler's op list), with
+    the same results and gradients as contiguous inputs; a layout the kernels cannot read (a
+    transposed x) is copied, not refused."""
+    dtype = STRIDED_DTYPES[backend]
+    case = experts_case(12, 32, 8, 24, 2, shared=16, dtype=dtype, seed=44)
+    logits, _ = router_logits(12, 8, bias=False, seed=45, device=DEVICE)
+    params = {n: case[n].clone().requires_grad_() for n in ("w_up", "w_down")}
+    shared = {n: case[n] for n in ("shared_w_up", "shared_w_down")}
+
+    def run(x, logits, d_out):
+        x = x.detach().requires_grad_()
+        logits = logits.detach().requires_grad_()
+        w, ids = fusedops.ops.moe_router(logits, 2, routed_scaling_factor=2.5, backend=backend)
+        out = fusedops.ops.relu2_moe(x, params["w_up"], params["w_down"], ids, w, **shared,
+                                     backend=backend)
+        x_grad, logits_grad, w_up_grad = torch.autograd.grad(out, (x, logits, params["w_up"]), d_out)
+        return out, x_grad, logits_grad, w_up_grad
+
+    _, d_out = _in_wider(case["d_out"], 16, offset=8)
+    expected = run(case["x"], logits, case["d_out"])
+    x_view = _in_wider(case["x"], 24, offset=8)[1]             # columns [8, 40) of 56
+    logits_view = _in_wider(logits, 8, offset=4)[1]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        result = run(x_view, logits_view, d_out)
+    copies = [e.key for e in prof.key_averages() if e.key in ("aten::contiguous", "aten::clone")]
+    assert not copies, copies
+    for got, want in zip(result, expected):
+        assert torch.equal(got, want)
+    assert result[0].is_contiguous() and result[1].shape == x_view.shape
+    transposed = run(case["x"].T.contiguous().T, logits, case["d_out"])
+    assert torch.equal(transposed[0], expected[0])
+    # the fake implementations describe what the real ops return for views (contiguous outputs)
+    router_args = (logits_view, None, 2, 1, 1, True, 2.5, backend)
+    w, ids = torch.ops.fusedops.moe_router_fwd(*router_args)
+    args = (x_view, case["w_up"], case["w_down"], ids, w, *shared.values(), backend)
+    _, saved = torch.ops.fusedops.relu2_moe_fwd(*args)
+    for op, op_args in ((torch.ops.fusedops.moe_router_fwd, router_args),
+                        (torch.ops.fusedops.moe_router_bwd, (logits_view, ids, w, True, 2.5, backend)),
+                        (torch.ops.fusedops.relu2_moe_fwd, args),
+                        (torch.ops.fusedops.relu2_moe_bwd, (*args[:5], d_out, saved, *args[5:]))):
+        torch.library.opcheck(op, op_args, test_utils=("test_schema", "test_faketensor"))

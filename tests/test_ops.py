@@ -73,10 +73,12 @@ def test_opcheck_every_op(backend):
     s = on_device(scan_case())
     core = [s[k] for k in ("x", "dt", "A", "B", "C")]
     opt = [s[k] for k in ("D", "z", "dt_bias", "initial_states")]
-    y, final, ssaved = torch.ops.fusedops.mamba2_chunk_scan_fwd(*core, *opt, None, 16, True, [0.0, math.inf], backend)
+    y, final, ssaved = torch.ops.fusedops.mamba2_chunk_scan_fwd(*core, *opt, None, None, 16, True,
+                                                                [0.0, math.inf], backend)
     samples += [
-        (torch.ops.fusedops.mamba2_chunk_scan_fwd, (*core, *opt, None, 16, True, [0.0, math.inf], backend)),
-        (torch.ops.fusedops.mamba2_chunk_scan_bwd, (*core, torch.ones_like(y), ssaved, *opt, None,
+        (torch.ops.fusedops.mamba2_chunk_scan_fwd, (*core, *opt, None, None, 16, True, [0.0, math.inf],
+                                                    backend)),
+        (torch.ops.fusedops.mamba2_chunk_scan_bwd, (*core, torch.ones_like(y), ssaved, *opt, None, None,
                                                     torch.ones_like(final), 16, True, [0.0, math.inf], backend)),
     ]
     a = on_device(attention_case())

@@ -181,4 +181,6 @@ def test_real_gate_kernel_writing_past_a_short_output_faults():
     x, kv, w = torch.randn(n, s, d), torch.randn(n, (s + 1) * d), torch.randn(s, d)
     out, saved = torch.full((n - 1, s, d), 7.0), torch.empty(n, s, 4)
     with pytest.raises(PtxFault, match=r"out-of-bounds global store .* CTA \(2, 0, 0\)"):
-        launch(x, kv, w, x, out, saved, n, 1e-6, stream=None)
+        vec = 16 // x.element_size()          # strides go in 16-byte vectors
+        launch(x, kv, w, x, out, saved, n, 1e-6, x.stride(0) // vec, x.stride(1) // vec,
+               kv.stride(0) // vec, out.stride(0) // vec, out.stride(1) // vec, stream=None)

@@ -16,7 +16,8 @@ run of the first k tokens all agree bit for bit. Snapshot t is store(S) after to
 0 is the stored initial state). Rows whose slot is negative (padding) or past the cache
 (Status.SLOT_INDEX) are skipped: no slot is touched, their y rows and snapshots are 0. Indices are
 never used to index before they are validated (no negative-index wraparound, no IndexError,
-no host read).
+no host read). x, dt, B, C, z and y may be views of wider buffers: they are read and written in
+place (B and C may be fp32 with 16-bit x).
 """
 
 from __future__ import annotations
@@ -124,17 +125,18 @@ def state_update(state, x, dt, A, B, C, y, *, D=None, z=None, dt_bias=None, dt_s
     for t in range(T):
         # token by token, so that every step computes on the same shapes whatever T is (torch's
         # vectorised math may differ in the last ulp between shapes; replays must not)
-        dtv = transform_dt(dt[:, t].contiguous(), dt_bias, dt_softplus, dt_limit)   # [b, h] fp32
+        # (element-wise on the operands as they are, views included: the same bits either way)
+        dtv = transform_dt(dt[:, t], dt_bias, dt_softplus, dt_limit)               # [b, h] fp32
         decay = torch.exp(dtv * A.float())
-        Bt = B[:, t].contiguous().float().repeat_interleave(heads_per_group, 1)   # [b, h, n]
-        Ct = C[:, t].contiguous().float().repeat_interleave(heads_per_group, 1)
-        xt = x[:, t].contiguous().float()
+        Bt = B[:, t].float().repeat_interleave(heads_per_group, 1)                 # [b, h, n]
+        Ct = C[:, t].float().repeat_interleave(heads_per_group, 1)
+        xt = x[:, t].float()
         S = decay[..., None, None] * S + (dtv[:, :, None] * xt)[..., None] * Bt[:, :, None, :]
         yt = torch.einsum("bhpn,bhn->bhp", S, Ct)
         if D is not None:
             yt = yt + (D.float()[:, None] if D.dim() == 1 else D.float()) * xt
         if z is not None:
-            yt = yt * F.silu(z[:, t].contiguous().float())
+            yt = yt * F.silu(z[:, t].float())
         outs.append(yt)
         written = write(S, t + 1)
         if (t + 1) % checkpoint_period == 0 or t + 1 == T:

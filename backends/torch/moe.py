@@ -8,6 +8,9 @@ The dispatch is a stable sort of the assignments by expert; the per-expert count
 the host to split it (free on the CPU; a synchronisation on CUDA, so the torch backend is not
 CUDA-graph capturable: the Triton backend is). An id outside [0, E) drops the assignment (it is
 sorted past every expert and never read); one other than -1 sets Status.EXPERT_ID.
+
+x and d_out may be strided views (their rows are gathered by index or multiplied in place, never
+``view``-ed), and out and d_x are copied into whatever views the plan is handed.
 """
 
 from __future__ import annotations

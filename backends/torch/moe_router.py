@@ -1,7 +1,9 @@
 """The MoE router in plain torch (fusedops.moe.contract): selection by stable sorts (ties to the
 lower index; a NaN choice or group score ranks as -inf), weights and the backward in the compute
 dtype (fp32, or fp64 for fp64 logits). Device ops only: the backward drops ids outside [0, E)
-and reports those other than -1 in the status word."""
+and reports those other than -1 in the status word. logits and d_logits may be strided views:
+nothing here needs a contiguous row (no ``view``), and the results are copied into the plan's
+outputs whatever their strides."""
 
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ def select(logits, top_k, *, correction_bias=None, n_group=1, topk_group=1, comp
     t, E = choice.shape
     if n_group == 1:
         return s, _descending(choice, top_k)
-    grouped = choice.view(t, n_group, E // n_group)
+    grouped = choice.unflatten(1, (n_group, E // n_group))
     best_two = torch.sort(grouped, dim=-1, descending=True, stable=True).values[..., :2]
     group_score = _nan_lowest(best_two[..., 0] + best_two[..., 1])
     keep = torch.zeros(t, n_group, dtype=torch.bool, device=choice.device)

@@ -4,7 +4,13 @@ Scores are kept in the log2 domain (scale·log2(e) folded into one factor) with 
 in fp32; the probabilities enter the P·V and dS·K products in the input dtype, as in
 FlashAttention. Every program computes one query head against its KV head (h // (h_q / h_kv)).
 Sequences: dense [b, s, h, d] (PACKED = False: the cu_seqlens pointers are compiled out as
-None and never touched) or packed [total, h, d] with cu_seqlens.
+None and never touched) or packed [total, h, d] with cu_seqlens. Every [.., h, d] tensor is
+addressed through its strides (batch, token, head; the batch stride 0 when packed), passed in
+units of a 16-byte vector (VEC elements) and multiplied by the constexpr VEC, so the compiler
+knows each row starts 16-byte aligned and keeps vector loads: views of a fused QKV projection
+and outputs written into slices of wider buffers need no copy. A paged prefill (PAGED) reads
+key j of sequence i from row j % PAGE of page block_table[i, j // PAGE] (the k, v batch stride
+is the page stride). SOFTCAP: scores c·tanh(scale·q kᵀ / c), the backward's dS times 1 - tanh².
 
 Packed offsets are index data (docs/plans.md, "Index data"): a sanitising kernel writes c' =
 clamp(cummax(c), 0, total) of cu_seqlens_q/k to the workspace (and reports invalid offsets in the
@@ -65,32 +71,114 @@ def attn_sanitise_kernel(cu_seqlens_q_ptr, cu_seqlens_k_ptr, cu_q_ptr, cu_k_ptr,
 @triton.jit
 def sequence_span(i_b, cu_ptr, SEQ, PACKED: tl.constexpr):
     """(first token, length, end) of sequence i_b: packed, from the sanitised offsets cu_ptr
-    (read only when PACKED), the length at most SEQ (max_seqlen) and end = c'[i_b + 1]."""
+    (read only when PACKED), the length at most SEQ (max_seqlen) and end = c'[i_b + 1]; dense,
+    (0, SEQ, SEQ): its rows are addressed from the batch stride."""
     if PACKED:
         start = tl.load(cu_ptr + i_b)
         end = tl.load(cu_ptr + i_b + 1)
         length = tl.minimum(end - start, SEQ)
-    else:
-        start = i_b * SEQ
+    else:                                           # rows relative to the batch stride
+        start = i_b * 0
         length = SEQ + i_b * 0
-        end = start + length
+        end = length
     return start.to(tl.int64), length, end.to(tl.int64)
 
 
 @triton.jit
-def clear_rows(a_ptr, b_ptr, lse_ptr, lo, hi, i_h, first, step, TOTAL, H: tl.constexpr,
-               D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
-    """Rows [lo, hi) of head i_h of the packed [TOTAL, H, D] tensors a and b (None: absent) set
-    to 0 and lse[i_h, row] to -inf (None: absent), BM rows from ``first`` every ``step``."""
+def tanh(x):
+    """tanh in fp32, finite for every finite or infinite x: a Taylor polynomial to x^11 where
+    |x| < 1/4 (relative error < 1e-8), else sign(x)·(1 - e)/(1 + e) with e = exp(-2|x|)."""
+    a = tl.abs(x)
+    x2 = x * x
+    small = x * (1.0 + x2 * (-1.0 / 3.0 + x2 * (2.0 / 15.0 + x2 * (-17.0 / 315.0 + x2 * (
+        62.0 / 2835.0 + x2 * (-1382.0 / 155925.0))))))
+    e = tl.exp2(a * (-2.0 * LOG2E))
+    big = (1.0 - e) / (1.0 + e)
+    return tl.where(a < 0.25, small, tl.where(x < 0, -big, big))
+
+
+@triton.jit
+def log2_scores(b_raw, qk_scale, cap_in, cap_out, SOFTCAP: tl.constexpr):
+    """Scores in the log2 domain from raw q kᵀ: raw·scale·log2(e), or with a softcap c
+    tanh(raw·scale / c)·c·log2(e) (cap_in = scale / c, cap_out = c·log2(e)). Returns (scores,
+    1 - tanh², the softcap's derivative factor; the scores again without a softcap)."""
+    if SOFTCAP:
+        t = tanh(b_raw * cap_in)
+        return t * cap_out, 1.0 - t * t
+    else:
+        b_s = b_raw * qk_scale
+        return b_s, b_s
+
+
+@triton.jit
+def row_offsets(i_b, rows, i_h, stride_b, stride_s, stride_h, VEC: tl.constexpr):
+    """int64 element offsets of tokens ``rows`` of head i_h of batch i_b (strides in VEC-element
+    units; stride_b 0 when packed)."""
+    return (i_b.to(tl.int64) * stride_b + rows.to(tl.int64) * stride_s + i_h * stride_h) * VEC
+
+
+@triton.jit
+def tile(base_ptr, rows, BD: tl.constexpr):
+    """[N, BD] pointers to the first BD features of the tokens at ``rows`` (int32 element offsets
+    [N], e.g. arange(N)·row stride) from the scalar pointer base_ptr."""
+    return (base_ptr + rows)[:, None] + tl.arange(0, BD)[None, :]
+
+
+@triton.jit
+def tile_t(base_ptr, rows, BD: tl.constexpr):
+    """``tile`` transposed: [BD, N]."""
+    return (base_ptr + rows)[None, :] + tl.arange(0, BD)[:, None]
+
+
+@triton.jit
+def steps(N: tl.constexpr, stride_s, VEC: tl.constexpr):
+    """int32 element offsets [N] of N consecutive tokens from the first (row stride in VEC
+    units): computed once per program, small enough for int32 (N·stride < 2^31)."""
+    return tl.arange(0, N) * stride_s * VEC
+
+
+@triton.jit
+def bad_pages(table_ptr, needed, PAGES, TABLE_BLOCK: tl.constexpr):
+    """How many of the ``needed`` block-table entries at table_ptr are outside [0, PAGES)."""
+    count = needed * 0
+    for p0 in range(0, needed, TABLE_BLOCK):
+        o_p = p0 + tl.arange(0, TABLE_BLOCK)
+        m = o_p < needed
+        page = tl.load(table_ptr + o_p, mask=m, other=0)
+        count += tl.sum((m & ((page < 0) | (page >= PAGES))).to(tl.int32), 0)
+    return count
+
+
+@triton.jit
+def paged_rows(i_b, o_n, len_k, i_kh, table_ptr, stride_b, stride_s, stride_h,
+               VEC: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr):
+    """[BN] int64 element offsets of keys o_n of KV head i_kh of sequence i_b in a paged k or v:
+    row o_n % PAGE of page block_table[i_b, o_n // PAGE] (keys past len_k read page 0: their
+    loads are masked)."""
+    page = tl.load(table_ptr + i_b.to(tl.int64) * MAX_PAGES + o_n // PAGE, mask=o_n < len_k,
+                   other=0)
+    return row_offsets(page, o_n % PAGE, i_kh, stride_b, stride_s, stride_h, VEC)
+
+
+@triton.jit
+def clear_rows(a_ptr, b_ptr, lse_ptr, lo, hi, i_h, first, step, TOTAL, stride_as, stride_ah,
+               stride_bs, stride_bh, D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
+               VEC: tl.constexpr):
+    """Rows [lo, hi) of head i_h of the packed [TOTAL, H, D] tensors a and b (None: absent; row
+    and head strides in VEC units) set to 0 and lse[i_h, row] to -inf (None: absent), BM rows
+    from ``first`` every ``step``."""
     o_d = tl.arange(0, BD)
     for r0 in range(lo + first, hi, step):
         o_r = r0 + tl.arange(0, BM)
         m = o_r < hi
-        p = o_r[:, None] * (H * D) + i_h * D + o_d[None, :]
         m2 = m[:, None] & (o_d < D)[None, :]
-        tl.store(a_ptr + p, tl.zeros([BM, BD], dtype=a_ptr.dtype.element_ty), mask=m2)
+        p_a = o_r.to(tl.int64) * stride_as * VEC + i_h * stride_ah * VEC
+        tl.store(a_ptr + p_a[:, None] + o_d[None, :],
+                 tl.zeros([BM, BD], dtype=a_ptr.dtype.element_ty), mask=m2)
         if b_ptr is not None:
-            tl.store(b_ptr + p, tl.zeros([BM, BD], dtype=b_ptr.dtype.element_ty), mask=m2)
+            p_b = o_r.to(tl.int64) * stride_bs * VEC + i_h * stride_bh * VEC
+            tl.store(b_ptr + p_b[:, None] + o_d[None, :],
+                     tl.zeros([BM, BD], dtype=b_ptr.dtype.element_ty), mask=m2)
         if lse_ptr is not None:
             tl.store(lse_ptr + i_h.to(tl.int64) * TOTAL + o_r,
                      tl.full([BM], float("-inf"), dtype=tl.float32), mask=m)
@@ -98,16 +186,18 @@ def clear_rows(a_ptr, b_ptr, lse_ptr, lo, hi, i_h, first, step, TOTAL, H: tl.con
 
 @triton.jit
 def clear_uncovered(a_ptr, b_ptr, lse_ptr, i_b, i_h, i_blk, start, length, end, TOTAL, NSEQ,
-                    H: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr):
+                    stride_as, stride_ah, stride_bs, stride_bh, D: tl.constexpr,
+                    BM: tl.constexpr, BD: tl.constexpr, VEC: tl.constexpr):
     """The programs (i_blk = 0..) of sequence i_b clear what no sequence covers next to it: the
     rest of the sequence past its first ``length`` tokens (the last sequence: up to TOTAL) and,
     for sequence 0, the tokens before it. Nothing to do for valid offsets that end at TOTAL."""
     first = i_blk * BM
     step = tl.num_programs(0) * BM
     hi = tl.where(i_b == NSEQ - 1, TOTAL, end)
-    clear_rows(a_ptr, b_ptr, lse_ptr, start + length, hi, i_h, first, step, TOTAL, H, D, BM, BD)
+    clear_rows(a_ptr, b_ptr, lse_ptr, start + length, hi, i_h, first, step, TOTAL, stride_as,
+               stride_ah, stride_bs, stride_bh, D, BM, BD, VEC)
     clear_rows(a_ptr, b_ptr, lse_ptr, start * 0, tl.where(i_b == 0, start, 0), i_h, first, step,
-               TOTAL, H, D, BM, BD)
+               TOTAL, stride_as, stride_ah, stride_bs, stride_bh, D, BM, BD, VEC)
 
 
 @triton.jit
@@ -168,11 +258,15 @@ def lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ: tl.constexpr, PACKED
 
 @triton.jit
 def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_q_ptr, cu_seqlens_k_ptr,
-                    SEQ_Q, SEQ_K, TOTAL_Q, scale,
+                    block_table_ptr, status_ptr, stride_qb, stride_qs, stride_qh, stride_kb,
+                    stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_ob, stride_os,
+                    stride_oh, SEQ_Q, SEQ_K, TOTAL_Q, PAGES, scale, cap_in, cap_out,
                     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                     BN: tl.constexpr, BD: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr,
-                    RIGHT: tl.constexpr, PACKED: tl.constexpr, UPCAST: tl.constexpr,
-                    IEEE: tl.constexpr):
+                    RIGHT: tl.constexpr, PACKED: tl.constexpr, SOFTCAP: tl.constexpr,
+                    PAGED: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr,
+                    TABLE_BLOCK: tl.constexpr, TABLE_BIT: tl.constexpr, HAS_STATUS: tl.constexpr,
+                    VEC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HQ, i_bh % HQ
     i_kh = i_h // (HQ // HKV)
@@ -180,14 +274,20 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_q_ptr, cu_se
     k_start, len_k, _ = sequence_span(i_b, cu_seqlens_k_ptr, SEQ_K, PACKED)
     if PACKED:
         clear_uncovered(o_ptr, None, lse_ptr, i_b, i_h, i_m, q_start, len_q, q_end, TOTAL_Q,
-                        tl.num_programs(1) // HQ, HQ, D, BM, BD)
+                        tl.num_programs(1) // HQ, stride_os, stride_oh, 0, 0, D, BM, BD, VEC)
     if i_m * BM >= len_q:
         return
+    if PAGED:     # a sequence that needs a page outside the pool sees no key
+        wrong = bad_pages(block_table_ptr + i_b.to(tl.int64) * MAX_PAGES,
+                          tl.minimum((len_k + PAGE - 1) // PAGE, MAX_PAGES), PAGES, TABLE_BLOCK)
+        report_if(status_ptr, (wrong > 0) & (i_m == 0) & (i_h == 0), TABLE_BIT, HAS_STATUS)
+        len_k = tl.where(wrong > 0, 0, len_k)
     o_m = i_m * BM + tl.arange(0, BM)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    p_q = (q_start + o_m)[:, None] * (HQ * D) + i_h * D + o_d[None, :]
-    b_q = tl.load(q_ptr + p_q, mask=(o_m < len_q)[:, None] & m_d[None, :], other=0.0)
+    m_q = (o_m < len_q)[:, None] & m_d[None, :]
+    q_rows = row_offsets(i_b, q_start + i_m * BM, i_h, stride_qb, stride_qs, stride_qh, VEC)
+    b_q = tl.load(tile(q_ptr + q_rows, steps(BM, stride_qs, VEC), BD), mask=m_q, other=0.0)
     qk_scale = scale * LOG2E
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
@@ -195,66 +295,97 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_q_ptr, cu_se
     lo, hi = key_range(i_m * BM, (i_m + 1) * BM, len_q, len_k, BN, CAUSAL, LEFT, RIGHT)
     for n0 in range(lo, hi, BN):
         o_n = n0 + tl.arange(0, BN)
-        p_kv = (k_start + o_n)[None, :] * (HKV * D) + i_kh * D + o_d[:, None]
-        m_kv = m_d[:, None] & (o_n < len_k)[None, :]
-        b_kt = tl.load(k_ptr + p_kv, mask=m_kv, other=0.0)                  # [BD, BN]
-        b_s = mm(b_q, b_kt, tl.zeros([BM, BN], dtype=tl.float32), UPCAST, IEEE) * qk_scale
+        m_n = o_n < len_k
+        if PAGED:
+            p_kt = k_ptr + paged_rows(i_b, o_n, len_k, i_kh, block_table_ptr, stride_kb,
+                                      stride_ks, stride_kh, VEC, PAGE, MAX_PAGES)[None, :] + \
+                o_d[:, None]
+        else:
+            p_kt = k_ptr + row_offsets(i_b, k_start + o_n, i_kh, stride_kb, stride_ks, stride_kh,
+                                       VEC)[None, :] + o_d[:, None]
+        b_kt = tl.load(p_kt, mask=m_d[:, None] & m_n[None, :], other=0.0)   # [BD, BN]
+        b_s, b_gate = log2_scores(mm(b_q, b_kt, tl.zeros([BM, BN], dtype=tl.float32), UPCAST, IEEE),
+                             qk_scale, cap_in, cap_out, SOFTCAP)
         b_s = tl.where(visible(o_m, o_n, len_q, len_k, CAUSAL, LEFT, RIGHT), b_s, float("-inf"))
         b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
         b_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
         b_p = tl.exp2(b_s - b_safe[:, None])
         b_alpha = tl.exp2(b_m - b_safe)
         b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_v = tl.load(v_ptr + (k_start + o_n)[:, None] * (HKV * D) + i_kh * D + o_d[None, :],
-                      mask=(o_n < len_k)[:, None] & m_d[None, :], other=0.0)
+        if PAGED:
+            p_v = v_ptr + paged_rows(i_b, o_n, len_k, i_kh, block_table_ptr, stride_vb,
+                                     stride_vs, stride_vh, VEC, PAGE, MAX_PAGES)[:, None] + \
+                o_d[None, :]
+        else:
+            p_v = v_ptr + row_offsets(i_b, k_start + o_n, i_kh, stride_vb, stride_vs, stride_vh,
+                                      VEC)[:, None] + o_d[None, :]
+        b_v = tl.load(p_v, mask=m_n[:, None] & m_d[None, :], other=0.0)
         b_acc = mm(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], UPCAST, IEEE)  # [BM, BN] @ [BN, BD]
         b_m = b_m_new
     seen = b_l > 0
     b_o = b_acc / tl.where(seen, b_l, 1.0)[:, None]
-    tl.store(o_ptr + p_q, b_o.to(o_ptr.dtype.element_ty), mask=(o_m < len_q)[:, None] & m_d[None, :])
+    o_rows = row_offsets(i_b, q_start + i_m * BM, i_h, stride_ob, stride_os, stride_oh, VEC)
+    tl.store(tile(o_ptr + o_rows, steps(BM, stride_os, VEC), BD), b_o.to(o_ptr.dtype.element_ty),
+             mask=m_q)
     b_lse = tl.where(seen, (b_m + tl.log2(tl.where(seen, b_l, 1.0))) * LN2, float("-inf"))
     tl.store(lse_ptr + lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ, PACKED), b_lse,
              mask=o_m < len_q)
 
 
 @triton.jit
-def attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, cu_seqlens_q_ptr, SEQ_Q, TOTAL_Q,
+def attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, cu_seqlens_q_ptr, stride_ob, stride_os,
+                          stride_oh, stride_dob, stride_dos, stride_doh, SEQ_Q, TOTAL_Q,
                           HQ: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr,
-                          PACKED: tl.constexpr):
-    """delta = rowsum(do ∘ o), laid out like lse."""
+                          CHUNK: tl.constexpr, PACKED: tl.constexpr, VEC: tl.constexpr):
+    """delta = rowsum(do ∘ o), laid out like lse; CHUNK features at a time."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HQ, i_bh % HQ
     q_start, len_q, _ = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
     if i_m * BM >= len_q:
         return
     o_m = i_m * BM + tl.arange(0, BM)
-    o_d = tl.arange(0, BD)
-    m = (o_m < len_q)[:, None] & (o_d < D)[None, :]
-    p = (q_start + o_m)[:, None] * (HQ * D) + i_h * D + o_d[None, :]
-    b_delta = tl.sum(tl.load(o_ptr + p, mask=m, other=0.0).to(tl.float32)
-                     * tl.load(do_ptr + p, mask=m, other=0.0).to(tl.float32), axis=1)
+    p_o = o_ptr + row_offsets(i_b, q_start + i_m * BM, i_h, stride_ob, stride_os, stride_oh, VEC)
+    p_do = do_ptr + row_offsets(i_b, q_start + i_m * BM, i_h, stride_dob, stride_dos, stride_doh,
+                                VEC)
+    o_steps = steps(BM, stride_os, VEC)
+    do_steps = steps(BM, stride_dos, VEC)
+    b_delta = tl.zeros([BM], dtype=tl.float32)
+    for c in tl.static_range(0, BD, CHUNK):
+        o_d = c + tl.arange(0, CHUNK)
+        m = (o_m < len_q)[:, None] & (o_d < D)[None, :]
+        b_o = tl.load((p_o + o_steps)[:, None] + o_d[None, :], mask=m, other=0.0)
+        b_do = tl.load((p_do + do_steps)[:, None] + o_d[None, :], mask=m, other=0.0)
+        b_delta += tl.sum(b_o.to(tl.float32) * b_do.to(tl.float32), axis=1)
     tl.store(delta_ptr + lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ, PACKED), b_delta,
              mask=o_m < len_q)
 
 
 @triton.jit
-def probabilities(b_q, b_kt, b_lse, o_m, o_n, len_q, len_k, qk_scale, CAUSAL: tl.constexpr,
-                  LEFT: tl.constexpr, RIGHT: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+def probabilities(b_q, b_kt, b_lse, o_m, o_n, len_q, len_k, qk_scale, cap_in, cap_out,
+                  CAUSAL: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+                  SOFTCAP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr):
-    """P [BM, BN] recomputed from q, kᵀ and the forward's lse (0 where masked or rowless)."""
-    b_s = mm(b_q, b_kt, tl.zeros([BM, BN], dtype=tl.float32), UPCAST, IEEE) * qk_scale
+    """P [BM, BN] recomputed from q, kᵀ and the forward's lse (0 where masked or rowless), and
+    the softcap's factor 1 - tanh² (``log2_scores``)."""
+    b_s, b_gate = log2_scores(mm(b_q, b_kt, tl.zeros([BM, BN], dtype=tl.float32), UPCAST, IEEE),
+                              qk_scale, cap_in, cap_out, SOFTCAP)
     has_keys = b_lse != float("-inf")
     ok = visible(o_m, o_n, len_q, len_k, CAUSAL, LEFT, RIGHT) & has_keys[:, None]
-    return tl.where(ok, tl.exp2(b_s - tl.where(has_keys, b_lse * LOG2E, 0.0)[:, None]), 0.0)
+    return tl.where(ok, tl.exp2(b_s - tl.where(has_keys, b_lse * LOG2E, 0.0)[:, None]), 0.0), b_gate
 
 
 @triton.jit
 def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seqlens_q_ptr,
-                         cu_seqlens_k_ptr, dk_ptr, dv_ptr, SEQ_Q, SEQ_K, TOTAL_Q, TOTAL_K, scale,
+                         cu_seqlens_k_ptr, dk_ptr, dv_ptr, stride_qb, stride_qs, stride_qh,
+                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+                         stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh,
+                         stride_dvb, stride_dvs, stride_dvh, SEQ_Q, SEQ_K, TOTAL_Q, TOTAL_K, scale,
+                         cap_in, cap_out,
                          HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                          BN: tl.constexpr, BD: tl.constexpr, CAUSAL: tl.constexpr,
                          LEFT: tl.constexpr, RIGHT: tl.constexpr, PACKED: tl.constexpr,
-                         UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                         SOFTCAP: tl.constexpr, VEC: tl.constexpr, UPCAST: tl.constexpr,
+                         IEEE: tl.constexpr):
     """dk, dv of one key block of one KV head, summed over the group's query heads in fp32."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_kh = i_bh // HKV, i_bh % HKV
@@ -262,17 +393,24 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seq
     k_start, len_k, k_end = sequence_span(i_b, cu_seqlens_k_ptr, SEQ_K, PACKED)
     if PACKED:
         clear_uncovered(dk_ptr, dv_ptr, None, i_b, i_kh, i_n, k_start, len_k, k_end, TOTAL_K,
-                        tl.num_programs(1) // HKV, HKV, D, BN, BD)
+                        tl.num_programs(1) // HKV, stride_dks, stride_dkh, stride_dvs, stride_dvh,
+                        D, BN, BD, VEC)
     if i_n * BN >= len_k:
         return
     G: tl.constexpr = HQ // HKV
     o_n = i_n * BN + tl.arange(0, BN)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    p_kv = (k_start + o_n)[:, None] * (HKV * D) + i_kh * D + o_d[None, :]
     m_kv = (o_n < len_k)[:, None] & m_d[None, :]
-    b_k = tl.load(k_ptr + p_kv, mask=m_kv, other=0.0)                          # [BN, BD]
-    b_v = tl.load(v_ptr + p_kv, mask=m_kv, other=0.0)
+    n_first = k_start + i_n * BN
+    b_k = tl.load(tile(k_ptr + row_offsets(i_b, n_first, i_kh, stride_kb, stride_ks, stride_kh,
+                                           VEC), steps(BN, stride_ks, VEC), BD),
+                  mask=m_kv, other=0.0)                                          # [BN, BD]
+    b_v = tl.load(tile(v_ptr + row_offsets(i_b, n_first, i_kh, stride_vb, stride_vs, stride_vh,
+                                           VEC), steps(BN, stride_vs, VEC), BD),
+                  mask=m_kv, other=0.0)
+    q_steps = steps(BM, stride_qs, VEC)
+    do_steps = steps(BM, stride_dos, VEC)
     b_kt = tl.trans(b_k)
     b_vt = tl.trans(b_v)
     qk_scale = scale * LOG2E
@@ -284,29 +422,42 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seq
         for m0 in range(lo, hi, BM):
             o_m = m0 + tl.arange(0, BM)
             m_q = (o_m < len_q)[:, None] & m_d[None, :]
-            p_q = (q_start + o_m)[:, None] * (HQ * D) + i_h * D + o_d[None, :]
-            b_q = tl.load(q_ptr + p_q, mask=m_q, other=0.0)
-            b_do = tl.load(do_ptr + p_q, mask=m_q, other=0.0)
+            b_q = tl.load(tile(q_ptr + row_offsets(i_b, q_start + m0, i_h, stride_qb, stride_qs,
+                                                   stride_qh, VEC), q_steps, BD),
+                          mask=m_q, other=0.0)
+            b_do = tl.load(tile(do_ptr + row_offsets(i_b, q_start + m0, i_h, stride_dob,
+                                                     stride_dos, stride_doh, VEC), do_steps, BD),
+                           mask=m_q, other=0.0)
             p_row = lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ, PACKED)
             b_lse = tl.load(lse_ptr + p_row, mask=o_m < len_q, other=float("-inf"))
             b_delta = tl.load(delta_ptr + p_row, mask=o_m < len_q, other=0.0)
-            b_p = probabilities(b_q, b_kt, b_lse, o_m, o_n, len_q, len_k, qk_scale, CAUSAL, LEFT,
-                                RIGHT, UPCAST, IEEE, BM, BN)
+            b_p, b_gate = probabilities(b_q, b_kt, b_lse, o_m, o_n, len_q, len_k, qk_scale, cap_in,
+                                        cap_out, CAUSAL, LEFT, RIGHT, SOFTCAP, UPCAST, IEEE, BM, BN)
             b_dv = mm(tl.trans(b_p).to(b_do.dtype), b_do, b_dv, UPCAST, IEEE)    # [BN, BM] @ [BM, BD]
             b_dp = mm(b_do, b_vt, tl.zeros([BM, BN], dtype=tl.float32), UPCAST, IEEE)
             b_ds = b_p * (b_dp - b_delta[:, None])
+            if SOFTCAP:
+                b_ds = b_ds * b_gate
             b_dk = mm(tl.trans(b_ds).to(b_q.dtype), b_q, b_dk, UPCAST, IEEE)    # [BN, BM] @ [BM, BD]
-    tl.store(dk_ptr + p_kv, (b_dk * scale).to(dk_ptr.dtype.element_ty), mask=m_kv)
-    tl.store(dv_ptr + p_kv, b_dv.to(dv_ptr.dtype.element_ty), mask=m_kv)
+    tl.store(tile(dk_ptr + row_offsets(i_b, n_first, i_kh, stride_dkb, stride_dks, stride_dkh,
+                                       VEC), steps(BN, stride_dks, VEC), BD),
+             (b_dk * scale).to(dk_ptr.dtype.element_ty), mask=m_kv)
+    tl.store(tile(dv_ptr + row_offsets(i_b, n_first, i_kh, stride_dvb, stride_dvs, stride_dvh,
+                                       VEC), steps(BN, stride_dvs, VEC), BD),
+             b_dv.to(dv_ptr.dtype.element_ty), mask=m_kv)
 
 
 @triton.jit
 def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seqlens_q_ptr,
-                       cu_seqlens_k_ptr, dq_ptr, SEQ_Q, SEQ_K, TOTAL_Q, scale,
+                       cu_seqlens_k_ptr, dq_ptr, stride_qb, stride_qs, stride_qh, stride_kb,
+                       stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_dob,
+                       stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, SEQ_Q, SEQ_K,
+                       TOTAL_Q, scale, cap_in, cap_out,
                        HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr, BM: tl.constexpr,
                        BN: tl.constexpr, BD: tl.constexpr, CAUSAL: tl.constexpr,
                        LEFT: tl.constexpr, RIGHT: tl.constexpr, PACKED: tl.constexpr,
-                       UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                       SOFTCAP: tl.constexpr, VEC: tl.constexpr, UPCAST: tl.constexpr,
+                       IEEE: tl.constexpr):
     """dq of one query block of one head: sum over key blocks of dS·k (no atomics)."""
     i_m, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_h = i_bh // HQ, i_bh % HQ
@@ -315,31 +466,44 @@ def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seqle
     k_start, len_k, _ = sequence_span(i_b, cu_seqlens_k_ptr, SEQ_K, PACKED)
     if PACKED:
         clear_uncovered(dq_ptr, None, None, i_b, i_h, i_m, q_start, len_q, q_end, TOTAL_Q,
-                        tl.num_programs(1) // HQ, HQ, D, BM, BD)
+                        tl.num_programs(1) // HQ, stride_dqs, stride_dqh, 0, 0, D, BM, BD, VEC)
     if i_m * BM >= len_q:
         return
     o_m = i_m * BM + tl.arange(0, BM)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     m_q = (o_m < len_q)[:, None] & m_d[None, :]
-    p_q = (q_start + o_m)[:, None] * (HQ * D) + i_h * D + o_d[None, :]
-    b_q = tl.load(q_ptr + p_q, mask=m_q, other=0.0)
-    b_do = tl.load(do_ptr + p_q, mask=m_q, other=0.0)
+    m_first = q_start + i_m * BM
+    b_q = tl.load(tile(q_ptr + row_offsets(i_b, m_first, i_h, stride_qb, stride_qs, stride_qh,
+                                           VEC), steps(BM, stride_qs, VEC), BD),
+                  mask=m_q, other=0.0)
+    b_do = tl.load(tile(do_ptr + row_offsets(i_b, m_first, i_h, stride_dob, stride_dos,
+                                             stride_doh, VEC), steps(BM, stride_dos, VEC), BD),
+                   mask=m_q, other=0.0)
     p_row = lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ, PACKED)
     b_lse = tl.load(lse_ptr + p_row, mask=o_m < len_q, other=float("-inf"))
     b_delta = tl.load(delta_ptr + p_row, mask=o_m < len_q, other=0.0)
     qk_scale = scale * LOG2E
     b_dq = tl.zeros([BM, BD], dtype=tl.float32)
     lo, hi = key_range(i_m * BM, (i_m + 1) * BM, len_q, len_k, BN, CAUSAL, LEFT, RIGHT)
+    p_kt = tile_t(k_ptr + row_offsets(i_b, k_start + lo, i_kh, stride_kb, stride_ks, stride_kh,
+                                      VEC), steps(BN, stride_ks, VEC), BD)          # [BD, BN]
+    p_vt = tile_t(v_ptr + row_offsets(i_b, k_start + lo, i_kh, stride_vb, stride_vs, stride_vh,
+                                      VEC), steps(BN, stride_vs, VEC), BD)
     for n0 in range(lo, hi, BN):
         o_n = n0 + tl.arange(0, BN)
         m_kv = m_d[:, None] & (o_n < len_k)[None, :]
-        p_kvt = (k_start + o_n)[None, :] * (HKV * D) + i_kh * D + o_d[:, None]
-        b_kt = tl.load(k_ptr + p_kvt, mask=m_kv, other=0.0)                 # [BD, BN]
-        b_vt = tl.load(v_ptr + p_kvt, mask=m_kv, other=0.0)
-        b_p = probabilities(b_q, b_kt, b_lse, o_m, o_n, len_q, len_k, qk_scale, CAUSAL, LEFT,
-                            RIGHT, UPCAST, IEEE, BM, BN)
+        b_kt = tl.load(p_kt, mask=m_kv, other=0.0)
+        b_vt = tl.load(p_vt, mask=m_kv, other=0.0)
+        p_kt += BN * stride_ks * VEC
+        p_vt += BN * stride_vs * VEC
+        b_p, b_gate = probabilities(b_q, b_kt, b_lse, o_m, o_n, len_q, len_k, qk_scale, cap_in,
+                                    cap_out, CAUSAL, LEFT, RIGHT, SOFTCAP, UPCAST, IEEE, BM, BN)
         b_dp = mm(b_do, b_vt, tl.zeros([BM, BN], dtype=tl.float32), UPCAST, IEEE)
         b_ds = b_p * (b_dp - b_delta[:, None])
+        if SOFTCAP:
+            b_ds = b_ds * b_gate
         b_dq = mm(b_ds.to(b_q.dtype), tl.trans(b_kt), b_dq, UPCAST, IEEE)     # [BM, BN] @ [BN, BD]
-    tl.store(dq_ptr + p_q, (b_dq * scale).to(dq_ptr.dtype.element_ty), mask=m_q)
+    tl.store(tile(dq_ptr + row_offsets(i_b, m_first, i_h, stride_dqb, stride_dqs, stride_dqh,
+                                       VEC), steps(BM, stride_dqs, VEC), BD),
+             (b_dq * scale).to(dq_ptr.dtype.element_ty), mask=m_q)

@@ -61,6 +61,13 @@ class DecodeTiles:
 # 128)
 WIDE_TILE_REGISTERS = 192
 DKDV_REGISTERS = 232
+# strided addressing (issue 19: every [.., h, d] operand through its runtime strides) added ~10
+# registers where ptxas's own choice sat at a CTA boundary; these budgets keep the CTAs per SM
+# the kernels had, with no spill (the kernel report checks): 2 CTAs of 8 warps (dq), 4 and 3 of
+# 4 warps
+DQ_REGISTERS = 128
+STRIDED_FOUR_CTAS = 128
+STRIDED_THREE_CTAS = 168
 
 _FWD_DUP = ("two warpgroups on a 64-row tile: on sm_90 both compute the whole QKᵀ and softmax "
             "(1.5x the tensor-core work, 2x the exponentials: the kernel report's duplication "
@@ -69,7 +76,8 @@ _FWD_DUP = ("two warpgroups on a 64-row tile: on sm_90 both compute the whole QK
 FORWARD = {
     "sm_90": {
         64: (Tiles(64, 64, 4), "today's tiles: one warpgroup owns the 64-row wgmma tile; 40 KiB "
-             "of shared memory, 4 CTAs per SM by registers"),
+             "of shared memory, 3 CTAs per SM by registers (strided addressing took ptxas to 138; "
+             "a 128 budget for 4 CTAs spilled 8 bytes)"),
         128: (Tiles(64, 64, 8, 2, WIDE_TILE_REGISTERS), "today's tiles: " + _FWD_DUP),
         256: (Tiles(64, 32, 8, 2, WIDE_TILE_REGISTERS), "today's tiles, 32 keys per step to "
               "keep q (64 x 256) and the accumulator in registers: " + _FWD_DUP),
@@ -83,8 +91,9 @@ FORWARD = {
               "per step)"),
     },
     "sm_80": {
-        64: (Tiles(64, 64, 4), "today's tiles: mma.sync m16n8k16, four warps of 16 rows each; "
-             "3 CTAs per SM on 108 SMs"),
+        64: (Tiles(64, 64, 4, 2, STRIDED_THREE_CTAS), "today's tiles: mma.sync m16n8k16, four "
+             "warps of 16 rows each; 3 CTAs per SM on 108 SMs (a 168 budget: strided addressing "
+             "took ptxas to 178)"),
         128: (Tiles(64, 64, 8, 2, WIDE_TILE_REGISTERS), "today's tiles: 8 warps of mma.sync (no "
               "warpgroups, no duplicated work); 192 registers, no spill"),
         256: (Tiles(64, 32, 8, 2, None), "sm_80's own entry: at 192 registers ptxas spilled 56 "
@@ -98,29 +107,30 @@ BACKWARD = {
         64: (BackwardTiles(Tiles(32, 64, 4), Tiles(32, 64, 4)), "today's tiles: 32 query rows "
              "per step (below wgmma's 64: the S and dP products and all of dq are mma.sync); the "
              "key block's dk, dv accumulators and k, v stay in registers (216 registers)"),
-        128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(32, 64, 8, 2, None, WIDE_TILE_REGISTERS)),
+        128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(32, 64, 8, 2, DQ_REGISTERS, WIDE_TILE_REGISTERS)),
               "today's tiles: dk/dv's [64 keys, 128] products are wgmma (N split over the two "
-              "warpgroups), S, dP and dq mma.sync at 32 rows; a 232-register budget for dk/dv "
-              "and 192 for the packed dq (it spilled 8 bytes at ptxas's 128)"),
+              "warpgroups), S, dP and dq mma.sync at 32 rows; a 232-register budget for dk/dv, "
+              "128 for the dense dq (2 CTAs per SM: ptxas's own choice took 141 with strided "
+              "addressing) and 192 for the packed dq (it spilled 8 bytes at ptxas's 128)"),
         256: (BackwardTiles(Tiles(16, 32, 8, 2, DKDV_REGISTERS), Tiles(16, 32, 8, 2, None, WIDE_TILE_REGISTERS)),
               "today's tiles: 16 x 32 keeps the 32 x 256 dk, dv accumulators in registers; all "
               "mma.sync"),
     },
     "sm_100": {
         64: (BackwardTiles(Tiles(32, 64, 4), Tiles(32, 64, 4)), "today's tiles (as sm_90)"),
-        128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(32, 64, 8, 2, None, WIDE_TILE_REGISTERS)),
+        128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(32, 64, 8, 2, DQ_REGISTERS, WIDE_TILE_REGISTERS)),
               "today's tiles (as sm_90: the dk/dv products tcgen05, the rest mma.sync); the "
               "budgets keep ptxas's sm_100 heuristics from spilling"),
         256: (BackwardTiles(Tiles(16, 32, 8, 2, DKDV_REGISTERS), Tiles(16, 32, 8, 2, None, WIDE_TILE_REGISTERS)),
               "today's tiles (as sm_90)"),
     },
     "sm_80": {
-        64: (BackwardTiles(Tiles(32, 32, 4), Tiles(32, 64, 4)), "sm_80's own entry: dk/dv on 32 "
+        64: (BackwardTiles(Tiles(32, 32, 4, 2, STRIDED_FOUR_CTAS), Tiles(32, 64, 4)), "sm_80's own entry: dk/dv on 32 "
              "keys (at 64 keys on 4 warps it took 255 registers and spilled 56 bytes, and the "
              "[64, 64] dk layout made the 32-row S and dP products run twice: 1.5x the MMA work; "
              "8 warps spill nothing but run them 4x, 3x in all); 32 keys: 127 registers, 3 CTAs "
              "per SM, no duplicated work, q and do read twice as often; dq as sm_90"),
-        128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(32, 64, 8, 2, None, WIDE_TILE_REGISTERS)),
+        128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(32, 64, 8, 2, DQ_REGISTERS, WIDE_TILE_REGISTERS)),
               "today's tiles: all mma.sync m16n8k16; no spill"),
         256: (BackwardTiles(Tiles(16, 32, 8, 2, DKDV_REGISTERS), Tiles(16, 32, 8, 2, None, WIDE_TILE_REGISTERS)),
               "today's tiles; no spill"),
@@ -131,7 +141,8 @@ DECODE = {
     "sm_90": (DecodeTiles(64, 4, 2), "today's tiles: 64 cache positions per step, 4 warps; the "
               "T·h_q/h_kv query rows (16 at T = 1..4, G = 4) are below wgmma's 64, so mma.sync; "
               "the step is bound by reading the cache"),
-    "sm_100": (DecodeTiles(64, 4, 2), "today's tiles (as sm_90)"),
+    "sm_100": (DecodeTiles(64, 4, 2), "today's tiles (as sm_90); ptxas's own register count (a "
+               "168 budget for 3 CTAs per SM spilled 24 bytes on the paged FP8 cache)"),
     "sm_80": (DecodeTiles(64, 4, 2), "today's tiles: mma.sync; 4 CTAs per SM by shared memory"),
 }
 
@@ -168,22 +179,30 @@ def decode_tiles(problem, config: DecodeTiles | None = None) -> DecodeTiles:
 
 
 def forward_candidates(problem) -> list[Tiles]:
-    """The entry, then 128 query rows on 8 warps (one 64-row wgmma slab per warpgroup: no
-    duplicated QKᵀ), 64 rows on 4 warps, and 128 keys per step."""
-    base = FORWARD[target_arch(problem.device)][head_class(problem.head_dim)][0]
-    out = [base, replace(base, bm=128, warps=8), replace(base, warps=4, maxnreg=None),
-           replace(base, bn=2 * base.bn)]
+    """The entry, then (d <= 128) 128 query rows on 8 warps (one 64-row wgmma slab per
+    warpgroup: no duplicated S), 4 warps, and 128 keys per step; (d = 256, where those spill)
+    4 warps and one more pipeline stage. Every candidate compiles for sm_80, sm_90 and sm_100
+    within the shared memory of each."""
+    head = head_class(problem.head_dim)
+    base = FORWARD[target_arch(problem.device)][head][0]
+    if head <= 128:
+        out = [base, replace(base, bm=128, warps=8), replace(base, warps=4, maxnreg=None),
+               replace(base, bn=2 * base.bn)]
+    else:
+        out = [base, replace(base, warps=4, maxnreg=None), replace(base, stages=3)]
     return list(dict.fromkeys(out))
 
 
 def backward_candidates(problem) -> list[BackwardTiles]:
-    """The entry, then dq on 64-row tiles (wgmma on sm_90), dk/dv on 128 keys with 64 query
-    rows per step, and one more pipeline stage."""
-    base = BACKWARD[target_arch(problem.device)][head_class(problem.head_dim)][0]
-    out = [base,
-           replace(base, dq=replace(base.dq, bm=64, warps=4, maxnreg=None, packed_maxnreg=None)),
-           replace(base, dkdv=replace(base.dkdv, bm=64, bn=128, warps=8, maxnreg=255)),
-           BackwardTiles(replace(base.dkdv, stages=3), replace(base.dq, stages=3))]
+    """The entry, then (d <= 128) dq on 64-row tiles of 4 warps (wgmma on sm_90) and dk/dv on
+    64 x 64 tiles of 8 warps; (d = 256) dq on 32 x 32 tiles; and one more pipeline stage."""
+    head = head_class(problem.head_dim)
+    base = BACKWARD[target_arch(problem.device)][head][0]
+    if head <= 128:
+        out = [base, replace(base, dq=Tiles(64, 64, 4)), replace(base, dkdv=Tiles(64, 64, 8))]
+    else:
+        out = [base, replace(base, dq=Tiles(32, 32, 8))]
+    out.append(BackwardTiles(replace(base.dkdv, stages=3), replace(base.dq, stages=3)))
     return list(dict.fromkeys(out))
 
 

@@ -8,7 +8,14 @@ status word) are compiled out of every kernel, never aliased to another tensor.
 
 Packed sequences: the first stage sanitises cu_seqlens into the workspace piece ``cu`` (and
 reports Status.CU_SEQLENS), every later kernel reads that copy, and a last stage zeroes the
-outputs at the tokens no sequence covers (docs/plans.md, "Index data").
+outputs at the tokens no sequence covers (docs/plans.md, "Index data"). Sequence ids: the first
+stage numbers the runs of equal ids into the workspace piece ``runs`` (and reports
+Status.SEQ_IDX); the kernels mask by them.
+
+Strided operands: every kernel takes the strides of the activations it reads or writes
+(``Stride`` binds, read from the tensors execute() is handed) in units of the operand group's
+vector (``ScanProblem.vector``, ``bc_vector``, ``dt_vector``); the pieces of the saved buffer and
+the workspace (y and dy before the gate) are contiguous, their strides plan-time numbers.
 """
 
 from __future__ import annotations
@@ -17,14 +24,16 @@ import torch
 import triton
 
 from fusedops.core.dtypes import kernel_dtype_reason
-from fusedops.core.program import Program, Stage, saved_piece, workspace_piece
+from fusedops.core.cost import Cost
+from fusedops.core.program import Program, Stage, Stride, saved_piece, workspace_piece
 from fusedops.core.workspace import Layout
 from fusedops.mamba2.contract import SOFTPLUS_THRESHOLD
 
 from . import mamba2_bwd as bwd_kernels
 from . import mamba2_fwd as fwd_kernels
 from . import mamba2_model as model
-from .mamba2_model import TILES, ScanTiles, Tiles, candidates, counts, tiles
+from .mamba2_tiles import TILES, ScanTiles, Tiles, candidates, counts, tiles
+from .mamba2_strides import contiguous_x, per_token_shape, stride_args, strides
 from .runtime import KernelSpec, numerics, pointer_type
 
 __all__ = ["TILES", "ScanTiles", "Tiles", "backward_candidates", "backward_program",
@@ -56,13 +65,14 @@ def saved_layout(problem) -> Layout:
 
 
 def forward_workspace(problem) -> Layout:
-    """Varlen: the sanitised cu_seqlens and the segment table; the transformed dt and its
-    cumulative log-decay per segment, C·B per group, and the segment states when they are not
-    saved."""
+    """Varlen: the sanitised cu_seqlens and the segment table; sequence ids: the run of every
+    token; the transformed dt and its cumulative log-decay per segment, C·B per group, and the
+    segment states when they are not saved."""
     S, H, Q = problem.max_segments, problem.heads, problem.chunk
     return Layout([
         ("cu", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
         ("offsets", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
+        ("runs", torch.int32, problem.batch * problem.length if problem.has_seq_idx else 0),
         ("dts", torch.float32, S * H * Q),
         ("acum", torch.float32, S * H * Q),
         ("cb", torch.float32, S * problem.groups * Q * Q),
@@ -80,6 +90,7 @@ def backward_workspace(problem, t: Tiles | None = None) -> Layout:
     return Layout([
         ("cu", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
         ("offsets", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
+        ("runs", torch.int32, problem.batch * problem.length if problem.has_seq_idx else 0),
         ("dts", torch.float32, S * H * Q),
         ("acum", torch.float32, S * H * Q),
         ("cb", torch.float32, S * G * Q * Q),
@@ -124,10 +135,12 @@ class _Types:
         self.x = pointer_type(problem.dtype)
         self.dt = pointer_type(problem.dt_dtype)
         self.cu = _present(varlen, "*i32")
+        self.runs = ("runs_ptr", _present(problem.has_seq_idx, "*i32"))
         self.seg = (("cu_ptr", self.cu), ("off_ptr", self.cu))
         self.tail = (("L", "i32"), ("NSEQ", "i32"))
         t = tiles(problem)
         self.common = dict(VARLEN=varlen, SEARCH_STEPS=t.SEARCH)
+        self.seq = dict(HAS_SEQ=problem.has_seq_idx)
 
 
 def _segment_args(problem) -> dict:
@@ -135,6 +148,22 @@ def _segment_args(problem) -> dict:
     L, NSEQ)."""
     return dict(cu_ptr=workspace_piece("cu"), off_ptr=workspace_piece("offsets"),
                 L=problem.length, NSEQ=problem.sequences)
+
+
+RUNS_BLOCK = 1024
+"""Tokens per step of the kernel numbering the runs of sequence ids."""
+
+
+def runs_spec(problem) -> KernelSpec:
+    """Sequence ids: the run of every token (one program per row; SEQ_IDX reported). Reads the
+    ids and writes the runs once (b·l·4 bytes each)."""
+    tokens = problem.batch * problem.length
+    return _spec(fwd_kernels.ssd_seq_runs_kernel,
+                 (("seq_idx_ptr", "*i32"), ("runs_ptr", "*i32"),
+                  ("status_ptr", _present(problem.has_status, "*i32")), ("L", "i32")),
+                 dict(BLOCK=min(RUNS_BLOCK, triton.next_power_of_2(problem.length)),
+                      HAS_STATUS=problem.has_status),
+                 (problem.batch,), cost=Cost(2 * tokens, 8 * tokens, 4 * tokens))
 
 
 def table_spec(problem) -> KernelSpec:
@@ -152,30 +181,44 @@ def table_spec(problem) -> KernelSpec:
 ZERO_TOKENS = 16
 """Tokens per program of the stage that zeroes the outputs at uncovered tokens."""
 
-
 def zero_uncovered_spec(problem, outputs) -> KernelSpec:
-    """Varlen: zeroes up to five per-token outputs, ``outputs`` = ((pointer type, row width),
-    ...), at the tokens no sequence covers (a covered block returns at once)."""
-    outputs = list(outputs) + [(None, 0)] * (5 - len(outputs))
-    widest = max(w for _, w in outputs)
-    args = (("cu_ptr", "*i32"), *((f"out{i}_ptr", t) for i, (t, _) in enumerate(outputs)),
+    """Varlen: zeroes up to five per-token outputs, ``outputs`` = ((pointer type, rows per
+    token, row width, stride unit), ...), at the tokens no sequence covers (a covered block
+    returns at once)."""
+    outputs = list(outputs) + [(None, 0, 0, 1)] * (5 - len(outputs))
+    widest = max(w for _, _, w, _ in outputs)
+    args = (("cu_ptr", "*i32"), *((f"out{i}_ptr", t) for i, (t, _, _, _) in enumerate(outputs)),
+            *((f"stride_{i}{d}", "i32") for i in range(5) for d in "lh"),
             ("L", "i32"), ("NSEQ", "i32"))
+    shapes = {}
+    for i, (_, rows, width, unit) in enumerate(outputs):
+        shapes.update({f"NH{i}": rows, f"W{i}": width, f"V{i}": unit})
     return _spec(fwd_kernels.ssd_zero_uncovered_kernel, args,
-                 dict(**{f"W{i}": w for i, (_, w) in enumerate(outputs)}, BT=ZERO_TOKENS,
-                      BW=max(16, min(256, triton.next_power_of_2(widest)))),
+                 dict(**shapes, BT=ZERO_TOKENS, BW=max(16, min(256, triton.next_power_of_2(widest)))),
                  (triton.cdiv(problem.length, ZERO_TOKENS),),
                  cost=model.zero_uncovered_cost(problem))
 
 
 def _zero_stage(problem, outputs) -> Stage:
-    """The stage zeroing ``outputs`` (names, with their row widths) at uncovered tokens (y before
-    the gate too, so the backward's gate reads zeros there)."""
+    """The stage zeroing the per-token ``outputs`` (names) at uncovered tokens (y before the
+    gate too, so the backward's gate reads zeros there)."""
     ty = _Types(problem)
     types = dict(y=ty.x, ypre=ty.x, dx=ty.x, dz=ty.x, ddt=ty.dt, dB=ty.x, dC=ty.x)
-    sources = dict(ypre=saved_piece("ypre"))
-    spec = zero_uncovered_spec(problem, [(types[name], width) for name, width in outputs])
-    return _stage(spec, cu_ptr=workspace_piece("cu"), L=problem.length, NSEQ=problem.sequences,
-                  **{f"out{i}_ptr": sources.get(name, name) for i, (name, _) in enumerate(outputs)})
+    entries, bind = [], {}
+    for i, name in enumerate(outputs):
+        rows, width, unit = per_token_shape(problem, name)
+        entries.append((types[name], rows, width, unit))
+        bind[f"out{i}_ptr"] = saved_piece("ypre") if name == "ypre" else name
+        if name == "ypre":
+            _, l_stride, h_stride = contiguous_x(problem)
+            bind.update({f"stride_{i}l": l_stride // unit, f"stride_{i}h": h_stride // unit})
+        else:
+            bind.update({f"stride_{i}l": Stride(name, 1, unit),
+                         f"stride_{i}h": Stride(name, 2, unit) if rows > 1 else 0})
+    for i in range(len(outputs), 5):
+        bind.update({f"stride_{i}l": 0, f"stride_{i}h": 0})
+    return _stage(zero_uncovered_spec(problem, entries), cu_ptr=workspace_piece("cu"),
+                  L=problem.length, NSEQ=problem.sequences, **bind)
 
 
 def dt_cumsum_spec(problem, t: Tiles | None = None) -> KernelSpec:
@@ -183,23 +226,25 @@ def dt_cumsum_spec(problem, t: Tiles | None = None) -> KernelSpec:
     ty, t = _Types(problem), t or tiles(problem)
     return _spec(fwd_kernels.ssd_dt_cumsum_kernel,
                  (("dt_ptr", ty.dt), ("A_ptr", "*fp32"), ("bias_ptr", _present(problem.has_dt_bias, "*fp32")),
-                  *ty.seg, ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"), *ty.tail,
-                  ("dt_min", "fp32"), ("dt_max", "fp32")),
+                  *ty.seg, ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"), *stride_args("dt", "dt"),
+                  *ty.tail, ("dt_min", "fp32"), ("dt_max", "fp32")),
                  dict(H=problem.heads, Q=problem.chunk, BLOCK_H=t.BLOCK_H,
                       HAS_BIAS=problem.has_dt_bias, SOFTPLUS=problem.dt_softplus,
-                      SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, **ty.common),
+                      SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, VDT=problem.dt_vector, **ty.common),
                  (problem.max_segments, triton.cdiv(problem.heads, t.BLOCK_H)),
                  cost=model.dt_cumsum_cost(problem, t))
 
 
 def cb_spec(problem, t: Tiles | None = None) -> KernelSpec:
-    """C·B per segment and group (tiles on or below the diagonal)."""
+    """C·B per segment and group (tiles on or below the diagonal; zero across runs of sequence
+    ids)."""
     ty, t = _Types(problem), t or tiles(problem)
     Q = problem.chunk
     return _spec(fwd_kernels.ssd_cb_kernel,
-                 (("C_ptr", ty.x), ("B_ptr", ty.x), *ty.seg, ("cb_ptr", "*fp32"), *ty.tail),
+                 (("C_ptr", ty.x), ("B_ptr", ty.x), *ty.seg, ty.runs, ("cb_ptr", "*fp32"),
+                  *stride_args("C", "B"), *stride_args("B", "B"), *ty.tail),
                  dict(G=problem.groups, N=problem.state, Q=Q, BQ=t.BQ, BN=t.BN, **ty.common,
-                      **numerics(problem.dtype)),
+                      **numerics(problem.dtype), **ty.seq, VB=problem.bc_vector),
                  (problem.max_segments * problem.groups, (Q // t.BQ) ** 2),
                  cost=model.cb_cost(problem, t))
 
@@ -211,25 +256,30 @@ def segment_state_spec(problem, from_start: bool, t: Tiles | None = None) -> Ker
     c = _counts(problem, t)
     return _spec(fwd_kernels.ssd_segment_state_kernel,
                  (("x_ptr", ty.x), ("B_ptr", ty.x), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
-                  *ty.seg, ("states_ptr", "*fp32"), *ty.tail),
+                  *ty.seg, ty.runs, ("states_ptr", "*fp32"), *stride_args("x", "x"),
+                  *stride_args("B", "B"), *ty.tail),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
                       Q=problem.chunk, BP=t.BP, BN=t.BN, BK=t.BQ, FROM_START=from_start,
-                      **ty.common, **numerics(problem.dtype)),
+                      **ty.common, **numerics(problem.dtype), **ty.seq, VX=problem.vector,
+                      VB=problem.bc_vector),
                  (problem.max_segments * problem.heads, c["NPB"], c["NNB"]),
                  warps=8 if from_start else 4,
                  cost=model.segment_state_cost(problem, t, from_start))
 
 
-def state_passing_spec(problem, t: Tiles | None = None) -> KernelSpec:
-    """Along every sequence: the state entering each segment, and the final state."""
+def state_passing_spec(problem, t: Tiles | None = None, entering: bool = False) -> KernelSpec:
+    """Along every sequence: the state entering each segment (``entering``: also into the
+    plan's segment_states, h·p·n·4 bytes more per segment), and the final state."""
     ty, t = _Types(problem), t or tiles(problem)
     c = _counts(problem, t)
     return _spec(fwd_kernels.ssd_state_passing_kernel,
                  (("states_ptr", "*fp32"), ("acum_ptr", "*fp32"),
                   ("h0_ptr", _present(problem.has_initial_states, "*fp32")), ("final_ptr", "*fp32"),
-                  ("off_ptr", ty.cu), ("L", "i32")),
+                  ("off_ptr", ty.cu), ty.runs, ("entering_ptr", _present(entering, "*fp32")),
+                  ("L", "i32")),
                  dict(H=problem.heads, PN=problem.head_dim * problem.state, Q=problem.chunk,
-                      BLOCK=t.PASS, HAS_H0=problem.has_initial_states, VARLEN=_varlen(problem)),
+                      BLOCK=t.PASS, HAS_H0=problem.has_initial_states, VARLEN=_varlen(problem),
+                      HAS_ENTERING=entering, **ty.seq),
                  (problem.sequences, problem.heads, c["NT"]),
                  cost=model.state_passing_cost(problem, t))
 
@@ -243,22 +293,34 @@ def chunk_scan_spec(problem, t: Tiles | None = None) -> KernelSpec:
                  (("x_ptr", ty.x), ("z_ptr", _present(problem.has_z, ty.x)), ("C_ptr", ty.x),
                   ("cb_ptr", "*fp32"), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
                   ("states_ptr", "*fp32"), ("D_ptr", _present(problem.has_D, "*fp32")), *ty.seg,
-                  ("y_ptr", ty.x), ("ypre_ptr", _present(problem.has_z, ty.x)), *ty.tail),
+                  ty.runs, ("y_ptr", ty.x), ("ypre_ptr", _present(problem.has_z, ty.x)),
+                  *stride_args("x", "x"), *stride_args("z", "x"), *stride_args("C", "B"),
+                  *stride_args("y", "x"), *ty.tail),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
                       Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.BN, HAS_D=problem.has_D,
                       D_PER_CHANNEL=problem.D_per_channel, HAS_Z=problem.has_z, **ty.common,
-                      **numerics(problem.dtype)),
+                      **numerics(problem.dtype), **ty.seq, VX=problem.vector,
+                      VB=problem.bc_vector),
                  (problem.max_segments * problem.heads, c["NPB"], c["NQB"]),
                  cost=model.chunk_scan_cost(problem, t))
 
 
+GATE_ELEMENTS = 1024
+"""Elements (heads x padded head dim) per program of the gate's backward."""
+
+
 def gate_spec(problem, t: Tiles | None = None) -> KernelSpec:
-    """Backward of the z gate: dz, and dy·silu(z) for the rest of the backward."""
+    """Backward of the z gate: dz, and dy·silu(z) for the rest of the backward; one program
+    per (token, block of heads)."""
     xt = pointer_type(problem.dtype)
-    numel = problem.batch * problem.length * problem.heads * problem.head_dim
+    bp = triton.next_power_of_2(problem.head_dim)
+    bh = max(1, min(triton.next_power_of_2(problem.heads), GATE_ELEMENTS // bp))
     return _spec(bwd_kernels.ssd_gate_bwd_kernel,
                  (("dy_ptr", xt), ("z_ptr", xt), ("ypre_ptr", xt), ("dypre_ptr", xt),
-                  ("dz_ptr", xt), ("NUMEL", "i64")), dict(BLOCK=1024), (triton.cdiv(numel, 1024),),
+                  ("dz_ptr", xt), *stride_args("dy", "x"), *stride_args("z", "x"),
+                  *stride_args("dz", "x"), ("L", "i32")),
+                 dict(H=problem.heads, P=problem.head_dim, BH=bh, BP=bp, VX=problem.vector),
+                 (problem.batch * problem.length, triton.cdiv(problem.heads, bh)),
                  cost=model.gate_bwd_cost(problem, t))
 
 
@@ -271,10 +333,10 @@ def state_passing_bwd_spec(problem, t: Tiles | None = None) -> KernelSpec:
                  (("dstates_ptr", "*fp32"), ("states_ptr", "*fp32"), ("acum_ptr", "*fp32"),
                   ("dfinal_ptr", _present(problem.has_dfinal_states, "*fp32")),
                   ("dh0_ptr", _present(problem.has_initial_states, "*fp32")), ("v_ptr", "*fp32"),
-                  ("off_ptr", ty.cu), ("L", "i32")),
+                  ("off_ptr", ty.cu), ty.runs, ("L", "i32")),
                  dict(H=problem.heads, PN=problem.head_dim * problem.state, Q=problem.chunk,
                       BLOCK=t.PASS, NT=c["NT"], HAS_DFINAL=problem.has_dfinal_states,
-                      HAS_DH0=problem.has_initial_states, VARLEN=_varlen(problem)),
+                      HAS_DH0=problem.has_initial_states, VARLEN=_varlen(problem), **ty.seq),
                  (problem.sequences, problem.heads, c["NT"]),
                  cost=model.state_passing_bwd_cost(problem, t))
 
@@ -286,12 +348,14 @@ def dx_spec(problem, t: Tiles | None = None) -> KernelSpec:
     return _spec(bwd_kernels.ssd_chunk_scan_bwd_dx_kernel,
                  (("x_ptr", ty.x), ("dy_ptr", ty.x), ("B_ptr", ty.x), ("cb_ptr", "*fp32"),
                   ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"), ("dstates_ptr", "*fp32"),
-                  ("D_ptr", _present(problem.has_D, "*fp32")), *ty.seg, ("dx_ptr", ty.x),
+                  ("D_ptr", _present(problem.has_D, "*fp32")), *ty.seg, ty.runs, ("dx_ptr", ty.x),
                   ("ddt_part_ptr", "*fp32"), ("dD_part_ptr", _present(problem.has_D, "*fp32")),
-                  *ty.tail),
+                  *stride_args("x", "x"), *stride_args("dy", "x"), *stride_args("B", "B"),
+                  *stride_args("dx", "x"), *ty.tail),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
                       Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.BN, HAS_D=problem.has_D,
-                      D_PER_CHANNEL=problem.D_per_channel, **ty.common, **numerics(problem.dtype)),
+                      D_PER_CHANNEL=problem.D_per_channel, **ty.common, **numerics(problem.dtype),
+                      **ty.seq, VX=problem.vector, VB=problem.bc_vector),
                  (problem.max_segments * problem.heads, c["NPB"], c["NQB"]), warps=8,
                  cost=model.dx_cost(problem, t))
 
@@ -302,9 +366,11 @@ def dcb_spec(problem, t: Tiles | None = None) -> KernelSpec:
     c = _counts(problem, t)
     return _spec(bwd_kernels.ssd_dcb_kernel,
                  (("x_ptr", ty.x), ("dy_ptr", ty.x), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
-                  *ty.seg, ("dcb_ptr", "*fp32"), *ty.tail),
+                  *ty.seg, ty.runs, ("dcb_ptr", "*fp32"), *stride_args("x", "x"),
+                  *stride_args("dy", "x"), *ty.tail),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, Q=problem.chunk,
-                      BQ=t.BQ, BP=t.BP, **ty.common, **numerics(problem.dtype)),
+                      BQ=t.BQ, BP=t.BP, **ty.common, **numerics(problem.dtype), **ty.seq,
+                      VX=problem.vector),
                  (problem.max_segments * problem.groups, c["NQB"] ** 2), warps=8,
                  cost=model.dcb_cost(problem, t))
 
@@ -315,9 +381,11 @@ def dacs_intra_spec(problem, t: Tiles | None = None) -> KernelSpec:
     c = _counts(problem, t)
     return _spec(bwd_kernels.ssd_dacs_intra_kernel,
                  (("x_ptr", ty.x), ("dy_ptr", ty.x), ("cb_ptr", "*fp32"), ("dts_ptr", "*fp32"),
-                  ("acum_ptr", "*fp32"), *ty.seg, ("part_ptr", "*fp32"), *ty.tail),
+                  ("acum_ptr", "*fp32"), *ty.seg, ("part_ptr", "*fp32"), *stride_args("x", "x"),
+                  *stride_args("dy", "x"), *ty.tail),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, Q=problem.chunk,
-                      BQ=t.BQ, BP=t.BP, **ty.common, **numerics(problem.dtype)),
+                      BQ=t.BQ, BP=t.BP, **ty.common, **numerics(problem.dtype),
+                      VX=problem.vector),
                  (problem.max_segments * problem.heads, c["NQB"]), warps=8,
                  cost=model.dacs_intra_cost(problem, t))
 
@@ -329,11 +397,14 @@ def dbc_spec(problem, grad_b: bool, t: Tiles | None = None) -> KernelSpec:
     return _spec(bwd_kernels.ssd_dbc_kernel,
                  (("x_ptr", ty.x), ("dy_ptr", ty.x), ("B_ptr", ty.x), ("C_ptr", ty.x),
                   ("dcb_ptr", "*fp32"), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
-                  ("states_ptr", "*fp32"), ("dstates_ptr", "*fp32"), *ty.seg, ("out_ptr", ty.x),
-                  ("uw_part_ptr", "*fp32"), *ty.tail),
+                  ("states_ptr", "*fp32"), ("dstates_ptr", "*fp32"), *ty.seg, ty.runs,
+                  ("out_ptr", ty.x), ("uw_part_ptr", "*fp32"), *stride_args("x", "x"),
+                  *stride_args("dy", "x"), *stride_args("B", "B"), *stride_args("C", "B"),
+                  *stride_args("out", "B"), *ty.tail),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
                       Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.BN, GRAD_B=grad_b, **ty.common,
-                      **numerics(problem.dtype)),
+                      **numerics(problem.dtype), **ty.seq, VX=problem.vector,
+                      VB=problem.bc_vector),
                  (problem.max_segments * problem.groups, c["NQB"], c["NNB"]), warps=8,
                  cost=model.dbc_cost(problem, t, grad_b))
 
@@ -348,11 +419,12 @@ def dt_bwd_spec(problem, t: Tiles | None = None) -> KernelSpec:
                   ("acum_ptr", "*fp32"), ("intra_ptr", "*fp32"), ("ddt_part_ptr", "*fp32"),
                   ("u_part_ptr", "*fp32"), ("w_part_ptr", "*fp32"), ("v_ptr", "*fp32"), *ty.seg,
                   ("ddt_ptr", ty.dt), ("dA_part_ptr", "*fp32"), ("dbias_part_ptr", bias),
-                  *ty.tail, ("dt_min", "fp32"), ("dt_max", "fp32")),
+                  *stride_args("dt", "dt"), *stride_args("ddt", "dt"), *ty.tail,
+                  ("dt_min", "fp32"), ("dt_max", "fp32")),
                  dict(H=problem.heads, Q=problem.chunk, BQ=t.BQ, NPB=c["NPB"], NNB=c["NNB"],
                       NT=c["NT"], NT_POW2=triton.next_power_of_2(c["NT"]),
                       HAS_BIAS=problem.has_dt_bias, SOFTPLUS=problem.dt_softplus,
-                      SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, **ty.common),
+                      SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, VDT=problem.dt_vector, **ty.common),
                  (problem.max_segments * problem.heads,), cost=model.dt_bwd_cost(problem, t))
 
 
@@ -379,7 +451,8 @@ def unsupported_reason(problem) -> str | None:
 
 
 def _prologue(problem, t: Tiles) -> list[Stage]:
-    """The segment table (varlen), the dt transform with its cumulative log-decay, and C·B."""
+    """The segment table (varlen) or the runs of sequence ids, the dt transform with its
+    cumulative log-decay, and C·B."""
     ws = workspace_piece
     seg = _segment_args(problem)
     dts, acum = ws("dts"), ws("acum")
@@ -388,44 +461,53 @@ def _prologue(problem, t: Tiles) -> list[Stage]:
         stages.append(_stage(table_spec(problem), cu_ptr="cu_seqlens", cu_out_ptr=ws("cu"),
                              off_ptr=ws("offsets"), NSEQ=problem.sequences,
                              TOTAL=problem.length))
+    if problem.has_seq_idx:
+        stages.append(_stage(runs_spec(problem), runs_ptr=ws("runs"), L=problem.length))
     lo, hi = problem.dt_limit
     stages += [
         _stage(dt_cumsum_spec(problem, t), bias_ptr="dt_bias", dts_ptr=dts, acum_ptr=acum,
-               dt_min=lo, dt_max=hi, **seg),
-        _stage(cb_spec(problem, t), cb_ptr=ws("cb"), **seg),
+               dt_min=lo, dt_max=hi, **strides("dt", "dt", "dt", problem.dt_vector), **seg),
+        _stage(cb_spec(problem, t), cb_ptr=ws("cb"), runs_ptr=ws("runs"),
+               **strides("C", "B", "C", problem.bc_vector),
+               **strides("B", "B", "B", problem.bc_vector), **seg),
     ]
     return stages
 
 
-def _states_pass(problem, t: Tiles, states, final) -> list[Stage]:
+def _states_pass(problem, t: Tiles, states, final, entering: bool = False) -> list[Stage]:
     """Each segment's own end state into ``states``, then the state passing along every
-    sequence, leaving there the state entering each segment (last state: ``final``)."""
+    sequence, leaving there the state entering each segment (last state: ``final``; and in the
+    plan's segment_states with ``entering``)."""
     ws = workspace_piece
     seg = _segment_args(problem)
     return [
         _stage(segment_state_spec(problem, False, t), dts_ptr=ws("dts"), acum_ptr=ws("acum"),
-               states_ptr=states, **seg),
-        _stage(state_passing_spec(problem, t), states_ptr=states, acum_ptr=ws("acum"),
-               h0_ptr="initial_states", final_ptr=final, off_ptr=ws("offsets"), L=problem.length),
+               states_ptr=states, runs_ptr=ws("runs"), **strides("x", "x", "x", problem.vector),
+               **strides("B", "B", "B", problem.bc_vector), **seg),
+        _stage(state_passing_spec(problem, t, entering), states_ptr=states, acum_ptr=ws("acum"),
+               h0_ptr="initial_states", final_ptr=final, off_ptr=ws("offsets"),
+               runs_ptr=ws("runs"), entering_ptr="segment_states", L=problem.length),
     ]
 
 
 def forward_program(problem, config: ScanTiles | None = None) -> Program:
-    """Segment table (varlen), dt transform, C·B, segment states, state passing, output, with
-    the tile table's entry for the plan's architecture (or ``config``)."""
+    """Segment table (varlen) or runs (sequence ids), dt transform, C·B, segment states, state
+    passing (also into the plan's ``segment_states`` when it has them), output, with the tile
+    table's entry for the plan's architecture (or ``config``)."""
     t = tiles(problem, config)
     ws = workspace_piece
     states = ws("states") if problem.recompute_states else saved_piece("states")
     seg = _segment_args(problem)
+    v, vb = problem.vector, problem.bc_vector
     stages = [*_prologue(problem, t),
-              *_states_pass(problem, t, states, "final_states"),
+              *_states_pass(problem, t, states, "final_states", problem.has_segment_states),
               _stage(chunk_scan_spec(problem, t), cb_ptr=ws("cb"), dts_ptr=ws("dts"),
                      acum_ptr=ws("acum"), states_ptr=states, D_ptr="D", z_ptr="z",
-                     ypre_ptr=saved_piece("ypre"), **seg)]
+                     ypre_ptr=saved_piece("ypre"), runs_ptr=ws("runs"),
+                     **strides("x", "x", "x", v), **strides("z", "x", "z", v, problem.has_z),
+                     **strides("C", "B", "C", vb), **strides("y", "x", "y", v), **seg)]
     if _varlen(problem):
-        per_token = problem.heads * problem.head_dim
-        stages.append(_zero_stage(problem, [("y", per_token),
-                                            *((("ypre", per_token),) if problem.has_z else ())]))
+        stages.append(_zero_stage(problem, ["y", *(["ypre"] if problem.has_z else [])]))
     return Program(workspace=forward_workspace(problem), saved=saved_layout(problem),
                    stages=tuple(stages))
 
@@ -438,48 +520,56 @@ def backward_program(problem, config: ScanTiles | None = None) -> Program:
     t = tiles(problem, config)
     ws = workspace_piece
     seg = _segment_args(problem)
+    v, vb = problem.vector, problem.bc_vector
     stages = _prologue(problem, t)
     if problem.recompute_states:
         states = ws("states")
         stages += _states_pass(problem, t, states, ws("final"))
     else:
         states = saved_piece("states")
-    dy = "dy"
+    dy, dy_strides = "dy", "dy"
     if problem.has_z:
         stages.append(_stage(gate_spec(problem, t), ypre_ptr=saved_piece("ypre"),
-                             dypre_ptr=ws("dypre"),
-                             NUMEL=problem.batch * problem.length * problem.heads * problem.head_dim))
-        dy = ws("dypre")
+                             dypre_ptr=ws("dypre"), L=problem.length,
+                             **strides("dy", "x", "dy", v), **strides("z", "x", "z", v),
+                             **strides("dz", "x", "dz", v)))
+        dy, dy_strides = ws("dypre"), contiguous_x(problem)     # dy·silu(z), contiguous
     lo, hi = problem.dt_limit
+    x_strides = strides("x", "x", "x", v)
+    grad_strides = strides("dy", "x", dy_strides, v)
     fixed = dict(dts_ptr=ws("dts"), acum_ptr=ws("acum"), **seg)
+    runs = dict(runs_ptr=ws("runs"))
     stages += [
         _stage(segment_state_spec(problem, True, t), x_ptr=dy, B_ptr="C", states_ptr=ws("dstates"),
+               **strides("x", "x", dy_strides, v), **strides("B", "B", "C", vb), **runs,
                **fixed),
         _stage(state_passing_bwd_spec(problem, t), dstates_ptr=ws("dstates"), states_ptr=states,
                acum_ptr=ws("acum"), dfinal_ptr="dfinal_states", dh0_ptr="dinitial_states",
-               v_ptr=ws("v"), off_ptr=ws("offsets"), L=problem.length),
+               v_ptr=ws("v"), off_ptr=ws("offsets"), L=problem.length, **runs),
         _stage(dx_spec(problem, t), dy_ptr=dy, cb_ptr=ws("cb"), dstates_ptr=ws("dstates"), D_ptr="D",
-               ddt_part_ptr=ws("ddt_part"), dD_part_ptr=ws("dD_part"), **fixed),
-        _stage(dcb_spec(problem, t), dy_ptr=dy, dcb_ptr=ws("dcb"), **fixed),
-        _stage(dacs_intra_spec(problem, t), dy_ptr=dy, cb_ptr=ws("cb"), part_ptr=ws("intra"), **fixed),
-        _stage(dbc_spec(problem, True, t), dy_ptr=dy, dcb_ptr=ws("dcb"), states_ptr=states,
-               dstates_ptr=ws("dstates"), out_ptr="dB", uw_part_ptr=ws("w"), **fixed),
-        _stage(dbc_spec(problem, False, t), dy_ptr=dy, dcb_ptr=ws("dcb"), states_ptr=states,
-               dstates_ptr=ws("dstates"), out_ptr="dC", uw_part_ptr=ws("u"), **fixed),
+               ddt_part_ptr=ws("ddt_part"), dD_part_ptr=ws("dD_part"), **x_strides, **grad_strides,
+               **strides("B", "B", "B", vb), **strides("dx", "x", "dx", v), **runs, **fixed),
+        _stage(dcb_spec(problem, t), dy_ptr=dy, dcb_ptr=ws("dcb"), **x_strides, **grad_strides,
+               **runs, **fixed),
+        _stage(dacs_intra_spec(problem, t), dy_ptr=dy, cb_ptr=ws("cb"), part_ptr=ws("intra"),
+               **x_strides, **grad_strides, **fixed),
+        *(_stage(dbc_spec(problem, grad_b, t), dy_ptr=dy, dcb_ptr=ws("dcb"), states_ptr=states,
+                 dstates_ptr=ws("dstates"), out_ptr=out, uw_part_ptr=ws(part), **x_strides,
+                 **grad_strides, **strides("B", "B", "B", vb), **strides("C", "B", "C", vb),
+                 **strides("out", "B", out, vb), **runs, **fixed)
+          for grad_b, out, part in ((True, "dB", "w"), (False, "dC", "u"))),
         _stage(dt_bwd_spec(problem, t), bias_ptr="dt_bias", intra_ptr=ws("intra"),
                ddt_part_ptr=ws("ddt_part"), u_part_ptr=ws("u"), w_part_ptr=ws("w"), v_ptr=ws("v"),
                dA_part_ptr=ws("dA_part"), dbias_part_ptr=ws("dbias_part"), dt_min=lo, dt_max=hi,
-               **fixed),
+               **strides("dt", "dt", "dt", problem.dt_vector),
+               **strides("ddt", "dt", "ddt", problem.dt_vector), **fixed),
         _stage(param_reduce_spec(problem, t), dA_part_ptr=ws("dA_part"),
                dbias_part_ptr=ws("dbias_part"), dD_part_ptr=ws("dD_part"), dbias_ptr="ddt_bias",
                NUM_SEGMENTS=problem.max_segments),
     ]
     if _varlen(problem):
-        per_token = problem.heads * problem.head_dim
-        group_rows = problem.groups * problem.state
-        stages.append(_zero_stage(problem, [("dx", per_token), ("ddt", problem.heads),
-                                            ("dB", group_rows), ("dC", group_rows),
-                                            *((("dz", per_token),) if problem.has_z else ())]))
+        stages.append(_zero_stage(problem, ["dx", "ddt", "dB", "dC",
+                                            *(["dz"] if problem.has_z else [])]))
     return Program(workspace=backward_workspace(problem, t), saved=saved_layout(problem),
                    stages=tuple(stages))
 

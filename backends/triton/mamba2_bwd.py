@@ -13,33 +13,51 @@ of y before the z gate:
 with T_ij = W_ij dt_j (dy_i·x_j), U_i = exp(Acum_i) dy_i·(H0 C_i), V = exp(Acum_last) <dH1, H0>,
 W'_j = exp(Acum_last - Acum_j) dt_j x_j·(dH1 B_j): the pairs crossing k, so no cancellation.
 Every reduction over tokens, heads or tiles goes through fixed-order partials in the workspace.
+Activations are addressed through their strides as in the forward kernels (mamba2_fwd.py); with
+sequence ids the forward's masks apply (C·B and dcb zero across runs, dH1 reaches only the last
+token's run, H0 only the run before the segment, dH1 passes H0 only when the segment carries).
 """
 
 import triton
 import triton.language as tl
 
-from .mamba2_fwd import segment_bounds, sequence_segments
+from .mamba2_fwd import carries, segment_bounds, segment_runs, sequence_segments, token_runs
 from .tiles import mm
 
 
 @triton.jit
-def ssd_gate_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, NUMEL, BLOCK: tl.constexpr):
-    """dy_pre = dy·silu(z); dz = dy·y_pre·silu'(z)."""
-    o = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    m = o < NUMEL
-    b_dy = tl.load(dy_ptr + o, mask=m, other=0.0).to(tl.float32)
-    b_z = tl.load(z_ptr + o, mask=m, other=0.0).to(tl.float32)
-    b_y = tl.load(ypre_ptr + o, mask=m, other=0.0).to(tl.float32)
+def ssd_gate_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, stride_dy_b, stride_dy_l,
+                        stride_dy_h, stride_z_b, stride_z_l, stride_z_h, stride_dz_b, stride_dz_l,
+                        stride_dz_h, L, H: tl.constexpr, P: tl.constexpr, BH: tl.constexpr,
+                        BP: tl.constexpr, VX: tl.constexpr):
+    """dy_pre = dy·silu(z); dz = dy·y_pre·silu'(z), per (token, BH heads): y before the gate
+    and dy_pre contiguous [b, l, h, p], dy, z and dz through their strides."""
+    i_t, i_h = tl.program_id(0), tl.program_id(1)
+    row = (i_t // L).to(tl.int64)
+    pos = (i_t - (i_t // L) * L).to(tl.int64)
+    o_h = i_h * BH + tl.arange(0, BH)
+    o_p = tl.arange(0, BP)
+    m = (o_h < H)[:, None] & (o_p < P)[None, :]
+    o_hp = o_h[:, None] * P + o_p[None, :]
+    p_flat = i_t.to(tl.int64) * (H * P) + o_hp
+    p_dy = row * (stride_dy_b * VX) + pos * (stride_dy_l * VX) + o_h[:, None] * (stride_dy_h * VX)
+    p_z = row * (stride_z_b * VX) + pos * (stride_z_l * VX) + o_h[:, None] * (stride_z_h * VX)
+    p_dz = row * (stride_dz_b * VX) + pos * (stride_dz_l * VX) + o_h[:, None] * (stride_dz_h * VX)
+    b_dy = tl.load(dy_ptr + p_dy + o_p[None, :], mask=m, other=0.0).to(tl.float32)
+    b_z = tl.load(z_ptr + p_z + o_p[None, :], mask=m, other=0.0).to(tl.float32)
+    b_y = tl.load(ypre_ptr + p_flat, mask=m, other=0.0).to(tl.float32)
     sig = tl.sigmoid(b_z)
-    tl.store(dypre_ptr + o, (b_dy * b_z * sig).to(dypre_ptr.dtype.element_ty), mask=m)
-    tl.store(dz_ptr + o, (b_dy * b_y * sig * (1.0 + b_z * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=m)
+    tl.store(dypre_ptr + p_flat, (b_dy * b_z * sig).to(dypre_ptr.dtype.element_ty), mask=m)
+    tl.store(dz_ptr + p_dz + o_p[None, :],
+             (b_dy * b_y * sig * (1.0 + b_z * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
 def ssd_state_passing_bwd_kernel(dstates_ptr, states_ptr, acum_ptr, dfinal_ptr, dh0_ptr, v_ptr,
-                                 off_ptr, L, H: tl.constexpr, PN: tl.constexpr, Q: tl.constexpr,
-                                 BLOCK: tl.constexpr, NT: tl.constexpr, HAS_DFINAL: tl.constexpr,
-                                 HAS_DH0: tl.constexpr, VARLEN: tl.constexpr):
+                                 off_ptr, runs_ptr, L, H: tl.constexpr, PN: tl.constexpr,
+                                 Q: tl.constexpr, BLOCK: tl.constexpr, NT: tl.constexpr,
+                                 HAS_DFINAL: tl.constexpr, HAS_DH0: tl.constexpr,
+                                 VARLEN: tl.constexpr, HAS_SEQ: tl.constexpr):
     """Backwards along each sequence: dstates[σ] <- dH1 of σ; v[σ, h, tile] = exp(Acum_last)
     <dH1, H0> over the tile; the last dH0 is dinitial_states."""
     i_s, i_h, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -58,6 +76,8 @@ def ssd_state_passing_bwd_kernel(dstates_ptr, states_ptr, acum_ptr, dfinal_ptr, 
         b_own = tl.load(dstates_ptr + p, mask=m, other=0.0)
         tl.store(dstates_ptr + p, b_dh, mask=m)
         decay = tl.exp(tl.minimum(tl.load(acum_ptr + (seg * H + i_h) * Q + Q - 1), 0.0))
+        if HAS_SEQ:
+            decay = tl.where(carries(runs_ptr, i_s, seg - first, L, Q), decay, 0.0)
         b_h0 = tl.load(states_ptr + p, mask=m, other=0.0)
         tl.store(v_ptr + (seg * H + i_h) * NT + i_t, decay * tl.sum(b_dh * b_h0, axis=0))
         b_dh = b_own + decay * b_dh
@@ -67,13 +87,17 @@ def ssd_state_passing_bwd_kernel(dstates_ptr, states_ptr, acum_ptr, dfinal_ptr, 
 
 @triton.jit
 def ssd_chunk_scan_bwd_dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr, dstates_ptr, D_ptr,
-                                 cu_ptr, off_ptr, dx_ptr, ddt_part_ptr, dD_part_ptr, L, NSEQ,
+                                 cu_ptr, off_ptr, runs_ptr, dx_ptr, ddt_part_ptr, dD_part_ptr,
+                                 stride_x_b, stride_x_l, stride_x_h, stride_dy_b, stride_dy_l,
+                                 stride_dy_h, stride_B_b, stride_B_l, stride_B_g, stride_dx_b,
+                                 stride_dx_l, stride_dx_h, L, NSEQ,
                                  H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
                                  N: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr,
                                  BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
                                  D_PER_CHANNEL: tl.constexpr, VARLEN: tl.constexpr,
                                  SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr,
-                                 IEEE: tl.constexpr):
+                                 IEEE: tl.constexpr, HAS_SEQ: tl.constexpr, VX: tl.constexpr,
+                                 VB: tl.constexpr):
     """dx of the rows j of one block, the dt-linear part of ddt (per head-dim tile) and the
     dD partial sums of the block."""
     i_sh, i_p, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -81,7 +105,7 @@ def ssd_chunk_scan_bwd_dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr
     i_g = i_h // (H // G)
     NQB: tl.constexpr = Q // BQ
     NPB: tl.constexpr = (P + BP - 1) // BP
-    start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
     seg_len = end - start
     o_j = i_m * BQ + tl.arange(0, BQ)
     o_p = i_p * BP + tl.arange(0, BP)
@@ -94,15 +118,22 @@ def ssd_chunk_scan_bwd_dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr
     # the end state's gradient: exp(Acum_last - Acum_j) B_j @ dH1^T
     b_acc = tl.zeros([BQ, BP], dtype=tl.float32)
     p_dstate = dstates_ptr + i_sh.to(tl.int64) * (P * N)
+    p_b = (B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB)
+           + tok_j[:, None] * (stride_B_l * VB))
     for n0 in range(0, N, BN):
         o_n = n0 + tl.arange(0, BN)
         m_n = o_n < N
-        b_b = tl.load(B_ptr + tok_j[:, None] * (G * N) + i_g * N + o_n[None, :],
-                      mask=m_j[:, None] & m_n[None, :], other=0.0)
+        b_b = tl.load(p_b + o_n[None, :], mask=m_j[:, None] & m_n[None, :], other=0.0)
         b_dht = tl.load(p_dstate + o_p[None, :] * N + o_n[:, None], mask=m_n[:, None] & m_p[None, :],
                         other=0.0)
         b_acc = mm(b_b, b_dht.to(b_b.dtype), b_acc, UPCAST, IEEE)  # [BQ, BN] @ [BN, BP]
-    b_acc *= tl.exp(tl.minimum(acum_last - b_acum_j, 0.0))[:, None]
+    b_end = tl.exp(tl.minimum(acum_last - b_acum_j, 0.0))
+    if HAS_SEQ:              # dH1 reaches only the last token's run
+        r_prev, r_last = segment_runs(runs_ptr, row, start, end, L)
+        b_end = tl.where(token_runs(runs_ptr, row, start, o_j, m_j, L) == r_last, b_end, 0.0)
+    b_acc *= b_end[:, None]
+    p_dy = dy_ptr + row * (stride_dy_b * VX) + i_h * (stride_dy_h * VX)
+    p_x = x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX)
 
     # within the segment: sum over i >= j of W_ij dy_i
     p_cb = cb_ptr + (i_seg * G + i_g).to(tl.int64) * (Q * Q)
@@ -114,22 +145,25 @@ def ssd_chunk_scan_bwd_dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr
         b_acum_i = tl.load(acum_ptr + p_seg + o_i)
         b_w = b_cbt * tl.exp(tl.minimum(b_acum_i[None, :] - b_acum_j[:, None], 0.0))
         b_w = tl.where((o_i[None, :] >= o_j[:, None]) & m_i[None, :], b_w, 0.0)
-        b_dy = tl.load(dy_ptr + tok_i[:, None] * (H * P) + i_h * P + o_p[None, :],
+        b_dy = tl.load(p_dy + tok_i[:, None] * (stride_dy_l * VX) + o_p[None, :],
                        mask=m_i[:, None] & m_p[None, :], other=0.0)
         b_acc = mm(b_w.to(b_dy.dtype), b_dy, b_acc, UPCAST, IEEE)   # [BQ, BQ] @ [BQ, BP]
 
-    p_tok = tok_j[:, None] * (H * P) + i_h * P + o_p[None, :]
     m_tok = m_j[:, None] & m_p[None, :]
-    b_x = tl.load(x_ptr + p_tok, mask=m_tok, other=0.0).to(tl.float32)
+    b_x = tl.load(p_x + tok_j[:, None] * (stride_x_l * VX) + o_p[None, :], mask=m_tok,
+                  other=0.0).to(tl.float32)
     b_dt = tl.load(dts_ptr + p_seg + o_j)
     b_dx = b_acc * b_dt[:, None]
     if HAS_D:
-        b_dyj = tl.load(dy_ptr + p_tok, mask=m_tok, other=0.0).to(tl.float32)
+        b_dyj = tl.load(p_dy + tok_j[:, None] * (stride_dy_l * VX) + o_p[None, :], mask=m_tok,
+                        other=0.0).to(tl.float32)
         if D_PER_CHANNEL:
             b_dx += tl.load(D_ptr + i_h * P + o_p, mask=m_p, other=0.0)[None, :] * b_dyj
         else:
             b_dx += tl.load(D_ptr + i_h) * b_dyj
-    tl.store(dx_ptr + p_tok, b_dx.to(dx_ptr.dtype.element_ty), mask=m_tok)
+    p_dx = (dx_ptr + row * (stride_dx_b * VX) + i_h * (stride_dx_h * VX)
+            + tok_j[:, None] * (stride_dx_l * VX) + o_p[None, :])
+    tl.store(p_dx, b_dx.to(dx_ptr.dtype.element_ty), mask=m_tok)
     tl.store(ddt_part_ptr + (i_sh.to(tl.int64) * NPB + i_p) * Q + o_j, tl.sum(b_acc * b_x, axis=1))
     if HAS_D:
         tl.store(dD_part_ptr + (i_sh.to(tl.int64) * NQB + i_m) * P + o_p,
@@ -137,34 +171,39 @@ def ssd_chunk_scan_bwd_dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr
 
 
 @triton.jit
-def dy_xt_tile(dy_ptr, x_ptr, tok_i, tok_j, m_i, m_j, i_h, H: tl.constexpr, P: tl.constexpr,
-               BQ: tl.constexpr, BP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """[BQ, BQ] tile of dy_i·x_j over the head dim, for rows tok_i and columns tok_j."""
+def dy_xt_tile(p_dy, p_x, stride_dy_l, stride_x_l, tok_i, tok_j, m_i, m_j, P: tl.constexpr,
+               BQ: tl.constexpr, BP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+               VX: tl.constexpr):
+    """[BQ, BQ] tile of dy_i·x_j over the head dim, for rows tok_i and columns tok_j (p_dy,
+    p_x: the head's row and head offsets applied)."""
     b_dyx = tl.zeros([BQ, BQ], dtype=tl.float32)
     for p0 in range(0, P, BP):
         o_p = p0 + tl.arange(0, BP)
         m_p = o_p < P
-        b_dy = tl.load(dy_ptr + tok_i[:, None] * (H * P) + i_h * P + o_p[None, :],
+        b_dy = tl.load(p_dy + tok_i[:, None] * (stride_dy_l * VX) + o_p[None, :],
                        mask=m_i[:, None] & m_p[None, :], other=0.0)
-        b_xt = tl.load(x_ptr + tok_j[None, :] * (H * P) + i_h * P + o_p[:, None],
+        b_xt = tl.load(p_x + tok_j[None, :] * (stride_x_l * VX) + o_p[:, None],
                        mask=m_p[:, None] & m_j[None, :], other=0.0)
         b_dyx = mm(b_dy, b_xt, b_dyx, UPCAST, IEEE)                 # [BQ, BP] @ [BP, BQ]
     return b_dyx
 
 
 @triton.jit
-def ssd_dcb_kernel(x_ptr, dy_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, dcb_ptr, L, NSEQ,
-                   H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
+def ssd_dcb_kernel(x_ptr, dy_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, runs_ptr, dcb_ptr,
+                   stride_x_b, stride_x_l, stride_x_h, stride_dy_b, stride_dy_l, stride_dy_h,
+                   L, NSEQ, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
                    BQ: tl.constexpr, BP: tl.constexpr, VARLEN: tl.constexpr,
-                   SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """dcb[σ, g, i, j] = sum over the group's heads of exp(Acum_i - Acum_j) dt_j (dy_i·x_j)."""
+                   SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                   HAS_SEQ: tl.constexpr, VX: tl.constexpr):
+    """dcb[σ, g, i, j] = sum over the group's heads of exp(Acum_i - Acum_j) dt_j (dy_i·x_j)
+    (sequence ids: zero across runs)."""
     i_sg, i_t = tl.program_id(0), tl.program_id(1)
     i_seg, i_g = i_sg // G, i_sg % G
     NT: tl.constexpr = Q // BQ
     i_m, i_n = i_t // NT, i_t % NT
     if i_n > i_m:
         return
-    start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
     o_i = i_m * BQ + tl.arange(0, BQ)
     o_j = i_n * BQ + tl.arange(0, BQ)
     m_i, m_j = start + o_i < end, start + o_j < end
@@ -174,29 +213,38 @@ def ssd_dcb_kernel(x_ptr, dy_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, dcb_ptr, L
     b_dcb = tl.zeros([BQ, BQ], dtype=tl.float32)
     for r in range(R):
         i_h = i_g * R + r
-        b_dyx = dy_xt_tile(dy_ptr, x_ptr, tok_i, tok_j, m_i, m_j, i_h, H, P, BQ, BP, UPCAST, IEEE)
+        b_dyx = dy_xt_tile(dy_ptr + row * (stride_dy_b * VX) + i_h * (stride_dy_h * VX),
+                           x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX),
+                           stride_dy_l, stride_x_l, tok_i, tok_j, m_i, m_j, P, BQ, BP, UPCAST,
+                           IEEE, VX)
         p_seg = (i_seg * H + i_h).to(tl.int64) * Q
         b_acum_i = tl.load(acum_ptr + p_seg + o_i)
         b_acum_j = tl.load(acum_ptr + p_seg + o_j)
         b_dt_j = tl.load(dts_ptr + p_seg + o_j)
         b_dcb += b_dyx * tl.exp(tl.minimum(b_acum_i[:, None] - b_acum_j[None, :], 0.0)) * b_dt_j[None, :]
     b_dcb = tl.where((o_j[None, :] <= o_i[:, None]) & m_i[:, None] & m_j[None, :], b_dcb, 0.0)
+    if HAS_SEQ:
+        r_i = token_runs(runs_ptr, row, start, o_i, m_i, L)
+        r_j = token_runs(runs_ptr, row, start, o_j, m_j, L)
+        b_dcb = tl.where(r_i[:, None] == r_j[None, :], b_dcb, 0.0)
     p = i_sg.to(tl.int64) * (Q * Q) + o_i[:, None] * Q + o_j[None, :]
     tl.store(dcb_ptr + p, b_dcb)
 
 
 @triton.jit
 def ssd_dacs_intra_kernel(x_ptr, dy_ptr, cb_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, part_ptr,
-                          L, NSEQ, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
+                          stride_x_b, stride_x_l, stride_x_h, stride_dy_b, stride_dy_l,
+                          stride_dy_h, L, NSEQ, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
                           Q: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr,
                           VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                          UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """part[σ, h, I, k] = sum over rows i of block I with i >= k of sum_{j<k} T_ij."""
+                          UPCAST: tl.constexpr, IEEE: tl.constexpr, VX: tl.constexpr):
+    """part[σ, h, I, k] = sum over rows i of block I with i >= k of sum_{j<k} T_ij (C·B is zero
+    across runs of sequence ids, so T is too)."""
     i_sh, i_m = tl.program_id(0), tl.program_id(1)
     i_seg, i_h = i_sh // H, i_sh % H
     i_g = i_h // (H // G)
     NQB: tl.constexpr = Q // BQ
-    start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
     if i_m * BQ >= end - start:
         return
     o_i = i_m * BQ + tl.arange(0, BQ)
@@ -205,12 +253,15 @@ def ssd_dacs_intra_kernel(x_ptr, dy_ptr, cb_ptr, dts_ptr, acum_ptr, cu_ptr, off_
     p_seg = i_sh.to(tl.int64) * Q
     b_acum_i = tl.load(acum_ptr + p_seg + o_i)
     p_cb = cb_ptr + (i_seg * G + i_g).to(tl.int64) * (Q * Q)
+    p_dy = dy_ptr + row * (stride_dy_b * VX) + i_h * (stride_dy_h * VX)
+    p_x = x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX)
     b_carry = tl.zeros([BQ], dtype=tl.float32)
     for i_n in range(0, i_m + 1):
         o_j = i_n * BQ + tl.arange(0, BQ)
         m_j = start + o_j < end
         tok_j = (start + o_j).to(tl.int64)
-        b_dyx = dy_xt_tile(dy_ptr, x_ptr, tok_i, tok_j, m_i, m_j, i_h, H, P, BQ, BP, UPCAST, IEEE)
+        b_dyx = dy_xt_tile(p_dy, p_x, stride_dy_l, stride_x_l, tok_i, tok_j, m_i, m_j, P, BQ, BP,
+                           UPCAST, IEEE, VX)
         b_cb = tl.load(p_cb + o_i[:, None] * Q + o_j[None, :])
         b_acum_j = tl.load(acum_ptr + p_seg + o_j)
         b_dt_j = tl.load(dts_ptr + p_seg + o_j)
@@ -224,22 +275,29 @@ def ssd_dacs_intra_kernel(x_ptr, dy_ptr, cb_ptr, dts_ptr, acum_ptr, cu_ptr, off_
 
 @triton.jit
 def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dcb_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr,
-                   cu_ptr, off_ptr, out_ptr, uw_part_ptr, L, NSEQ,
+                   cu_ptr, off_ptr, runs_ptr, out_ptr, uw_part_ptr, stride_x_b, stride_x_l,
+                   stride_x_h, stride_dy_b, stride_dy_l, stride_dy_h, stride_B_b, stride_B_l,
+                   stride_B_g, stride_C_b, stride_C_l, stride_C_g, stride_out_b, stride_out_l,
+                   stride_out_g, L, NSEQ,
                    H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                    Q: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                    GRAD_B: tl.constexpr, VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                   UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                   UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SEQ: tl.constexpr,
+                   VX: tl.constexpr, VB: tl.constexpr):
     """dB (GRAD_B) or dC of one row block and state tile, summed over the group's heads, and per
     head the W' (dB: rows as j) or U (dC: rows as i) partial sums over the state tile.
 
     dB_j = sum_{i>=j} dcb[i, j] C_i + sum_h exp(Acum_last - Acum_j) dt_j x_j @ dH1
     dC_i = sum_{j<=i} dcb[i, j] B_j + sum_h exp(Acum_i) dy_i @ H0
+
+    (sequence ids: the state terms only for the last token's run, dB, or the run before the
+    segment, dC.)
     """
     i_sg, i_m, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_seg, i_g = i_sg // G, i_sg % G
     NNB: tl.constexpr = (N + BN - 1) // BN
     R: tl.constexpr = H // G
-    start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
     seg_len = end - start
     if i_m * BQ >= seg_len:
         return
@@ -249,14 +307,23 @@ def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dcb_ptr, dts_ptr, acum_ptr, stat
     tok_r = (start + o_r).to(tl.int64)
     m_rn = m_r[:, None] & m_n[None, :]
     p_cb = dcb_ptr + i_sg.to(tl.int64) * (Q * Q)
-    if GRAD_B:
-        other_ptr, own_ptr = C_ptr, B_ptr           # sums over the later rows i, pairs with B_j
+    p_B = B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB)
+    p_C = C_ptr + row * (stride_C_b * VB) + i_g * (stride_C_g * VB)
+    if GRAD_B:               # sums over the later rows i, pairs with B_j
+        other_ptr, own_ptr, other_l, own_l = p_C, p_B, stride_C_l, stride_B_l
         k_lo, k_hi = i_m * BQ, seg_len
-    else:
-        other_ptr, own_ptr = B_ptr, C_ptr           # sums over the earlier rows j, pairs with C_i
+    else:                    # sums over the earlier rows j, pairs with C_i
+        other_ptr, own_ptr, other_l, own_l = p_B, p_C, stride_B_l, stride_C_l
         k_lo, k_hi = 0, tl.minimum((i_m + 1) * BQ, seg_len)
-    b_own = tl.load(own_ptr + tok_r[:, None] * (G * N) + i_g * N + o_n[None, :], mask=m_rn,
+    b_own = tl.load(own_ptr + tok_r[:, None] * (own_l * VB) + o_n[None, :], mask=m_rn,
                     other=0.0).to(tl.float32)
+    if HAS_SEQ:
+        r_prev, r_last = segment_runs(runs_ptr, row, start, end, L)
+        if GRAD_B:
+            r_keep = r_last
+        else:
+            r_keep = r_prev
+        m_state = token_runs(runs_ptr, row, start, o_r, m_r, L) == r_keep
 
     b_acc = tl.zeros([BQ, BN], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BQ):
@@ -267,7 +334,7 @@ def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dcb_ptr, dts_ptr, acum_ptr, stat
             b_w = tl.load(p_cb + o_k[None, :] * Q + o_r[:, None])            # [r=j, k=i]
         else:
             b_w = tl.load(p_cb + o_r[:, None] * Q + o_k[None, :])            # [r=i, k=j]
-        b_other = tl.load(other_ptr + tok_k[:, None] * (G * N) + i_g * N + o_n[None, :],
+        b_other = tl.load(other_ptr + tok_k[:, None] * (other_l * VB) + o_n[None, :],
                           mask=m_k[:, None] & m_n[None, :], other=0.0)
         b_acc = mm(b_w.to(b_other.dtype), b_other, b_acc, UPCAST, IEEE)    # [BQ, BQ] @ [BQ, BN]
 
@@ -281,41 +348,48 @@ def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dcb_ptr, dts_ptr, acum_ptr, stat
             b_scale = tl.exp(tl.minimum(acum_last - b_acum, 0.0)) * tl.load(dts_ptr + p_seg + o_r)
         else:
             b_scale = tl.exp(tl.minimum(b_acum, 0.0))
+        if HAS_SEQ:
+            b_scale = tl.where(m_state, b_scale, 0.0)
+        if GRAD_B:
+            p_rows = x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX) + tok_r[:, None] * (stride_x_l * VX)
+        else:
+            p_rows = dy_ptr + row * (stride_dy_b * VX) + i_h * (stride_dy_h * VX) + tok_r[:, None] * (stride_dy_l * VX)
         b_head = tl.zeros([BQ, BN], dtype=tl.float32)
         for p0 in range(0, P, BP):
             o_p = p0 + tl.arange(0, BP)
             m_p = o_p < P
-            p_rp = tok_r[:, None] * (H * P) + i_h * P + o_p[None, :]
             p_pn = i_sh * (P * N) + o_p[:, None] * N + o_n[None, :]
             m_pn = m_p[:, None] & m_n[None, :]
+            b_rows = tl.load(p_rows + o_p[None, :], mask=m_r[:, None] & m_p[None, :], other=0.0)
             if GRAD_B:
-                b_rows = tl.load(x_ptr + p_rp, mask=m_r[:, None] & m_p[None, :], other=0.0)
                 b_state = tl.load(dstates_ptr + p_pn, mask=m_pn, other=0.0)
             else:
-                b_rows = tl.load(dy_ptr + p_rp, mask=m_r[:, None] & m_p[None, :], other=0.0)
                 b_state = tl.load(states_ptr + p_pn, mask=m_pn, other=0.0)
             b_head = mm((b_rows * b_scale[:, None]).to(b_rows.dtype), b_state.to(b_rows.dtype),
                         b_head, UPCAST, IEEE)                               # [BQ, BP] @ [BP, BN]
         b_acc += b_head
         tl.store(uw_part_ptr + (i_sh * NNB + i_n) * Q + o_r, tl.sum(b_head * b_own, axis=1))
-    tl.store(out_ptr + tok_r[:, None] * (G * N) + i_g * N + o_n[None, :],
-             b_acc.to(out_ptr.dtype.element_ty), mask=m_rn)
+    p_out = (out_ptr + row * (stride_out_b * VB) + i_g * (stride_out_g * VB)
+             + tok_r[:, None] * (stride_out_l * VB) + o_n[None, :])
+    tl.store(p_out, b_acc.to(out_ptr.dtype.element_ty), mask=m_rn)
 
 
 @triton.jit
 def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt_part_ptr, u_part_ptr,
-                      w_part_ptr, v_ptr, cu_ptr, off_ptr, ddt_ptr, dA_part_ptr, dbias_part_ptr, L, NSEQ,
+                      w_part_ptr, v_ptr, cu_ptr, off_ptr, ddt_ptr, dA_part_ptr, dbias_part_ptr,
+                      stride_dt_b, stride_dt_l, stride_ddt_b, stride_ddt_l, L, NSEQ,
                       dt_min, dt_max,
                       H: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr, NPB: tl.constexpr,
                       NNB: tl.constexpr, NT: tl.constexpr, NT_POW2: tl.constexpr,
                       HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, VARLEN: tl.constexpr,
-                      SEARCH_STEPS: tl.constexpr, SOFTPLUS_THRESHOLD: tl.constexpr):
+                      SEARCH_STEPS: tl.constexpr, SOFTPLUS_THRESHOLD: tl.constexpr,
+                      VDT: tl.constexpr):
     """Gathers da_k (the gradient of a_k = dt_k A), then ddt (through the clamp and softplus),
     and the segment's partial sums of dA and ddt_bias, for one (segment, head)."""
     i_sh = tl.program_id(0)
     i_seg, i_h = i_sh // H, i_sh % H
     NQB: tl.constexpr = Q // BQ
-    start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
     o_k = tl.arange(0, Q)
     m_k = start + o_k < end
     p_sh = i_sh.to(tl.int64)
@@ -344,7 +418,8 @@ def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt
 
     # through the dt transform: clamp (passes at the bounds) and softplus (u above the threshold)
     tok = (start + o_k).to(tl.int64)
-    b_u_in = tl.load(dt_ptr + tok * H + i_h, mask=m_k, other=0.0).to(tl.float32)
+    p_dt = dt_ptr + row * (stride_dt_b * VDT) + tok * (stride_dt_l * VDT) + i_h
+    b_u_in = tl.load(p_dt, mask=m_k, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b_u_in += tl.load(bias_ptr + i_h)
     if SOFTPLUS:
@@ -354,7 +429,8 @@ def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt
     else:
         b_val = b_u_in
     b_ddt = tl.where((b_val >= dt_min) & (b_val <= dt_max) & m_k, b_ddt, 0.0)
-    tl.store(ddt_ptr + tok * H + i_h, b_ddt.to(ddt_ptr.dtype.element_ty), mask=m_k)
+    p_ddt = ddt_ptr + row * (stride_ddt_b * VDT) + tok * (stride_ddt_l * VDT) + i_h
+    tl.store(p_ddt, b_ddt.to(ddt_ptr.dtype.element_ty), mask=m_k)
     if HAS_BIAS:
         tl.store(dbias_part_ptr + p_sh, tl.sum(b_ddt, axis=0))
 

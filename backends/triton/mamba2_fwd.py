@@ -7,11 +7,21 @@ backends/torch/mamba2.py). Workspace tensors, all fp32, indexed by segment σ:
     states [S, H, P, N] the segment's own state contribution, turned in place into the state
                        entering the segment by the state-passing kernel
 
-Tokens are addressed in the flattened [b·l] index with 64-bit offsets. With packed sequences
-the first kernel sanitises cu_seqlens into the workspace (c'[i] = clamp(c[i], c'[i-1], total),
-c'[0] = clamp(c[0], 0, total); Status.CU_SEQLENS when c[0] != 0 or c' != c) and every later
-kernel reads that copy, so whatever cu_seqlens holds no segment leaves the packed tokens and no
-sequence has more segments than the workspace holds.
+A segment lies in one batch row (``segment_bounds``: its row and [start, end) positions there);
+the activations are addressed through their strides, row·stride_b + position·stride_l +
+head·stride_h + column, 64-bit where the product can grow, the strides taken in units of the
+group's constexpr (VX for x, z, y, dy, dx, dz; VB for B, C, dB, dC; VDT for dt, ddt: a 16-byte
+vector when the rows are whole vectors, so the compiler keeps vector loads; else 1). With
+packed sequences the first kernel sanitises cu_seqlens into the workspace (c'[i] = clamp(c[i],
+c'[i-1], total), c'[0] = clamp(c[0], 0, total); Status.CU_SEQLENS when c[0] != 0 or c' != c) and
+every later kernel reads that copy, so whatever cu_seqlens holds no segment leaves the packed
+tokens and no sequence has more segments than the workspace holds.
+
+With sequence ids (HAS_SEQ) a first kernel numbers the runs of equal ids along every row into
+the workspace (``runs``, the torch backend's ``sequence_runs``) and the kernels mask by them:
+pairs (i, j) of one run, the entering state for the tokens of the run before the segment
+(r_prev), a token's part of the end state for the last token's run (r_last), and the state
+passing carries only when r_last = r_prev.
 """
 
 import triton
@@ -22,12 +32,14 @@ from fusedops.core.status import Status
 from .tiles import last_at_most, mm, report_if
 
 CU_SEQLENS_BIT: tl.constexpr = tl.constexpr(int(Status.CU_SEQLENS))
+SEQ_IDX_BIT: tl.constexpr = tl.constexpr(int(Status.SEQ_IDX))
 
 
 @triton.jit
 def segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q: tl.constexpr, VARLEN: tl.constexpr,
                    SEARCH_STEPS: tl.constexpr):
-    """[start, end) tokens of segment i_seg (start == end for unused trailing segments)."""
+    """(row, start, end): segment i_seg's batch row (int64) and its [start, end) positions in
+    that row (start == end for unused trailing segments; packed sequences are row 0)."""
     if VARLEN:
         lo = last_at_most(off_ptr, i_seg, NSEQ, SEARCH_STEPS)     # the segment's sequence
         used = i_seg < tl.load(off_ptr + NSEQ)
@@ -35,13 +47,14 @@ def segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q: tl.constexpr, VARLEN: tl.
         end = tl.minimum(tl.load(cu_ptr + lo + 1), start + Q)
         start = tl.where(used, start, 0)
         end = tl.where(used, end, 0)
+        row = i_seg * 0
     else:
         nc = tl.cdiv(L, Q)
         row = i_seg // nc
         c = i_seg - row * nc
-        start = row * L + c * Q
-        end = row * L + tl.minimum(L, c * Q + Q)
-    return start, end
+        start = c * Q
+        end = tl.minimum(L, c * Q + Q)
+    return row.to(tl.int64), start, end
 
 
 @triton.jit
@@ -55,6 +68,43 @@ def sequence_segments(i_s, off_ptr, L, Q: tl.constexpr, VARLEN: tl.constexpr):
         first = i_s * nc
         last = first + nc
     return first, last
+
+
+@triton.jit
+def segment_runs(runs_ptr, row, start, end, L):
+    """Sequence ids: (r_prev, r_last), the run of the token before the segment (0 at a row's
+    start) and the run of its last token."""
+    base = runs_ptr + row * L
+    r_prev = tl.load(base + start - 1, mask=start > 0, other=0)
+    r_last = tl.load(base + end - 1, mask=end > start, other=0)
+    return r_prev, r_last
+
+
+@triton.jit
+def token_runs(runs_ptr, row, start, o, m, L):
+    """Sequence ids: the runs of the tokens start + o (-1 where not m)."""
+    return tl.load(runs_ptr + row * L + start + o, mask=m, other=-1)
+
+
+@triton.jit
+def ssd_seq_runs_kernel(seq_idx_ptr, runs_ptr, status_ptr, L, BLOCK: tl.constexpr,
+                        HAS_STATUS: tl.constexpr):
+    """One program per row: runs[r, t] = [seq_idx[r, 0] != 0] + the number of 0 < u <= t with
+    seq_idx[r, u] != seq_idx[r, u - 1] (run 0: a leading run of id 0, which the initial state
+    enters); SEQ_IDX reported for a negative id or one smaller than the id before it."""
+    base = tl.program_id(0).to(tl.int64) * L
+    carry = (tl.load(seq_idx_ptr + base) != 0).to(tl.int32)
+    bad = carry * 0
+    for t0 in range(0, L, BLOCK):
+        o = t0 + tl.arange(0, BLOCK)
+        m = o < L
+        ids = tl.load(seq_idx_ptr + base + o, mask=m, other=0)
+        prev = tl.load(seq_idx_ptr + base + o - 1, mask=m & (o > 0), other=0)
+        change = (m & (o > 0) & (ids != prev)).to(tl.int32)
+        tl.store(runs_ptr + base + o, carry + tl.cumsum(change, axis=0), mask=m)
+        bad = bad | tl.max((m & ((ids < 0) | ((o > 0) & (ids < prev)))).to(tl.int32), axis=0)
+        carry += tl.sum(change, axis=0)
+    report_if(status_ptr, bad != 0, SEQ_IDX_BIT, HAS_STATUS)
 
 
 @triton.jit
@@ -93,24 +143,33 @@ def ssd_segment_table_kernel(cu_ptr, cu_out_ptr, off_ptr, status_ptr, NSEQ, TOTA
 
 
 @triton.jit
-def _zero_rows(ptr, o_t, m_t, W: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr):
-    """ptr[t, :W] = 0 for the BT tokens o_t where m_t (rows of W elements)."""
+def _zero_rows(ptr, stride_l, stride_h, o_t, m_t, NH: tl.constexpr, W: tl.constexpr,
+               V: tl.constexpr, BT: tl.constexpr, BW: tl.constexpr):
+    """ptr[t, j, :W] = 0 for j < NH and the BT tokens o_t where m_t (a token's NH rows of W
+    elements, strides in units of V elements)."""
     if W > 0:
-        for w0 in range(0, W, BW):
-            o_w = w0 + tl.arange(0, BW)
-            p = o_t.to(tl.int64)[:, None] * W + o_w[None, :]
-            tl.store(ptr + p, tl.zeros([BT, BW], dtype=ptr.dtype.element_ty),
-                     mask=m_t[:, None] & (o_w < W)[None, :])
+        for j in range(NH):
+            for w0 in range(0, W, BW):
+                o_w = w0 + tl.arange(0, BW)
+                p = o_t.to(tl.int64)[:, None] * (stride_l * V) + j * (stride_h * V) + o_w[None, :]
+                tl.store(ptr + p, tl.zeros([BT, BW], dtype=ptr.dtype.element_ty),
+                         mask=m_t[:, None] & (o_w < W)[None, :])
 
 
 @triton.jit
-def ssd_zero_uncovered_kernel(cu_ptr, out0_ptr, out1_ptr, out2_ptr, out3_ptr, out4_ptr, L, NSEQ,
-                              W0: tl.constexpr, W1: tl.constexpr, W2: tl.constexpr,
-                              W3: tl.constexpr, W4: tl.constexpr, BT: tl.constexpr,
-                              BW: tl.constexpr):
-    """Packed sequences: zeroes the rows of up to five per-token outputs (row widths W0..W4; 0:
-    absent) at the tokens no sequence covers, [0, c'[0]) and [c'[nseq], L) of the sanitised
-    offsets. A block of covered tokens (every one, for valid offsets) returns at once."""
+def ssd_zero_uncovered_kernel(cu_ptr, out0_ptr, out1_ptr, out2_ptr, out3_ptr, out4_ptr,
+                              stride_0l, stride_0h, stride_1l, stride_1h, stride_2l, stride_2h,
+                              stride_3l, stride_3h, stride_4l, stride_4h, L, NSEQ,
+                              NH0: tl.constexpr, W0: tl.constexpr, V0: tl.constexpr,
+                              NH1: tl.constexpr, W1: tl.constexpr, V1: tl.constexpr,
+                              NH2: tl.constexpr, W2: tl.constexpr, V2: tl.constexpr,
+                              NH3: tl.constexpr, W3: tl.constexpr, V3: tl.constexpr,
+                              NH4: tl.constexpr, W4: tl.constexpr, V4: tl.constexpr,
+                              BT: tl.constexpr, BW: tl.constexpr):
+    """Packed sequences (one batch row): zeroes up to five per-token outputs (each token NH_i
+    rows of W_i elements, strides in units of V_i; W_i = 0: absent) at the tokens no sequence
+    covers, [0, c'[0]) and [c'[nseq], L) of the sanitised offsets. A block of covered tokens
+    (every one, for valid offsets) returns at once."""
     t0 = tl.program_id(0) * BT
     lo = tl.load(cu_ptr)
     hi = tl.load(cu_ptr + NSEQ)
@@ -118,27 +177,29 @@ def ssd_zero_uncovered_kernel(cu_ptr, out0_ptr, out1_ptr, out2_ptr, out3_ptr, ou
         return
     o_t = t0 + tl.arange(0, BT)
     m_t = (o_t < L) & ((o_t < lo) | (o_t >= hi))
-    _zero_rows(out0_ptr, o_t, m_t, W0, BT, BW)
-    _zero_rows(out1_ptr, o_t, m_t, W1, BT, BW)
-    _zero_rows(out2_ptr, o_t, m_t, W2, BT, BW)
-    _zero_rows(out3_ptr, o_t, m_t, W3, BT, BW)
-    _zero_rows(out4_ptr, o_t, m_t, W4, BT, BW)
+    _zero_rows(out0_ptr, stride_0l, stride_0h, o_t, m_t, NH0, W0, V0, BT, BW)
+    _zero_rows(out1_ptr, stride_1l, stride_1h, o_t, m_t, NH1, W1, V1, BT, BW)
+    _zero_rows(out2_ptr, stride_2l, stride_2h, o_t, m_t, NH2, W2, V2, BT, BW)
+    _zero_rows(out3_ptr, stride_3l, stride_3h, o_t, m_t, NH3, W3, V3, BT, BW)
+    _zero_rows(out4_ptr, stride_4l, stride_4h, o_t, m_t, NH4, W4, V4, BT, BW)
 
 
 @triton.jit
-def ssd_dt_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, cu_ptr, off_ptr, dts_ptr, acum_ptr, L, NSEQ,
-                         dt_min, dt_max,
+def ssd_dt_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, cu_ptr, off_ptr, dts_ptr, acum_ptr,
+                         stride_dt_b, stride_dt_l, L, NSEQ, dt_min, dt_max,
                          H: tl.constexpr, Q: tl.constexpr, BLOCK_H: tl.constexpr,
                          HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, VARLEN: tl.constexpr,
-                         SEARCH_STEPS: tl.constexpr, SOFTPLUS_THRESHOLD: tl.constexpr):
+                         SEARCH_STEPS: tl.constexpr, SOFTPLUS_THRESHOLD: tl.constexpr,
+                         VDT: tl.constexpr):
     i_seg, i_h = tl.program_id(0), tl.program_id(1)
-    start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
     o_q = tl.arange(0, Q)
     o_h = i_h * BLOCK_H + tl.arange(0, BLOCK_H)
     m_h = o_h < H
     tok = start + o_q
     m = (tok < end)[:, None] & m_h[None, :]
-    b_dt = tl.load(dt_ptr + tok.to(tl.int64)[:, None] * H + o_h[None, :], mask=m, other=0.0).to(tl.float32)
+    p_dt = dt_ptr + row * (stride_dt_b * VDT) + tok.to(tl.int64)[:, None] * (stride_dt_l * VDT)
+    b_dt = tl.load(p_dt + o_h[None, :], mask=m, other=0.0).to(tl.float32)
     if HAS_BIAS:
         b_dt += tl.load(bias_ptr + o_h, mask=m_h, other=0.0)[None, :]
     if SOFTPLUS:
@@ -154,67 +215,90 @@ def ssd_dt_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, cu_ptr, off_ptr, dts_ptr, acum
 
 
 @triton.jit
-def ssd_cb_kernel(C_ptr, B_ptr, cu_ptr, off_ptr, cb_ptr, L, NSEQ,
+def ssd_cb_kernel(C_ptr, B_ptr, cu_ptr, off_ptr, runs_ptr, cb_ptr, stride_C_b, stride_C_l,
+                  stride_C_g, stride_B_b, stride_B_l, stride_B_g, L, NSEQ,
                   G: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr,
                   BN: tl.constexpr, VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                  UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                  UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SEQ: tl.constexpr,
+                  VB: tl.constexpr):
     i_sg, i_t = tl.program_id(0), tl.program_id(1)
     i_seg, i_g = i_sg // G, i_sg % G
     NT: tl.constexpr = Q // BQ
     i_m, i_n = i_t // NT, i_t % NT
     if i_n > i_m:            # only tiles on or below the diagonal are ever read
         return
-    start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
     o_i = i_m * BQ + tl.arange(0, BQ)
     o_j = i_n * BQ + tl.arange(0, BQ)
     tok_i = (start + o_i).to(tl.int64)
     tok_j = (start + o_j).to(tl.int64)
     m_i, m_j = start + o_i < end, start + o_j < end
+    p_c = C_ptr + row * (stride_C_b * VB) + i_g * (stride_C_g * VB)
+    p_b = B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB)
     b_acc = tl.zeros([BQ, BQ], dtype=tl.float32)
     for n0 in range(0, N, BN):
         o_n = n0 + tl.arange(0, BN)
         m_n = o_n < N
-        b_c = tl.load(C_ptr + tok_i[:, None] * (G * N) + i_g * N + o_n[None, :],
+        b_c = tl.load(p_c + tok_i[:, None] * (stride_C_l * VB) + o_n[None, :],
                       mask=m_i[:, None] & m_n[None, :], other=0.0)
-        b_bt = tl.load(B_ptr + tok_j[None, :] * (G * N) + i_g * N + o_n[:, None],
+        b_bt = tl.load(p_b + tok_j[None, :] * (stride_B_l * VB) + o_n[:, None],
                        mask=m_n[:, None] & m_j[None, :], other=0.0)
         b_acc = mm(b_c, b_bt, b_acc, UPCAST, IEEE)                  # [BQ, BN] @ [BN, BQ]
+    if HAS_SEQ:              # pairs of one run only
+        r_i = token_runs(runs_ptr, row, start, o_i, m_i, L)
+        r_j = token_runs(runs_ptr, row, start, o_j, m_j, L)
+        b_acc = tl.where(r_i[:, None] == r_j[None, :], b_acc, 0.0)
     p = i_sg.to(tl.int64) * (Q * Q) + o_i[:, None] * Q + o_j[None, :]
     tl.store(cb_ptr + p, b_acc)
 
 
 @triton.jit
-def ssd_segment_state_kernel(x_ptr, B_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, states_ptr, L, NSEQ,
+def ssd_segment_state_kernel(x_ptr, B_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, runs_ptr,
+                             states_ptr, stride_x_b, stride_x_l, stride_x_h, stride_B_b,
+                             stride_B_l, stride_B_g, L, NSEQ,
                              H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                              Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                              BK: tl.constexpr, FROM_START: tl.constexpr, VARLEN: tl.constexpr,
-                             SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+                             SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                             HAS_SEQ: tl.constexpr, VX: tl.constexpr, VB: tl.constexpr):
     """states[σ, h] = sum_j w_j x_j ⊗ B_j over the segment's tokens, with
     w_j = exp(Acum_last - Acum_j) dt_j: the segment's own contribution to its end state; or,
-    FROM_START (backward, x = dy and B = C), w_j = exp(Acum_j): what dy sends back into H0."""
+    FROM_START (backward, x = dy and B = C), w_j = exp(Acum_j): what dy sends back into H0.
+    Sequence ids: only the tokens of the last token's run (of the run before the segment,
+    FROM_START) count."""
     i_sh, i_p, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_seg, i_h = i_sh // H, i_sh % H
     i_g = i_h // (H // G)
-    start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
     o_p = i_p * BP + tl.arange(0, BP)
     o_n = i_n * BN + tl.arange(0, BN)
     m_p, m_n = o_p < P, o_n < N
     p_seg = i_sh.to(tl.int64) * Q
     acum_last = tl.load(acum_ptr + p_seg + Q - 1)
+    p_x = x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX)
+    p_b = B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB)
+    if HAS_SEQ:
+        r_prev, r_last = segment_runs(runs_ptr, row, start, end, L)
+        if FROM_START:
+            r_keep = r_prev
+        else:
+            r_keep = r_last
     b_acc = tl.zeros([BP, BN], dtype=tl.float32)
     for k0 in range(0, end - start, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = start + o_k < end
         tok = (start + o_k).to(tl.int64)
-        b_xt = tl.load(x_ptr + tok[None, :] * (H * P) + i_h * P + o_p[:, None],
+        b_xt = tl.load(p_x + tok[None, :] * (stride_x_l * VX) + o_p[:, None],
                        mask=m_p[:, None] & m_k[None, :], other=0.0)
-        b_b = tl.load(B_ptr + tok[:, None] * (G * N) + i_g * N + o_n[None, :],
+        b_b = tl.load(p_b + tok[:, None] * (stride_B_l * VB) + o_n[None, :],
                       mask=m_k[:, None] & m_n[None, :], other=0.0)
         b_acum = tl.load(acum_ptr + p_seg + o_k)
         if FROM_START:
             b_w = tl.exp(tl.minimum(b_acum, 0.0))
         else:
             b_w = tl.exp(tl.minimum(acum_last - b_acum, 0.0)) * tl.load(dts_ptr + p_seg + o_k)
+        if HAS_SEQ:
+            b_w = tl.where(token_runs(runs_ptr, row, start, o_k, m_k, L) == r_keep, b_w, 0.0)
         b_b = (b_b * b_w[:, None]).to(b_xt.dtype)
         b_acc = mm(b_xt, b_b, b_acc, UPCAST, IEEE)                  # [BP, BK] @ [BK, BN]
     p = i_sh.to(tl.int64) * (P * N) + o_p[:, None] * N + o_n[None, :]
@@ -222,10 +306,22 @@ def ssd_segment_state_kernel(x_ptr, B_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, s
 
 
 @triton.jit
-def ssd_state_passing_kernel(states_ptr, acum_ptr, h0_ptr, final_ptr, off_ptr, L,
-                             H: tl.constexpr, PN: tl.constexpr, Q: tl.constexpr,
-                             BLOCK: tl.constexpr, HAS_H0: tl.constexpr, VARLEN: tl.constexpr):
-    """Along each sequence: states[σ] <- state entering σ; the last state is the final one."""
+def carries(runs_ptr, i_s, k, L, Q: tl.constexpr):
+    """Sequence ids: whether the state entering segment k of row i_s carries into its end
+    state (the segment's last token is in the run before it)."""
+    start = k * Q
+    r_prev, r_last = segment_runs(runs_ptr, i_s.to(tl.int64), start, tl.minimum(L, start + Q), L)
+    return r_prev == r_last
+
+
+@triton.jit
+def ssd_state_passing_kernel(states_ptr, acum_ptr, h0_ptr, final_ptr, off_ptr, runs_ptr,
+                             entering_ptr, L, H: tl.constexpr, PN: tl.constexpr, Q: tl.constexpr,
+                             BLOCK: tl.constexpr, HAS_H0: tl.constexpr, VARLEN: tl.constexpr,
+                             HAS_SEQ: tl.constexpr, HAS_ENTERING: tl.constexpr):
+    """Along each sequence: states[σ] <- state entering σ (and entering[σ], the plan's
+    segment_states, when asked); the last state is the final one (sequence ids: a segment whose
+    last token starts a new run drops the entering state)."""
     i_s, i_h, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     first, last = sequence_segments(i_s, off_ptr, L, Q, VARLEN)
     o = i_t * BLOCK + tl.arange(0, BLOCK)
@@ -241,25 +337,35 @@ def ssd_state_passing_kernel(states_ptr, acum_ptr, h0_ptr, final_ptr, off_ptr, L
         p = (seg * H + i_h) * PN + o
         b_own = tl.load(states_ptr + p, mask=m, other=0.0)
         tl.store(states_ptr + p, b_state, mask=m)
+        if HAS_ENTERING:
+            tl.store(entering_ptr + p, b_state, mask=m)
         decay = tl.exp(tl.minimum(tl.load(acum_ptr + (seg * H + i_h) * Q + Q - 1), 0.0))
+        if HAS_SEQ:
+            decay = tl.where(carries(runs_ptr, i_s, k, L, Q), decay, 0.0)
         b_state = decay * b_state + b_own
     tl.store(final_ptr + p_seq, b_state, mask=m)
 
 
 @triton.jit
 def ssd_chunk_scan_fwd_kernel(x_ptr, z_ptr, C_ptr, cb_ptr, dts_ptr, acum_ptr, states_ptr, D_ptr,
-                              cu_ptr, off_ptr, y_ptr, ypre_ptr, L, NSEQ,
+                              cu_ptr, off_ptr, runs_ptr, y_ptr, ypre_ptr,
+                              stride_x_b, stride_x_l, stride_x_h, stride_z_b, stride_z_l,
+                              stride_z_h, stride_C_b, stride_C_l, stride_C_g, stride_y_b,
+                              stride_y_l, stride_y_h, L, NSEQ,
                               H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                               Q: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr,
                               BN: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
                               HAS_Z: tl.constexpr, VARLEN: tl.constexpr,
                               SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr,
-                              IEEE: tl.constexpr):
-    """y_i = exp(Acum_i) C_i·H0 + sum_{j<=i} (C_i·B_j) exp(Acum_i - Acum_j) dt_j x_j + D x_i."""
+                              IEEE: tl.constexpr, HAS_SEQ: tl.constexpr, VX: tl.constexpr,
+                              VB: tl.constexpr):
+    """y_i = exp(Acum_i) C_i·H0 + sum_{j<=i} (C_i·B_j) exp(Acum_i - Acum_j) dt_j x_j + D x_i
+    (sequence ids: the entering state's term only for the tokens of the run before the
+    segment; C·B is already zero across runs). y before the gate is contiguous [b, l, h, p]."""
     i_sh, i_p, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_seg, i_h = i_sh // H, i_sh % H
     i_g = i_h // (H // G)
-    start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
     if i_m * BQ >= end - start:
         return
     o_i = i_m * BQ + tl.arange(0, BQ)
@@ -268,19 +374,24 @@ def ssd_chunk_scan_fwd_kernel(x_ptr, z_ptr, C_ptr, cb_ptr, dts_ptr, acum_ptr, st
     tok_i = (start + o_i).to(tl.int64)
     p_seg = i_sh.to(tl.int64) * Q
     b_acum_i = tl.load(acum_ptr + p_seg + o_i)
+    p_x = x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX)
 
     # the state entering the segment: exp(Acum_i) C_i @ H0^T
     b_acc = tl.zeros([BQ, BP], dtype=tl.float32)
     p_state = states_ptr + i_sh.to(tl.int64) * (P * N)
+    p_c = C_ptr + row * (stride_C_b * VB) + i_g * (stride_C_g * VB) + tok_i[:, None] * (stride_C_l * VB)
     for n0 in range(0, N, BN):
         o_n = n0 + tl.arange(0, BN)
         m_n = o_n < N
-        b_c = tl.load(C_ptr + tok_i[:, None] * (G * N) + i_g * N + o_n[None, :],
-                      mask=m_i[:, None] & m_n[None, :], other=0.0)
+        b_c = tl.load(p_c + o_n[None, :], mask=m_i[:, None] & m_n[None, :], other=0.0)
         b_h0t = tl.load(p_state + o_p[None, :] * N + o_n[:, None], mask=m_n[:, None] & m_p[None, :],
                         other=0.0)
         b_acc = mm(b_c, b_h0t.to(b_c.dtype), b_acc, UPCAST, IEEE)  # [BQ, BN] @ [BN, BP]
-    b_acc *= tl.exp(tl.minimum(b_acum_i, 0.0))[:, None]
+    b_start = tl.exp(tl.minimum(b_acum_i, 0.0))
+    if HAS_SEQ:
+        r_prev, r_last = segment_runs(runs_ptr, row, start, end, L)
+        b_start = tl.where(token_runs(runs_ptr, row, start, o_i, m_i, L) == r_prev, b_start, 0.0)
+    b_acc *= b_start[:, None]
 
     # within the segment, j <= i
     p_cb = cb_ptr + (i_seg * G + i_g).to(tl.int64) * (Q * Q)
@@ -293,20 +404,25 @@ def ssd_chunk_scan_fwd_kernel(x_ptr, z_ptr, C_ptr, cb_ptr, dts_ptr, acum_ptr, st
         b_dt_k = tl.load(dts_ptr + p_seg + o_k)
         b_w = b_cb * tl.exp(tl.minimum(b_acum_i[:, None] - b_acum_k[None, :], 0.0)) * b_dt_k[None, :]
         b_w = tl.where((o_k[None, :] <= o_i[:, None]) & m_k[None, :], b_w, 0.0)
-        b_x = tl.load(x_ptr + tok_k[:, None] * (H * P) + i_h * P + o_p[None, :],
+        b_x = tl.load(p_x + tok_k[:, None] * (stride_x_l * VX) + o_p[None, :],
                       mask=m_k[:, None] & m_p[None, :], other=0.0)
         b_acc = mm(b_w.to(b_x.dtype), b_x, b_acc, UPCAST, IEEE)  # [BQ, BQ] @ [BQ, BP]
 
-    p_out = tok_i[:, None] * (H * P) + i_h * P + o_p[None, :]
     m_out = m_i[:, None] & m_p[None, :]
     if HAS_D:
-        b_xi = tl.load(x_ptr + p_out, mask=m_out, other=0.0).to(tl.float32)
+        b_xi = tl.load(p_x + tok_i[:, None] * (stride_x_l * VX) + o_p[None, :], mask=m_out,
+                       other=0.0).to(tl.float32)
         if D_PER_CHANNEL:
             b_acc += tl.load(D_ptr + i_h * P + o_p, mask=m_p, other=0.0)[None, :] * b_xi
         else:
             b_acc += tl.load(D_ptr + i_h) * b_xi
     if HAS_Z:
-        tl.store(ypre_ptr + p_out, b_acc.to(ypre_ptr.dtype.element_ty), mask=m_out)
-        b_z = tl.load(z_ptr + p_out, mask=m_out, other=0.0).to(tl.float32)
+        p_pre = ((row * L + tok_i[:, None]) * H + i_h) * P + o_p[None, :]
+        tl.store(ypre_ptr + p_pre, b_acc.to(ypre_ptr.dtype.element_ty), mask=m_out)
+        p_z = (z_ptr + row * (stride_z_b * VX) + i_h * (stride_z_h * VX)
+               + tok_i[:, None] * (stride_z_l * VX) + o_p[None, :])
+        b_z = tl.load(p_z, mask=m_out, other=0.0).to(tl.float32)
         b_acc *= b_z * tl.sigmoid(b_z)
-    tl.store(y_ptr + p_out, b_acc.to(y_ptr.dtype.element_ty), mask=m_out)
+    p_y = (y_ptr + row * (stride_y_b * VX) + i_h * (stride_y_h * VX)
+           + tok_i[:, None] * (stride_y_l * VX) + o_p[None, :])
+    tl.store(p_y, b_acc.to(y_ptr.dtype.element_ty), mask=m_out)

@@ -6,7 +6,10 @@ the T tokens and is rounded only where it is written (every checkpoint_period to
 token, and every snapshot). Stochastic rounding draws from Philox-4x32-10 keyed by the row's seed
 and countered by (element index, offset + t); the torch backend mirrors it bit for bit. Kernel
 arguments carry the plan's tensor names; absent optional operands (D, z, dt_bias, the slot
-indices, the seeds and offsets, the snapshots, the status word) are compiled out.
+indices, the seeds and offsets, the snapshots, the status word) are compiled out. x, dt, B, C, z
+and y are addressed through their strides (row·stride_b + token·stride_t + head·stride_h +
+column), taken in units of a constexpr (VX, VB, VDT: a 16-byte vector when the rows are whole
+vectors, so the loads stay vectorised; else 1); B and C may be fp32 with 16-bit x.
 
 Index data (any values): a row whose slot is negative (padding) or past the cache
 (Status.SLOT_INDEX) is skipped: its programs write zeros to its y rows and snapshots and touch
@@ -22,15 +25,14 @@ import torch
 import triton
 import triton.language as tl
 
-from fusedops.core.cost import Cost
-from fusedops.core.dtypes import element_size, kernel_dtype_reason
-from fusedops.core.program import Program, Stage
+from fusedops.core.dtypes import kernel_dtype_reason
+from fusedops.core.program import Program, Stage, Stride
 from fusedops.core.status import Status
 from fusedops.core.target import target_arch
-from fusedops.mamba2_inference.contract import (SOFTPLUS_THRESHOLD, UPDATE_FLOPS_PER_ELEMENT,
-                                                DecodeProblem)
+from fusedops.mamba2_inference.contract import SOFTPLUS_THRESHOLD, DecodeProblem
 
 from . import interpreter_active
+from .mamba2_decode_model import rollback_cost, update_cost
 from .rounding import nearest_even, stochastic
 from .runtime import KernelSpec, pointer_type
 from .tiles import report_if
@@ -61,14 +63,18 @@ def stored(S, elements, seed, counter, DTYPE: tl.constexpr, STOCHASTIC: tl.const
 @triton.jit
 def ssd_state_update_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr,
                             dt_bias_ptr, state_batch_indices_ptr, rng_seed_ptr, rng_offset_ptr,
-                            y_ptr, snapshots_ptr, status_ptr, SLOTS, T, dt_min, dt_max,
-                            H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
+                            y_ptr, snapshots_ptr, status_ptr, stride_x_b, stride_x_t, stride_x_h,
+                            stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
+                            stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t,
+                            stride_z_h, stride_y_b, stride_y_t, stride_y_h, SLOTS, T, dt_min,
+                            dt_max, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
                             N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
                             PERIOD: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
                             HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
                             HAS_INDICES: tl.constexpr, STOCHASTIC: tl.constexpr,
                             HAS_SNAPSHOTS: tl.constexpr, EXACT_NEAREST: tl.constexpr,
-                            SOFTPLUS_THRESHOLD: tl.constexpr, HAS_STATUS: tl.constexpr):
+                            SOFTPLUS_THRESHOLD: tl.constexpr, HAS_STATUS: tl.constexpr,
+                            VX: tl.constexpr, VB: tl.constexpr, VDT: tl.constexpr):
     i_b, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     o_p = i_p * BP + tl.arange(0, BP)
     o_n = tl.arange(0, BN)
@@ -76,6 +82,8 @@ def ssd_state_update_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr
     m_pn = m_p[:, None] & m_n[None, :]
     DTYPE = state_ptr.dtype.element_ty
     o_snap = (i_b.to(tl.int64) * (T + 1) * H + i_h) * (P * N) + o_p[:, None] * N + o_n[None, :]
+    row = i_b.to(tl.int64)
+    p_y = y_ptr + row * (stride_y_b * VX) + i_h * (stride_y_h * VX) + o_p
     if HAS_INDICES:
         slot = tl.load(state_batch_indices_ptr + i_b).to(tl.int64)
     else:
@@ -85,8 +93,8 @@ def ssd_state_update_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr
         # snapshots of the row are 0
         report_if(status_ptr, (slot >= SLOTS) & (i_h == 0) & (i_p == 0), SLOT_INDEX_BIT, HAS_STATUS)
         for t in range(T):
-            p_x = (i_b.to(tl.int64) * T + t) * (H * P) + i_h * P + o_p
-            tl.store(y_ptr + p_x, tl.zeros([BP], dtype=y_ptr.dtype.element_ty), mask=m_p)
+            tl.store(p_y + t * (stride_y_t * VX), tl.zeros([BP], dtype=y_ptr.dtype.element_ty),
+                     mask=m_p)
         if HAS_SNAPSHOTS:
             for t in range(T + 1):
                 tl.store(snapshots_ptr + o_snap + t * (H * P * N),
@@ -113,27 +121,31 @@ def ssd_state_update_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr
             b_D = tl.load(D_ptr + i_h * P + o_p, mask=m_p, other=0.0)
         else:
             b_D = tl.load(D_ptr + i_h)
+    p_x = x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX) + o_p
+    p_dt = dt_ptr + row * (stride_dt_b * VDT) + i_h
+    p_B = B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB) + o_n
+    p_C = C_ptr + row * (stride_C_b * VB) + i_g * (stride_C_g * VB) + o_n
+    if HAS_Z:
+        p_z = z_ptr + row * (stride_z_b * VX) + i_h * (stride_z_h * VX) + o_p
     for t in range(T):
-        tok = i_b.to(tl.int64) * T + t
-        dt = tl.load(dt_ptr + tok * H + i_h).to(tl.float32)
+        dt = tl.load(p_dt + t * (stride_dt_t * VDT)).to(tl.float32)
         if HAS_BIAS:
             dt += bias
         if SOFTPLUS:
             dt = tl.where(dt > SOFTPLUS_THRESHOLD, dt, tl.maximum(dt, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(dt))))
         dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
         decay = tl.exp(dt * b_A)
-        p_x = tok * (H * P) + i_h * P + o_p
-        b_x = tl.load(x_ptr + p_x, mask=m_p, other=0.0).to(tl.float32)
-        b_B = tl.load(B_ptr + tok * (G * N) + i_g * N + o_n, mask=m_n, other=0.0).to(tl.float32)
-        b_C = tl.load(C_ptr + tok * (G * N) + i_g * N + o_n, mask=m_n, other=0.0).to(tl.float32)
+        b_x = tl.load(p_x + t * (stride_x_t * VX), mask=m_p, other=0.0).to(tl.float32)
+        b_B = tl.load(p_B + t * (stride_B_t * VB), mask=m_n, other=0.0).to(tl.float32)
+        b_C = tl.load(p_C + t * (stride_C_t * VB), mask=m_n, other=0.0).to(tl.float32)
         b_S = decay * b_S + (dt * b_x)[:, None] * b_B[None, :]
         b_y = tl.sum(b_S * b_C[None, :], axis=1)
         if HAS_D:
             b_y += b_D * b_x
         if HAS_Z:
-            b_z = tl.load(z_ptr + p_x, mask=m_p, other=0.0).to(tl.float32)
+            b_z = tl.load(p_z + t * (stride_z_t * VX), mask=m_p, other=0.0).to(tl.float32)
             b_y *= b_z * tl.sigmoid(b_z)
-        tl.store(y_ptr + p_x, b_y.to(y_ptr.dtype.element_ty), mask=m_p)
+        tl.store(p_y + t * (stride_y_t * VX), b_y.to(y_ptr.dtype.element_ty), mask=m_p)
         b_written = stored(b_S, elements, seed, offset + t + 1, DTYPE, STOCHASTIC, EXACT_NEAREST)
         if ((t + 1) % PERIOD == 0) | (t == T - 1):
             b_S = b_written.to(tl.float32)
@@ -219,38 +231,6 @@ def _p_tile(problem, tiles: DecodeTiles | None = None) -> int:
     return max(1, min(rows, triton.next_power_of_2(problem.head_dim)))
 
 
-def update_cost(problem, bp: int) -> Cost:
-    """Per (row, head, p tile) program, every row valid: the [BP, n] state tile read once and
-    written once (and written as every snapshot); per token the dt scalar (read by the NPB p-tile
-    programs of the head), x (and z) rows read and y written once, and the group's B and C rows,
-    re-read by every head of the group and every p tile (b·T·h·NPB·2·n·e); the slot index and
-    seeds per program; A, D, dt_bias slices counted once (every row's programs read them).
-    FLOPs: 5 per state element and token over the padded tile, the dt transform, D and the
-    gate."""
-    b, T, h, p, n = problem.batch, problem.tokens, problem.heads, problem.head_dim, problem.state
-    e, edt = element_size(problem.dtype), element_size(problem.dt_dtype)
-    npb, bn = triton.cdiv(p, bp), triton.next_power_of_2(n)
-    state = b * h * p * n * element_size(problem.state_dtype)
-    xbytes = b * T * h * p * e
-    params = 4 * (h + (h * p if problem.D_per_channel else h) * problem.has_D
-                  + h * problem.has_dt_bias)
-    read = (state + xbytes * (1 + problem.has_z) + b * T * h * npb * (edt + 2 * n * e) + params
-            + b * h * npb * (4 * problem.has_indices + 16 * problem.stochastic))
-    written = state + xbytes + (T + 1) * state * problem.has_snapshots
-    flops = (UPDATE_FLOPS_PER_ELEMENT * b * T * h * npb * bp * bn + b * T * h * npb * 12
-             + b * T * h * p * (2 * problem.has_D + 5 * problem.has_z))
-    return Cost(flops, read, written)
-
-
-def rollback_cost(problem, block: int) -> Cost:
-    """Per (row, tile) program, every row valid: the row's accepted count and slot (read by
-    each of its tiles' programs), one snapshot tile read and the slot's tile written."""
-    row = problem.state_numel * element_size(problem.state_dtype)
-    programs = problem.batch * triton.cdiv(problem.state_numel, block)
-    return Cost(0, problem.batch * row + programs * (4 + 4 * problem.has_indices),
-                problem.batch * row)
-
-
 def update_spec(problem, tiles: DecodeTiles | None = None) -> KernelSpec:
     """The state update over the T tokens: one program per (row, head, head-dim tile)."""
     tiles = tiles or tiles_for(problem)
@@ -259,16 +239,18 @@ def update_spec(problem, tiles: DecodeTiles | None = None) -> KernelSpec:
 
     def present(flag, triton_type):
         return triton_type if flag else None
+    bt = pointer_type(problem.b_dtype)
     args = (("state_ptr", st), ("x_ptr", xt), ("dt_ptr", pointer_type(problem.dt_dtype)),
-            ("A_ptr", "*fp32"), ("B_ptr", xt), ("C_ptr", xt),
+            ("A_ptr", "*fp32"), ("B_ptr", bt), ("C_ptr", bt),
             ("D_ptr", present(problem.has_D, "*fp32")), ("z_ptr", present(problem.has_z, xt)),
             ("dt_bias_ptr", present(problem.has_dt_bias, "*fp32")),
             ("state_batch_indices_ptr", present(problem.has_indices, "*i32")),
             ("rng_seed_ptr", present(problem.stochastic, "*i64")),
             ("rng_offset_ptr", present(problem.stochastic, "*i64")), ("y_ptr", xt),
             ("snapshots_ptr", present(problem.has_snapshots, st)),
-            ("status_ptr", present(problem.has_status, "*i32")), ("SLOTS", "i32"), ("T", "i32"),
-            ("dt_min", "fp32"), ("dt_max", "fp32"))
+            ("status_ptr", present(problem.has_status, "*i32")),
+            *((name, "i64" if name.endswith("_b") else "i32") for name in UPDATE_STRIDES),
+            ("SLOTS", "i32"), ("T", "i32"), ("dt_min", "fp32"), ("dt_max", "fp32"))
     bn = triton.next_power_of_2(problem.state)
     constexprs = dict(H=problem.heads, G=problem.groups, P=problem.head_dim,
                       N=problem.state, BP=bp, BN=bn,
@@ -278,7 +260,8 @@ def update_spec(problem, tiles: DecodeTiles | None = None) -> KernelSpec:
                       HAS_INDICES=problem.has_indices, STOCHASTIC=problem.stochastic,
                       HAS_SNAPSHOTS=problem.has_snapshots,
                       EXACT_NEAREST=interpreter_active() and problem.state_dtype == torch.bfloat16,
-                      SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, HAS_STATUS=problem.has_status)
+                      SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, HAS_STATUS=problem.has_status,
+                      VX=problem.vector, VB=problem.bc_vector, VDT=problem.dt_vector)
     warps = max(1, min(tiles.MAX_WARPS, bp * bn // tiles.ELEMENTS_PER_WARP))
     grid = (problem.batch, problem.heads, triton.cdiv(problem.head_dim, bp))
     # with Philox, ptxas otherwise settles at ~72 registers and keeps a small stack frame
@@ -309,13 +292,30 @@ def unsupported_reason(problem) -> str | None:
     return kernel_dtype_reason("Triton Mamba2 inference kernels", dtype)
 
 
+UPDATE_STRIDES = {"stride_x_b": ("x", 0), "stride_x_t": ("x", 1), "stride_x_h": ("x", 2),
+                  "stride_dt_b": ("dt", 0), "stride_dt_t": ("dt", 1),
+                  "stride_B_b": ("B", 0), "stride_B_t": ("B", 1), "stride_B_g": ("B", 2),
+                  "stride_C_b": ("C", 0), "stride_C_t": ("C", 1), "stride_C_g": ("C", 2),
+                  "stride_z_b": ("z", 0), "stride_z_t": ("z", 1), "stride_z_h": ("z", 2),
+                  "stride_y_b": ("y", 0), "stride_y_t": ("y", 1), "stride_y_h": ("y", 2)}
+"""The update kernel's stride arguments: (tensor, dim)."""
+
+
+def _update_strides(problem) -> dict:
+    """The stride binds, in units of each operand's vector (z's are 0 without z)."""
+    units = dict(x=problem.vector, z=problem.vector, y=problem.vector, B=problem.bc_vector,
+                 C=problem.bc_vector, dt=problem.dt_vector)
+    return {arg: Stride(tensor, dim, units[tensor]) if tensor != "z" or problem.has_z else 0
+            for arg, (tensor, dim) in UPDATE_STRIDES.items()}
+
+
 def update_program(problem, config: DecodeTiles | None = None) -> Program:
     """One launch: every row, head and head-dim tile over the T tokens (blocks: the table's
     entry for the plan's architecture, or ``config``)."""
     lo, hi = problem.dt_limit
     return Program(stages=(Stage(update_spec(problem, config),
                                  dict(SLOTS=problem.slots, T=problem.tokens, dt_min=lo,
-                                      dt_max=hi)),))
+                                      dt_max=hi, **_update_strides(problem))),))
 
 
 def rollback_program(problem, config: DecodeTiles | None = None) -> Program:

@@ -1,17 +1,29 @@
-"""Mamba2 chunked scan (Triton): the per-architecture tile table, its autotune candidates, and
-the analytic cost (FLOPs, HBM bytes) of every kernel, counted from the kernels' tiles and loops
-(mamba2_fwd.py, mamba2_bwd.py; docs/mamba2.md, "Performance model"; docs/performance.md, "How
-traffic is counted").
+"""Mamba2 chunked scan (Triton): the analytic cost (FLOPs, HBM bytes) of every scan kernel
+(mamba2_fwd.py, mamba2_bwd.py), counted from the kernels' tiles (mamba2_tiles.py), loops and
+program order (docs/mamba2.md, "Performance model"; docs/performance.md, "How traffic is
+counted").
 
-Counting rules, as docs/performance.md states them: what each program loads and stores counts;
-a tile several programs load counts once per program (the h/g heads of a group re-reading B, C
-and C·B, the row blocks re-reading a state: no L2 hit is assumed); a tile a program loads again
-itself (the diagonal x block for D, dy rows in the decay-gradient loop) counts once; a small
-operand every program reads whole (A, dt_bias, D, the varlen offsets) counts once. Masked-off
-lanes move nothing; unmasked loads of padded workspace rows count in full. Token loops follow
-the segment lengths ``contract.segment_lengths`` gives (packed sequences: an even split, which
-the plan cannot know better). A kernel's FLOPs: ``mma_flops`` the tl.dot products over their
-padded tiles, the rest the element-wise work on the CUDA cores (exp and log count one each).
+Counting rules, as docs/performance.md states them. Programs start in launch order, the grid's
+first dimension fastest; programs that return at once (row blocks past a segment's end, block
+pairs above the diagonal) take no slot. A wave is the SM count (132 sm_90, 148 sm_100, 108
+sm_80: ``wave_model.machine``) × the kernel's CTAs per SM (``mamba2_tiles.CTAS_PER_SM``, the occupancy
+``fusedops kernels`` reports; one CTA per SM for tiles outside the table). Within a wave, a tile
+several programs load (B, C and C·B by the R heads of a group, a segment's acum by its heads'
+row blocks) counts once if the wave's working set (its distinct tiles, plus what its programs
+load alone and store) fits in the L2 (50 MB sm_90, 126 MB sm_100, 40 MB sm_80), else once per
+program; a tile loaded again in a later wave counts again (a grid with the row block in its
+slowest dimension re-reads a segment's state once per row block). A tile a program loads again
+itself (the diagonal x block for D, dy rows in the decay-gradient loop) counts once. Values
+passed between kernels through HBM (the passed states, dts and acum, C·B, d(C·B), the fp32
+partials) count in the kernel that reads them. A small operand every program reads whole (A,
+dt_bias, D, the varlen offsets) counts once. Masked-off lanes move nothing; unmasked loads of
+padded workspace rows count in full. Token loops follow the segment lengths
+``segment_tokens`` gives (packed sequences: the even split the tuning inputs use, which the plan
+cannot know better). ``Waves`` does the counting from each kernel's tiles, keyed by what they
+hold; each cost function's docstring states its kernel's order, wave and reuse. A kernel's
+FLOPs: ``mma_flops`` the tl.dot products over their padded tiles, the rest the element-wise
+work on the CUDA cores (exp and log count one each). Not modelled: the runs of sequence ids
+(``has_seq_idx``: an int32 per token some kernels read).
 
 Notation in the docstrings: T = b·l tokens, S = max_segments (the grid's segments; "used": the
 segments holding tokens), h, g, R = h/g, p, n, Q; e = bytes of x's dtype, e_dt of dt's; per
@@ -22,88 +34,17 @@ T·h·p·e, "state-sized" = S·h·p·n·4.
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
-import triton
+import torch
 
 from fusedops.core.cost import Cost
 from fusedops.core.dtypes import element_size
 from fusedops.core.target import target_arch
 from fusedops.mamba2.contract import segment_lengths
 
-
-@dataclass(frozen=True)
-class ScanTiles:
-    """One entry of the tile table (upper bounds; ``tiles`` fits them to a problem).
-
-    BQ: tokens per row block (rows and columns of a segment's Q x Q blocks; the M of the output,
-    C·B, dx and gradient products); BP: head-dim tile; BN: state tile; BLOCK_H: heads per dt
-    program; PASS: state elements per state-passing program."""
-
-    BQ: int = 64
-    BP: int = 64
-    BN: int = 64
-    BLOCK_H: int = 16
-    PASS: int = 1024
-
-
-@dataclass(frozen=True)
-class Tiles:
-    """The tiles of one problem's scan kernels (powers of two)."""
-
-    BQ: int
-    BP: int
-    BN: int
-    BLOCK_H: int
-    PASS: int
-    SEARCH: int      # binary-search steps to find a segment's sequence (varlen)
-
-
-TILES = {
-    "sm_80": (ScanTiles(64, 64, 64, 16, 1024),
-              "A100 (108 SMs, 164 KiB shared memory, mma.sync m16n8k16): today's tiles; the "
-              "output kernel's 40.5 KiB of shared memory at two stages allows 4 CTAs per SM; no "
-              "measurement yet says better"),
-    "sm_90": (ScanTiles(64, 64, 64, 16, 1024),
-              "H100/H200 (132 SMs, 228 KiB, wgmma): BQ = BP = 64 rows is one m64 wgmma per "
-              "warpgroup, the smallest tile with no mma.sync; today's tiles, no measurement yet"),
-    "sm_100": (ScanTiles(64, 64, 64, 16, 1024),
-               "B200 (148 SMs, 228 KiB, tcgen05): today's tiles (Triton lowers the 64-row dots "
-               "to tcgen05 with a 64-row M); no measurement yet"),
-}
-
-
-def _pow2_between(value: int, lo: int, hi: int) -> int:
-    return max(lo, min(hi, triton.next_power_of_2(value)))
-
-
-def tiles(problem, config: ScanTiles | None = None) -> Tiles:
-    """The table entry for the plan's architecture (or ``config``) fitted to the problem:
-    token, head-dim and state tiles at most the chunk, p and n (16 at least: the MMA's K),
-    heads per dt program, state elements per state-passing program, the varlen search depth."""
-    c = config or TILES[target_arch(problem.device)][0]
-    search = max(1, math.ceil(math.log2(problem.sequences + 1))) if problem.num_sequences else 1
-    return Tiles(BQ=min(problem.chunk, c.BQ), BP=_pow2_between(problem.head_dim, 16, c.BP),
-                 BN=_pow2_between(problem.state, 16, c.BN),
-                 BLOCK_H=_pow2_between(problem.heads, 1, c.BLOCK_H),
-                 PASS=_pow2_between(problem.head_dim * problem.state, 16, c.PASS), SEARCH=search)
-
-
-def candidates(problem) -> list[ScanTiles]:
-    """Autotune candidates: the table's entry first; the whole state per program (BN = 128: x
-    read once by the segment-state kernels, half the programs); 32-row head-dim tiles (twice
-    the output programs); shorter state-passing programs (more of them along a sequence)."""
-    base = TILES[target_arch(problem.device)][0]
-    out = [base, replace(base, BN=128), replace(base, BP=32), replace(base, PASS=512)]
-    return list(dict.fromkeys(out))
-
-
-def counts(problem, t: Tiles) -> dict:
-    """Row blocks per segment, head-dim and state tiles, state-passing programs per head."""
-    return dict(NQB=problem.chunk // t.BQ, NPB=triton.cdiv(problem.head_dim, t.BP),
-                NNB=triton.cdiv(problem.state, t.BN),
-                NT=triton.cdiv(problem.head_dim * problem.state, t.PASS))
+from .mamba2_tiles import Tiles, counts, ctas_per_sm
+from .wave_model import Waves, every_program, key, machine, per_arch
 
 
 # -- the model -----------------------------------------------------------------------------------
@@ -166,6 +107,37 @@ class _Dims:
         """sum over the used segments of f(segment) (times their count)."""
         return sum(s.count * f(s) for s in self.segs)
 
+def segment_tokens(problem) -> list[int]:
+    """Tokens of every grid segment in segment order: each of the b rows' ceil(l/Q) segments,
+    or with cu_seqlens the sequences of the even split (cu[i] = i·l // nseq, the tuning inputs')
+    one after another; then the unused segments (0)."""
+    Q = problem.chunk
+    if problem.num_sequences is None:
+        lengths = [problem.length] * problem.batch
+    else:
+        n, l = problem.num_sequences, problem.length
+        lengths = [(i + 1) * l // n - i * l // n for i in range(n)]
+    out = [min(Q, L - c * Q) for L in lengths for c in range(-(-L // Q))]
+    return out + [0] * (problem.max_segments - len(out))
+
+
+class _Launch:
+    """The waves of one scan kernel's grid on the plan's architecture, with the segment
+    lengths: ``L[s]`` tokens of grid segment s, ``V[s, k]`` of its row block k."""
+
+    def __init__(self, problem, t: Tiles, kernel: str, dims, active=None):
+        self.d = d = _Dims(problem, t)
+        arch = target_arch(problem.device)
+        box = machine(arch)
+        self.L = torch.tensor(segment_tokens(problem), dtype=torch.int64)
+        self.V = (self.L[:, None] - torch.arange(d.NQB)[None, :] * d.BQ).clamp(0, d.BQ)
+        self.wave = box.sms * ctas_per_sm(kernel, problem, t, arch)
+        self.waves = Waves(dims, self.wave, box.l2_bytes,
+                           None if active is None else (lambda *c: active(self, *c)))
+
+    def rows(self, extent: int, tile: int, index) -> torch.Tensor:
+        """Elements of tile ``index`` of ``tile`` along ``extent`` (the last one masked)."""
+        return (extent - index * tile).clamp(max=tile)
 
 def table_cost(problem) -> Cost:
     """Varlen offsets: cu_seqlens read, its sanitised copy written and read back for the
@@ -181,189 +153,384 @@ def zero_uncovered_cost(problem) -> Cost:
 
 
 def dt_cumsum_cost(problem, t: Tiles) -> Cost:
-    """dt read once (T·h·e_dt); A and dt_bias slices read by every segment's program (counted
+    """Grid (S, h/BLOCK_H): each program reads its segment's dt rows for BLOCK_H heads (dt read
+    once: no tile is shared), the A and dt_bias slices (read by every segment's program: counted
     once); dts and acum written for every segment, Q per head (2·S·h·Q·4, unused trailing
-    segments write zeros). FLOPs: bias, softplus (6), clamp (2), ·A and the cumsum per
-    (segment row, head)."""
+    segments write zeros). FLOPs: bias, softplus (6), clamp (2), ·A and the cumsum per (segment
+    row, head)."""
     d = _Dims(problem, t)
     read = d.T * d.H * d.edt + 4 * d.H * (1 + problem.has_dt_bias) + d.table
     flops = d.S * d.Q * d.H * (4 + problem.has_dt_bias + 6 * problem.dt_softplus)
     return Cost(flops, read, 2 * d.S * d.H * d.Q * 4)
 
 
+@per_arch
 def cb_cost(problem, t: Tiles) -> Cost:
-    """Per segment and group, every block pair j <= i (no early exit on the segment's end):
-    C rows i and B rows j over the whole state, v(i)·n·e + v(j)·n·e, and a [BQ, BQ] fp32 tile
-    written. B and C are read NQB+1 times over (pairs x 2 / NQB). MMA: [BQ, BN] @ [BN, BQ] over
-    n, for every pair of every grid segment."""
+    """C·B. Order: grid (S·g, NQB²), the (segment, group) fastest, then the block pair (i, j)
+    row-major; pairs above the diagonal return (no slot), so a pair's S·g programs run together
+    and the pairs (i, 0..i) sharing C rows i follow one another S·g programs apart. Wave: 132 × 6
+    = 792 programs on sm_90 (148 × 6 on sm_100, 108 × 4 on sm_80), about 1.5 pairs' worth at S·g
+    = 512 (b = 2, Q = 256). Reuse: C rows i (v(i)·n·e, the whole state) and B rows j of a
+    (segment, group) count once per wave that loads them: the next pair's re-read falls in the
+    same wave only where the wave spans both pairs, so of the (NQB + 1)/2 = 2.5 reads per row with
+    no sharing (Q = 256) C counts 1.9 and B 2.4 at b = 2 on sm_90 (every wave fits: at most
+    36 MB with its stores).
+    One fp32 [BQ, BQ] tile written per pair of every grid segment. MMA: [BQ, BN] @ [BN, BQ] over
+    n for every pair of every grid segment."""
     d = _Dims(problem, t)
-    read = d.G * d.each(lambda s: s.pair_rows(d.NQB)) * d.N * d.e + d.table
-    written = d.S * d.G * d.pairs * d.BQ * d.BQ * 4
+    nqb = d.NQB
+    launch = _Launch(problem, t, "ssd_cb_kernel", (d.S * d.G, nqb * nqb),
+                     active=lambda _, sg, ij: ij % nqb <= ij // nqb)
+    w = launch.waves
+    sg, ij = w.coords
+    s, g, i, j = sg // d.G, sg % d.G, ij // nqb, ij % nqb
+    every = every_program(w)
+    w.load("C", every, key((s, d.S), (i, nqb), (g, d.G)), launch.V[s, i] * d.N * d.e)
+    w.load("B", every, key((s, d.S), (j, nqb), (g, d.G)), launch.V[s, j] * d.N * d.e)
+    w.store(every, d.BQ * d.BQ * 4)
+    read, written, _, _ = w.count()
     mma = d.S * d.G * d.pairs * 2 * d.BQ * d.BQ * d.Np
-    return Cost(mma, read, written, mma, d.BQ)
+    return Cost(mma, read + d.table, written, mma, d.BQ)
 
 
+@per_arch
 def segment_state_cost(problem, t: Tiles, from_start: bool) -> Cost:
-    """Per (segment, head, p tile, n tile) program, rb token blocks of x^T [BP, BQ] and B
-    [BQ, BN] (dy and C ``from_start``): x is read once per n tile (NNB·x-sized), B once per head
-    and p tile (h·NPB·T·n·e: the R heads of a group each read it), acum (and dts) BQ·4 per block
-    unmasked; every program writes its fp32 [BP, BN] tile (state-sized: the forward's own states,
-    the backward's dH0 terms). MMA: [BP, BQ] @ [BQ, BN] per block; CUDA: the decay weights and
-    the scaling of B."""
+    """Each segment's own end state (the backward's dH0 terms ``from_start``: x = dy, B = C).
+    Order: grid (S·h, NPB, NNB), (segment, head) fastest, the state tile slowest: the R heads of
+    a group run one after another, a segment's heads together, and the NNB state tiles S·h
+    programs apart. Wave: 132 × 6 = 792 programs on sm_90 (the backward's 8-warp kernel 132 ×
+    5), about 6 segments' heads; every wave fits (at most 42 MB on sm_90, 47 of 126 on sm_100).
+    Reuse: B rows (the segment's
+    token blocks over the tile's BN state columns) are shared by the R heads of the group in
+    one wave: once per state tile (B read once in all); x rows k over the BP head-dim rows are
+    re-read by each state tile, S·h programs later: NNB times (2 at n = 128, BN = 64); acum and
+    dts (BQ·4 per block, unmasked) and the last acum once per (segment, head) and state tile.
+    Every program writes its fp32 [BP, BN] tile (state-sized). MMA: [BP, BQ] @ [BQ, BN] per
+    block; CUDA: the decay weights and the scaling of B."""
     d = _Dims(problem, t)
-    w = 4 if from_start else 8
-    per_head = d.each(lambda s: s.L * (d.P * d.NNB + d.N * d.NPB) * d.e
-                      + s.rb * d.BQ * w * d.NPB * d.NNB)
-    read = d.H * per_head + 4 * d.S * d.H * d.NPB * d.NNB + d.table
-    written = d.S * d.H * d.P * d.N * 4
+    kernel = "ssd_segment_state_kernel" + (" (dy, C)" if from_start else "")
+    launch = _Launch(problem, t, kernel, (d.S * d.H, d.NPB, d.NNB))
+    w, V = launch.waves, launch.V
+    sh, ip, jn = w.coords
+    s, h = sh // d.H, sh % d.H
+    g = h // d.R
+    bp, bn = launch.rows(d.P, d.BP, ip), launch.rows(d.N, d.BN, jn)
+    prog, k = w.loop(d.NQB, lambda p, k: V[s[p], k] > 0)
+    sk, hk, v = s[prog], h[prog], V[s[prog], k]
+    w.load("x", prog, key((sk, d.S), (k, d.NQB), (hk, d.H), (ip[prog], d.NPB)),
+           v * bp[prog] * d.e)
+    w.load("B", prog, key((sk, d.S), (k, d.NQB), (g[prog], d.G), (jn[prog], d.NNB)),
+           v * bn[prog] * d.e)
+    w.load("acum", prog, key((sk, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
+    if not from_start:
+        w.load("dts", prog, key((sk, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
+    every = every_program(w)
+    w.load("acum last", every, key((s, d.S), (h, d.H)), 4)
+    w.store(every, bp * bn * 4)
+    read, written, _, _ = w.count()
     blocks = d.each(lambda s: s.rb) * d.H
     mma = blocks * 2 * d.BQ * d.Pp * d.Np
     cuda = blocks * d.NPB * d.NNB * d.BQ * (d.BN + 4)
-    return Cost(mma + cuda, read, written, mma, d.BP)
+    return Cost(mma + cuda, read + d.table, written, mma, d.BP)
 
 
+def _sequences(problem, d: _Dims):
+    """(first segment, segments) of every sequence, in sequence order (``segment_tokens``)."""
+    Q = problem.chunk
+    if problem.num_sequences is None:
+        lengths = [problem.length] * problem.batch
+    else:
+        n, l = problem.num_sequences, problem.length
+        lengths = [(i + 1) * l // n - i * l // n for i in range(n)]
+    counts = torch.tensor([-(-L // Q) for L in lengths], dtype=torch.int64)
+    return torch.cumsum(counts, 0) - counts, counts
+
+
+def _passing(problem, t: Tiles, kernel: str, backward: bool) -> Waves:
+    """The state passing's programs (grid (sequences, h, NT), the sequence fastest) and their
+    walk over the sequence's segments: each segment's PASS elements of the state (and, backwards,
+    of H0) read alone, its last acum shared by the NT programs of the (segment, head), the
+    entering state (dH1) written in place."""
+    d = _Dims(problem, t)
+    launch = _Launch(problem, t, kernel, (d.seqs, d.H, d.NT))
+    w = launch.waves
+    i_s, h, it = w.coords
+    first, count = _sequences(problem, d)
+    width = launch.rows(d.P * d.N, t.PASS, it)
+    prog, k = w.loop(int(count.max()), lambda p, k: k < count[i_s[p]])
+    seg = first[i_s[prog]] + k
+    w.alone(prog, width[prog] * 4 * (2 if backward else 1))
+    w.load("acum last", prog, key((seg, d.S), (h[prog], d.H)), 4)
+    w.store(prog, width[prog] * 4 + (4 if backward else 0))
+    every = every_program(w)
+    if backward:
+        w.alone(every, width * 4 * problem.has_dfinal_states)
+        w.store(every, width * 4 * problem.has_initial_states)
+    else:
+        w.alone(every, width * 4 * problem.has_initial_states)
+        w.store(every, width * 4)
+    return w
+
+
+@per_arch
 def state_passing_cost(problem, t: Tiles) -> Cost:
-    """Along each sequence, per (head, PASS elements): each used segment's own state read and
-    the entering state written in its place (state-sized each), its last acum read (one scalar
-    per program); initial_states read and final_states written once. FLOPs: decay·state + own
-    per element and segment."""
+    """Along each sequence, per (sequence, head, PASS elements) program (grid (sequences, h,
+    NT), the sequence fastest; 16 CTAs per SM: a wave of 2112 on sm_90 holds every program of
+    about 8 state pieces): each used segment's own state read and the entering state written in
+    its place (state-sized each, values passed between kernels: they count), its last acum
+    (4 bytes, shared by the NT pieces: once per wave); initial_states read and final_states
+    written once. FLOPs: decay·state + own per element and segment."""
     d = _Dims(problem, t)
-    state = d.H * d.P * d.N * 4
-    read = d.used * state + d.used * d.H * d.NT * 4 + (d.seqs * state if problem.has_initial_states
-                                                       else 0) + d.table
-    written = d.used * state + d.seqs * state
-    return Cost(2 * d.used * d.H * d.P * d.N + d.used * d.H * d.NT, read, written)
+    read, written, _, _ = _passing(problem, t, "ssd_state_passing_kernel", False).count()
+    return Cost(2 * d.used * d.H * d.P * d.N + d.used * d.H * d.NT, read + d.table, written)
 
 
+@per_arch
 def chunk_scan_cost(problem, t: Tiles) -> Cost:
-    """The output, per (segment, head, p tile, row block i) program (those past the segment's
-    end return): C rows i over n (v(i)·n·e, so C is read h·NPB times over: by every head of its
-    group and p tile) and the entering state's [BP, n] fp32 tile (state-sized x rb per segment:
-    NQB times over for full segments); then for every block k <= i a C·B tile (BQ²·4), acum and
-    dts (BQ·4 each) and x rows k (x read tri/rb times over: 2.5 at Q = 256, BQ = 64); the D term
-    re-loads the diagonal x block the loop just loaded (counted once); z read, y (and y before
-    the gate) written once. MMA: [BQ, BN] @ [BN, BP] over n and [BQ, BQ] @ [BQ, BP] per pair."""
+    """The output. Order: grid (S·h, NPB, NQB), (segment, head) fastest, the row block i slowest;
+    programs past their segment's end return (no slot). A wave (132 × 3 = 396 programs on sm_90,
+    148 × 3 on sm_100, 108 × 3 on sm_80) holds one row block's programs of about 3 segments' h
+    heads; the programs of row block i + 1 of the same segment run S·h·NPB programs later, in a
+    later wave (8192 programs apart at b = 2, Q = 256: 20 waves). Reuse: C rows i (over n) and
+    the C·B tiles (i, k <= i) are shared by the R heads of the group in the wave: once per row
+    block; the entering state's [BP, n] fp32 tile is re-read by each row block: NQB times
+    (state-sized x rb per segment: 4x at Q = 256); x rows k by every row block i >= k: tri/rb
+    times (2.5x), acum and dts rows likewise; the D term re-loads the diagonal x block the loop
+    just loaded (counted once). Every wave fits (at most 39 MB on sm_90, 43 on sm_100, 32 of 40
+    on sm_80). z read, y (and y before the gate) written once. MMA: [BQ, BN] @ [BN, BP] over n
+    and [BQ, BQ] @ [BQ, BP] per pair."""
     d = _Dims(problem, t)
-    e = d.e
-    per_head = d.each(lambda s: d.NPB * (sum(s.v) * d.N * e + s.rb * d.BQ * 4
-                                         + s.tri * (d.BQ * d.BQ * 4 + 2 * d.BQ * 4))
-                      + s.rb * d.P * d.N * 4 + s.below() * d.P * e)
-    xbytes = d.T * d.H * d.P * e
+    launch = _Launch(problem, t, "ssd_chunk_scan_fwd_kernel", (d.S * d.H, d.NPB, d.NQB),
+                     active=lambda la, sh, ip, im: im * d.BQ < la.L[sh // d.H])
+    w, V = launch.waves, launch.V
+    sh, ip, i = w.coords
+    s, h = sh // d.H, sh % d.H
+    g = h // d.R
+    bp = launch.rows(d.P, d.BP, ip)
+    every = every_program(w)
+    vi = V[s, i]
+    w.load("acum", every, key((s, d.S), (h, d.H), (i, d.NQB)), d.BQ * 4)
+    w.load("C", every, key((s, d.S), (i, d.NQB), (g, d.G)), vi * d.N * d.e)
+    w.load("state", every, key((s, d.S), (h, d.H), (ip, d.NPB)), bp * d.N * 4)
+    prog, k = w.loop(d.NQB, lambda p, k: k <= i[p])
+    sk, hk = s[prog], h[prog]
+    w.load("C·B", prog, key((sk, d.S), (g[prog], d.G), (i[prog], d.NQB), (k, d.NQB)),
+           d.BQ * d.BQ * 4)
+    w.load("acum", prog, key((sk, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
+    w.load("dts", prog, key((sk, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
+    w.load("x", prog, key((sk, d.S), (k, d.NQB), (hk, d.H), (ip[prog], d.NPB)),
+           V[sk, k] * bp[prog] * d.e)
+    if problem.has_D:
+        w.load("x", every, key((s, d.S), (i, d.NQB), (h, d.H), (ip, d.NPB)), vi * bp * d.e)
+    w.alone(every, vi * bp * d.e * problem.has_z)
+    w.store(every, vi * bp * d.e * (1 + problem.has_z))
+    read, written, _, _ = w.count()
     D = (d.H * d.P if problem.D_per_channel else d.H) * 4 if problem.has_D else 0
-    read = d.H * per_head + xbytes * problem.has_z + D + d.table
-    written = xbytes * (1 + problem.has_z)
     rows = d.H * d.each(lambda s: s.rb)
     pairs = d.H * d.each(lambda s: s.tri)
     mma = d.NPB * (rows * 2 * d.BQ * d.Np * d.BP + pairs * 2 * d.BQ * d.BQ * d.BP)
     cuda = d.NPB * (pairs * d.BQ * d.BQ * 6 + rows * d.BQ * d.BP * (1 + 2 * problem.has_D
                                                                     + 5 * problem.has_z))
-    return Cost(mma + cuda, read, written, mma, d.BQ)
+    return Cost(mma + cuda, read + D + d.table, written, mma, d.BQ)
 
 
 def gate_bwd_cost(problem, t: Tiles) -> Cost:
-    """dy, z and y before the gate read, dy·silu(z) and dz written: element-wise, x-sized each."""
+    """dy, z and y before the gate read, dy·silu(z) and dz written: element-wise, one program
+    per (token, block of heads), no tile shared; x-sized each."""
     numel = problem.batch * problem.length * problem.heads * problem.head_dim
     e = element_size(problem.dtype)
     return Cost(12 * numel, 3 * numel * e, 2 * numel * e)
 
 
+@per_arch
 def state_passing_bwd_cost(problem, t: Tiles) -> Cost:
-    """Backwards along each sequence, per (head, PASS elements): each used segment's own dH0
-    term and its entering state H0 read, its dH1 written in place (state-sized each), one
-    <dH1, H0> partial per program written; dfinal_states read and dinitial_states written once
+    """Backwards along each sequence, per (sequence, head, PASS elements) program (grid
+    (sequences, h, NT), the sequence fastest; 12 CTAs per SM): each used segment's own dH0 term
+    and its entering state H0 read, its dH1 written in place (state-sized each: values passed
+    between kernels), its last acum (shared by the NT pieces: once per wave), one <dH1, H0>
+    partial per program and segment written; dfinal_states read and dinitial_states written once
     where given. FLOPs: the decayed sum and the dot product, 4 per element and segment."""
     d = _Dims(problem, t)
-    state = d.H * d.P * d.N * 4
-    seq_state = d.seqs * state
-    read = (2 * d.used * state + d.used * d.H * d.NT * 4
-            + (seq_state if problem.has_dfinal_states else 0) + d.table)
-    written = (d.used * state + d.used * d.H * d.NT * 4
-               + (seq_state if problem.has_initial_states else 0))
-    return Cost(4 * d.used * d.H * d.P * d.N, read, written)
+    read, written, _, _ = _passing(problem, t, "ssd_state_passing_bwd_kernel", True).count()
+    return Cost(4 * d.used * d.H * d.P * d.N, read + d.table, written)
 
 
+@per_arch
 def dx_cost(problem, t: Tiles) -> Cost:
-    """dx, per (segment, head, p tile, row block j) program (no early exit): B rows j over n
-    (B read h·NPB times over) and the segment's [BP, n] dH1 tile, loaded by every row block of
-    every grid segment (NQB x state-sized); for every block i >= j holding tokens a C·B tile, its
-    acum and dy rows i (dy read tri/rb times over, the D term's re-load of the diagonal block
-    counted once); x rows j; dx written once, ddt partials (BQ·4 per program) and dD partials
-    (BP·4 per program). MMA: [BQ, BN] @ [BN, BP] over n for every program, [BQ, BQ] @ [BQ, BP]
-    per pair."""
+    """dx. Order: grid (S·h, NPB, NQB), (segment, head) fastest, the row block j slowest, no
+    early exit (a program past the segment's end still loads its state tile and writes its
+    partials). A wave (132 × 2 = 264 programs on sm_90, 148 × 2 or 3 on sm_100, 108 × 2 on
+    sm_80) holds one row block's programs of about 2 segments' heads; row block j + 1 of the same
+    segment runs S·h·NPB programs later, in a later wave. Reuse: B rows j (over n) and the C·B
+    tiles (i >= j, j) are shared by the R heads of the group in the wave: once per row block;
+    the segment's [BP, n] dH1 tile is re-read by every row block of every grid segment: NQB x
+    state-sized; dy rows i by every row block j <= i (tri/rb times, 2.5x at Q = 256), acum
+    likewise; x rows j, dts read once, the D term's re-load of the diagonal dy block counted
+    once. Every wave fits (at most 24 MB). dx written once, ddt partials (BQ·4 per program) and dD
+    partials (BP·4 per program). MMA: [BQ, BN] @ [BN, BP] over n for every program, [BQ, BQ] @
+    [BQ, BP] per pair."""
     d = _Dims(problem, t)
-    e = d.e
-    per_head = d.each(lambda s: d.NPB * (s.L * d.N * e + s.tri * (d.BQ * d.BQ * 4 + d.BQ * 4))
-                      + s.above() * d.P * e)
-    xbytes = d.T * d.H * d.P * e
-    read = (d.H * per_head + d.S * d.H * d.NQB * (d.P * d.N * 4 + d.NPB * 2 * d.BQ * 4)
-            + xbytes + ((d.H * d.P if problem.D_per_channel else d.H) * 4 if problem.has_D else 0)
-            + d.table)
-    written = (xbytes + d.S * d.H * d.NPB * d.Q * 4
-               + (d.S * d.H * d.NQB * d.P * 4 if problem.has_D else 0))
+    launch = _Launch(problem, t, "ssd_chunk_scan_bwd_dx_kernel", (d.S * d.H, d.NPB, d.NQB))
+    w, V = launch.waves, launch.V
+    sh, ip, j = w.coords
+    s, h = sh // d.H, sh % d.H
+    g = h // d.R
+    bp = launch.rows(d.P, d.BP, ip)
+    every = every_program(w)
+    vj = V[s, j]
+    w.load("acum", every, key((s, d.S), (h, d.H), (j, d.NQB)), d.BQ * 4)
+    w.load("acum last", every, key((s, d.S), (h, d.H)), 4)
+    w.load("B", every, key((s, d.S), (j, d.NQB), (g, d.G)), vj * d.N * d.e)
+    w.load("dH1", every, key((s, d.S), (h, d.H), (ip, d.NPB)), bp * d.N * 4)
+    prog, i = w.loop(d.NQB, lambda p, i: (i >= j[p]) & (V[s[p], i] > 0))
+    si, hi = s[prog], h[prog]
+    w.load("C·B", prog, key((si, d.S), (g[prog], d.G), (i, d.NQB), (j[prog], d.NQB)),
+           d.BQ * d.BQ * 4)
+    w.load("acum", prog, key((si, d.S), (hi, d.H), (i, d.NQB)), d.BQ * 4)
+    w.load("dy", prog, key((si, d.S), (i, d.NQB), (hi, d.H), (ip[prog], d.NPB)),
+           V[si, i] * bp[prog] * d.e)
+    w.load("x", every, key((s, d.S), (j, d.NQB), (h, d.H), (ip, d.NPB)), vj * bp * d.e)
+    w.load("dts", every, key((s, d.S), (h, d.H), (j, d.NQB)), d.BQ * 4)
+    if problem.has_D:
+        w.load("dy", every, key((s, d.S), (j, d.NQB), (h, d.H), (ip, d.NPB)), vj * bp * d.e)
+    w.store(every, vj * bp * d.e + d.BQ * 4 + bp * 4 * problem.has_D)
+    read, written, _, _ = w.count()
+    D = (d.H * d.P if problem.D_per_channel else d.H) * 4 if problem.has_D else 0
     programs = d.S * d.H * d.NPB * d.NQB
     pairs = d.H * d.NPB * d.each(lambda s: s.tri)
     mma = programs * 2 * d.BQ * d.Np * d.BP + pairs * 2 * d.BQ * d.BQ * d.BP
     cuda = pairs * d.BQ * d.BQ * 5 + programs * d.BQ * d.BP * (3 + 2 * problem.has_D)
-    return Cost(mma + cuda, read, written, mma, d.BQ)
+    return Cost(mma + cuda, read + D + d.table, written, mma, d.BQ)
 
 
+@per_arch
 def dcb_cost(problem, t: Tiles) -> Cost:
-    """d(C·B), per (segment, group, block pair j <= i) program (no early exit on the segment's
-    end): for each of the R heads, dy rows i and x rows j over p (dy and x each read (NQB+1)/2
-    times over for full segments: 2.5 at Q = 256) and acum/dts (3·BQ·4); one fp32 [BQ, BQ] tile
-    written. MMA: [BQ, BP] @ [BP, BQ] over p, per head and pair of every grid segment."""
+    """d(C·B). Order: grid (S·g, NQB²), (segment, group) fastest, then the block pair (i, j)
+    row-major; pairs above the diagonal return (no slot). A wave (132 × 3 = 396 programs on
+    sm_90, 148 × 2 on sm_100, 108 × 2 on sm_80) holds less than one pair's S·g programs at
+    b = 2, Q = 256 (512): the pairs (i, 0..i) sharing dy rows i, and (j..NQB-1, j) sharing x rows
+    j, run in other waves. Reuse: each program loads, for the R heads of its group, dy rows i
+    and x rows j over p and acum/dts (3·BQ·4): shared by no other program of its wave, so dy and
+    x count (NQB + 1)/2 times for full segments (2.5 at Q = 256). The waves do not fit on sm_90
+    (115 MB: each program streams 16 heads' rows), which changes nothing with nothing shared. One
+    fp32 [BQ, BQ] tile written. MMA: [BQ, BP] @ [BP, BQ] over p, per head and pair of every
+    grid segment."""
     d = _Dims(problem, t)
-    read = (d.H * d.each(lambda s: s.pair_rows(d.NQB)) * d.P * d.e
-            + d.S * d.H * d.pairs * 3 * d.BQ * 4 + d.table)
-    written = d.S * d.G * d.pairs * d.BQ * d.BQ * 4
+    nqb = d.NQB
+    launch = _Launch(problem, t, "ssd_dcb_kernel", (d.S * d.G, nqb * nqb),
+                     active=lambda _, sg, ij: ij % nqb <= ij // nqb)
+    w, V = launch.waves, launch.V
+    sg, ij = w.coords
+    s, g, i, j = sg // d.G, sg % d.G, ij // nqb, ij % nqb
+    prog, r = w.loop(d.R)
+    sp, ip_, jp = s[prog], i[prog], j[prog]
+    h = g[prog] * d.R + r
+    w.load("dy", prog, key((sp, d.S), (ip_, nqb), (h, d.H)), V[sp, ip_] * d.P * d.e)
+    w.load("x", prog, key((sp, d.S), (jp, nqb), (h, d.H)), V[sp, jp] * d.P * d.e)
+    w.load("acum", prog, key((sp, d.S), (h, d.H), (ip_, nqb)), d.BQ * 4)
+    w.load("acum", prog, key((sp, d.S), (h, d.H), (jp, nqb)), d.BQ * 4)
+    w.load("dts", prog, key((sp, d.S), (h, d.H), (jp, nqb)), d.BQ * 4)
+    w.store(every_program(w), d.BQ * d.BQ * 4)
+    read, written, _, _ = w.count()
     mma = d.S * d.H * d.pairs * 2 * d.BQ * d.BQ * d.Pp
-    return Cost(mma + d.S * d.H * d.pairs * d.BQ * d.BQ * 6, read, written, mma, d.BQ)
+    return Cost(mma + d.S * d.H * d.pairs * d.BQ * d.BQ * 6, read + d.table, written, mma, d.BQ)
 
 
+@per_arch
 def dacs_intra_cost(problem, t: Tiles) -> Cost:
-    """Straddling-pair sums of the decay gradient, per (segment, head, row block i) program
-    (past the end: none): dy rows i (re-loaded by the program for every block, counted once),
-    then for every block j <= i x rows j (x read tri/rb times over), a C·B tile, acum and dts;
-    BQ·4 partials written per pair. MMA: dy·x^T [BQ, BP] @ [BP, BQ] over p per pair (the same
-    products the d(C·B) kernel computes, again)."""
+    """Straddling-pair sums of the decay gradient. Order: grid (S·h, NQB), (segment, head)
+    fastest, the row block i slowest; programs past the segment's end return. A wave (132 × 2
+    = 264 on sm_90) holds one row block's programs of about 2 segments' heads. Reuse: the C·B
+    tiles (i, j <= i) are shared by the R heads of the group in the wave (once per row block);
+    dy rows i are re-loaded by the program for every block j (counted once); x rows j, acum and
+    dts are re-read by every row block i >= j, in later waves: tri/rb times (2.5x at Q = 256).
+    Every wave fits (at most 13 MB). BQ·4 partials written per pair. MMA: dy·x^T [BQ, BP] @
+    [BP, BQ] over p per pair (the same products the d(C·B) kernel computes, again)."""
     d = _Dims(problem, t)
-    per_head = d.each(lambda s: sum(s.v) * d.P * d.e + s.rb * d.BQ * 4
-                      + s.below() * d.P * d.e + s.tri * (d.BQ * d.BQ * 4 + 2 * d.BQ * 4))
+    launch = _Launch(problem, t, "ssd_dacs_intra_kernel", (d.S * d.H, d.NQB),
+                     active=lambda la, sh, im: im * d.BQ < la.L[sh // d.H])
+    w, V = launch.waves, launch.V
+    sh, i = w.coords
+    s, h = sh // d.H, sh % d.H
+    g = h // d.R
+    every = every_program(w)
+    w.load("acum", every, key((s, d.S), (h, d.H), (i, d.NQB)), d.BQ * 4)
+    w.load("dy", every, key((s, d.S), (i, d.NQB), (h, d.H)), V[s, i] * d.P * d.e)
+    prog, j = w.loop(d.NQB, lambda p, j: j <= i[p])
+    sj, hj = s[prog], h[prog]
+    w.load("x", prog, key((sj, d.S), (j, d.NQB), (hj, d.H)), V[sj, j] * d.P * d.e)
+    w.load("C·B", prog, key((sj, d.S), (g[prog], d.G), (i[prog], d.NQB), (j, d.NQB)),
+           d.BQ * d.BQ * 4)
+    w.load("acum", prog, key((sj, d.S), (hj, d.H), (j, d.NQB)), d.BQ * 4)
+    w.load("dts", prog, key((sj, d.S), (hj, d.H), (j, d.NQB)), d.BQ * 4)
+    w.store(prog, d.BQ * 4)
+    read, written, _, _ = w.count()
     pairs = d.H * d.each(lambda s: s.tri)
     mma = pairs * 2 * d.BQ * d.BQ * d.Pp
-    return Cost(mma + pairs * d.BQ * d.BQ * 10, d.H * per_head + d.table,
-                pairs * d.BQ * 4, mma, d.BQ)
+    return Cost(mma + pairs * d.BQ * d.BQ * 10, read + d.table, written, mma, d.BQ)
 
 
+@per_arch
 def dbc_cost(problem, t: Tiles, grad_b: bool) -> Cost:
-    """dB (``grad_b``) or dC, per (segment, group, row block, n tile) program (past the end:
-    none): its own rows of B (C) and, for every block on the other side of the diagonal, a
-    d(C·B) tile and the other operand's rows (C for dB, B for dC); then for each of the R heads
-    acum (and dts), the x (dy) rows over p (x-sized x NNB: every n tile re-reads them) and the
-    [p, BN] dH1 (H0) tile (state-sized x rb per segment); one BQ·4 partial per head written and
-    the rows of dB (dC) once. MMA: [BQ, BQ] @ [BQ, BN] per pair and [BQ, BP] @ [BP, BN] per
-    head."""
+    """dB (``grad_b``) or dC. Order: grid (S·g, NQB, NNB), (segment, group) fastest, then the
+    row block r, the state tile slowest; programs past the segment's end return. A wave (132 ×
+    2 = 264 programs on sm_90, 148 × 3 on sm_100, 108 × 2 on sm_80) holds part of one (row block,
+    state tile)'s S·g programs (512 at b = 2, Q = 256): no two programs of a wave share a
+    (segment, group). Reuse: none across programs: each loads its own rows of B (C), for every
+    block on the other side of the diagonal a d(C·B) tile and the other operand's rows (C for dB,
+    B for dC: (NQB + 1)/2 times over per state tile), then for each of the R heads acum (and
+    dts), the x (dy) rows over p (x-sized per state tile: NNB times) and the [p, BN] dH1 (H0)
+    tile (state-sized per row block: NQB times over for full segments); one BQ·4 partial per
+    head written and the rows of dB (dC) once. No wave fits (about 125 MB on sm_90: each program
+    streams its 16 heads' rows and state tiles), which changes nothing with nothing shared.
+    MMA: [BQ, BQ] @ [BQ, BN] per pair and [BQ, BP] @ [BP, BN] per head."""
     d = _Dims(problem, t)
-    e = d.e
-    other = (lambda s: s.above()) if grad_b else (lambda s: s.below())
-    per_group = d.each(lambda s: s.L * d.N * e + d.NNB * s.tri * d.BQ * d.BQ * 4
-                       + other(s) * d.N * e
-                       + d.R * (s.rb * d.NNB * d.BQ * 4 * (2 if grad_b else 1)
-                                + s.L * d.P * e * d.NNB + s.rb * d.P * d.N * 4))
-    read = d.G * per_group + d.table
+    kernel = "ssd_dbc_kernel (dB)" if grad_b else "ssd_dbc_kernel (dC)"
+    launch = _Launch(problem, t, kernel, (d.S * d.G, d.NQB, d.NNB),
+                     active=lambda la, sg, im, jn: im * d.BQ < la.L[sg // d.G])
+    w, V = launch.waves, launch.V
+    sg, r, jn = w.coords
+    s, g = sg // d.G, sg % d.G
+    bn = launch.rows(d.N, d.BN, jn)
+    own, other = ("B", "C") if grad_b else ("C", "B")
+    every = every_program(w)
+    w.load(own, every, key((s, d.S), (r, d.NQB), (g, d.G), (jn, d.NNB)), V[s, r] * bn * d.e)
+    if grad_b:
+        prog, k = w.loop(d.NQB, lambda p, k: (k >= r[p]) & (V[s[p], k] > 0))
+        pair = ((k, d.NQB), (r[prog], d.NQB))
+    else:
+        prog, k = w.loop(d.NQB, lambda p, k: k <= r[p])
+        pair = ((r[prog], d.NQB), (k, d.NQB))
+    sk = s[prog]
+    w.load("d(C·B)", prog, key((sk, d.S), (g[prog], d.G), *pair), d.BQ * d.BQ * 4)
+    w.load(other, prog, key((sk, d.S), (k, d.NQB), (g[prog], d.G), (jn[prog], d.NNB)),
+           V[sk, k] * bn[prog] * d.e)
+    prog, rr = w.loop(d.R)
+    sh, h, rp = s[prog], g[prog] * d.R + rr, r[prog]
+    w.load("acum", prog, key((sh, d.S), (h, d.H), (rp, d.NQB)), d.BQ * 4)
+    if grad_b:
+        w.load("acum last", prog, key((sh, d.S), (h, d.H)), 4)
+        w.load("dts", prog, key((sh, d.S), (h, d.H), (rp, d.NQB)), d.BQ * 4)
+    w.load("x" if grad_b else "dy", prog, key((sh, d.S), (rp, d.NQB), (h, d.H)),
+           V[sh, rp] * d.P * d.e)
+    w.load("dH1" if grad_b else "H0", prog, key((sh, d.S), (h, d.H), (jn[prog], d.NNB)),
+           d.P * bn[prog] * 4)
+    w.store(prog, d.BQ * 4)
+    w.store(every, V[s, r] * bn * d.e)
+    read, written, _, _ = w.count()
     rows = d.each(lambda s: s.rb)
-    written = d.T * d.G * d.N * e + d.H * rows * d.NNB * d.BQ * 4
     mma = d.NNB * (d.G * d.each(lambda s: s.tri) * 2 * d.BQ * d.BQ * d.BN
                    + d.H * rows * 2 * d.BQ * d.Pp * d.BN)
     cuda = d.H * rows * d.NNB * d.BQ * (d.Pp + 2 * d.BN + 4)
-    return Cost(mma + cuda, read, written, mma, d.BQ)
+    return Cost(mma + cuda, read + d.table, written, mma, d.BQ)
 
 
 def dt_bwd_cost(problem, t: Tiles) -> Cost:
-    """ddt, per (segment, head) program: the straddling partials of its row blocks (rb·Q·4),
-    the dx, U and W partials (NPB, NNB, NNB rows of Q·4), the <dH1, H0> partials and dts, all
-    unmasked, for every grid segment; dt read and ddt written once; dA and ddt_bias partials
-    (4 bytes per program each)."""
+    """ddt, per (segment, head) program (grid (S·h)): the straddling partials of its row blocks
+    (rb·Q·4), the dx, U and W partials (NPB, NNB, NNB rows of Q·4), the <dH1, H0> partials and
+    dts, all unmasked, for every grid segment: each read by its one program (values passed
+    between kernels); dt read and ddt written once; A, dt_bias counted once; dA and ddt_bias
+    partials (4 bytes per program each)."""
     d = _Dims(problem, t)
     rows = d.each(lambda s: s.rb)
     read = (d.H * rows * d.Q * 4 + d.S * d.H * ((d.NPB + 2 * d.NNB + 1) * d.Q * 4 + d.NT * 4)
@@ -374,11 +541,12 @@ def dt_bwd_cost(problem, t: Tiles) -> Cost:
 
 
 def param_reduce_cost(problem, t: Tiles) -> Cost:
-    """dA, ddt_bias and dD: every segment's partials read once (S·h·4 each, dD S·h·NQB·p·4),
-    the results written (and read first when accumulating)."""
+    """dA, ddt_bias and dD: every segment's partials read once (S·h·4 each, dD S·h·NQB·p·4) by
+    the program of their heads, the results written (and read first when accumulating)."""
     d = _Dims(problem, t)
     parts = (d.S * d.H * (1 + problem.has_dt_bias)
              + (d.S * d.H * d.NQB * d.P if problem.has_D else 0))
     out = d.H * (1 + problem.has_dt_bias) + ((d.H * d.P if problem.D_per_channel else d.H)
                                              if problem.has_D else 0)
     return Cost(parts, 4 * (parts + out * problem.accumulate), 4 * out)
+

@@ -7,6 +7,10 @@ routing-weight gradient's fixed-order sum, the weight-gradient GEMMs (and the sh
 the combine. Operands a program does not have (the shared expert's buffers, u in an inference
 forward, the routing weights of an unweighted GEMM) are compiled out, never aliased.
 
+The activations (x, d_out read by token; out, d_x written by the combine) may be strided views:
+their kernels take the row stride at launch (``Stride``, in 16-byte vectors: the contract's
+``row_vector``), so a new stride reuses the compiled kernel.
+
 Tiles come from the per-architecture table in moe_tiles.py (``config=`` a candidate of it);
 every kernel spec carries its cost model from moe_cost.py.
 """
@@ -19,7 +23,7 @@ import torch
 import triton
 
 from fusedops.core.dtypes import element_size, kernel_dtype_reason
-from fusedops.core.program import Program, Stage, saved_piece, workspace_piece
+from fusedops.core.program import Program, Stage, Stride, saved_piece, workspace_piece
 from fusedops.core.target import target_arch
 from fusedops.core.workspace import EMPTY, Layout
 
@@ -121,6 +125,12 @@ def _weight_strides(problem, shared: bool) -> dict[str, tuple[int, int, int]]:
     return dict(up=(I * H, 1, H), down=(H * I, 1, I), down_t=(H * I, I, 1), up_t=(I * H, H, 1))
 
 
+def _row_stride(problem, tensor: str) -> Stride:
+    """The row stride of activation ``tensor`` [t, H] (x, d_out, out, d_x) in vectors of
+    ``problem.row_vector`` elements (the plan's own buffers keep constexpr widths)."""
+    return Stride(tensor, 0, problem.row_vector)
+
+
 def _dispatch_bind(home) -> dict:
     return dict(sorted_ptr=home("sorted"), offsets_ptr=home("offsets"), counts_ptr=home("counts"))
 
@@ -152,7 +162,8 @@ def gemm_stage(problem, tiles: MoETiles, *, routed: bool, kdim: int, ndim: int, 
             ("counts_ptr", index), ("weight_ptr", "*fp32" if weighted else None),
             ("u_ptr", None if u is None else t),
             ("out_ptr", pointer_type(out_dtype or problem.dtype)),
-            ("part_ptr", None if part is None else "*fp32"), ("T", "i32"), ("M_TILES", "i32"))
+            ("part_ptr", None if part is None else "*fp32"), ("T", "i32"), ("M_TILES", "i32"),
+            ("stride_a", "i32" if a_by_token else None))
     be, bks, bns = strides
     const = dict(K_TOP=problem.top_k if routed else 1, E=problem.experts if routed else 1,
                  KDIM=kdim, NDIM=ndim, STRIDE_BE=be, STRIDE_BK=bks, STRIDE_BN=bns, ROUTED=routed,
@@ -160,7 +171,7 @@ def gemm_stage(problem, tiles: MoETiles, *, routed: bool, kdim: int, ndim: int, 
                  SAVE_U=epilogue == EPI_UP and u is not None, BM=bm, BN=bn, BK=bk,
                  GROUP_M=tiles.group_m,
                  STEPS=max(1, math.ceil(math.log2(max(problem.experts, 2)))) + 1,
-                 **_numerics(problem))
+                 VEC=problem.row_vector, **_numerics(problem))
     m_tiles = triton.cdiv(max_rows(problem) if routed else problem.tokens, bm)
     out_bytes = element_size(out_dtype or problem.dtype)
     cost = C.gemm_cost(problem, routed=routed, kdim=kdim, ndim=ndim, bm=bm, bn=bn, bk=bk,
@@ -173,6 +184,8 @@ def gemm_stage(problem, tiles: MoETiles, *, routed: bool, kdim: int, ndim: int, 
     spec = KernelSpec.make(K.moe_gemm_kernel, args, const, (m_tiles * triton.cdiv(ndim, bn),),
                            num_warps=warps, num_stages=tiles.stages, cost=cost)
     bind = dict(a_ptr=a, b_ptr=b, out_ptr=out, T=problem.tokens, M_TILES=m_tiles)
+    if a_by_token:
+        bind["stride_a"] = _row_stride(problem, a)
     if routed:
         bind.update(_dispatch_bind(home))
     if weighted:
@@ -191,12 +204,14 @@ def wgrad_stage(problem, tiles: MoETiles, *, routed: bool, m: int, n: int, p_sou
     index = "*i32" if routed else None
     args = (("p_ptr", t), ("q_ptr", t), ("sorted_ptr", index), ("offsets_ptr", index),
             ("counts_ptr", index), ("weight_ptr", "*fp32" if p_weighted else None),
-            ("grad_ptr", pointer_type(problem.weight_grad_dtype)), ("T", "i32"))
+            ("grad_ptr", pointer_type(problem.weight_grad_dtype)), ("T", "i32"),
+            ("stride_p", "i32" if p_source == BY_TOKEN else None),
+            ("stride_q", "i32" if q_source == BY_TOKEN else None))
     bm, bn, bk, warps = wgrad_blocks(problem, m, n, tiles)
     const = dict(K_TOP=problem.top_k if routed else 1, E=problem.experts if routed else 1, M=m,
                  N=n, ROUTED=routed, P_SOURCE=p_source, P_WEIGHTED=p_weighted, Q_SOURCE=q_source,
                  Q_RELU2=q_relu2, ACCUMULATE=problem.accumulate, BM=bm, BN=bn, BK=bk,
-                 **_numerics(problem))
+                 VEC=problem.row_vector, **_numerics(problem))
     grid = (const["E"], triton.cdiv(m, bm), triton.cdiv(n, bn))
     cost = C.wgrad_cost(problem, routed=routed, m=m, n=n, bm=bm, bn=bn, bk=bk,
                         p_by_token=p_source == BY_TOKEN, q_by_token=q_source == BY_TOKEN,
@@ -205,6 +220,10 @@ def wgrad_stage(problem, tiles: MoETiles, *, routed: bool, m: int, n: int, p_sou
     spec = KernelSpec.make(K.moe_wgrad_kernel, args, const, grid, num_warps=warps,
                            num_stages=tiles.wgrad_stages, cost=cost)
     bind = dict(p_ptr=p, q_ptr=q, grad_ptr=grad, T=problem.tokens)
+    if p_source == BY_TOKEN:
+        bind["stride_p"] = _row_stride(problem, p)
+    if q_source == BY_TOKEN:
+        bind["stride_q"] = _row_stride(problem, q)
     if routed:
         bind.update(_dispatch_bind(saved_piece))
     if p_weighted:
@@ -246,15 +265,17 @@ def combine_stage(problem, buf, shared, out: str) -> Stage:
     """out[t] = the sum over j (in order) of the fp32 rows ``buf`` (+ ``shared``), rounded once."""
     bh = min(256, max(16, triton.next_power_of_2(problem.hidden)))
     args = (("buf_ptr", "*fp32"), ("shared_ptr", "*fp32" if problem.has_shared else None),
-            ("ids_ptr", "*i32"), ("out_ptr", pointer_type(problem.dtype)), ("T", "i32"))
+            ("ids_ptr", "*i32"), ("out_ptr", pointer_type(problem.dtype)), ("T", "i32"),
+            ("stride_out", "i32"))
     const = dict(K_TOP=problem.top_k, E=problem.experts, H=problem.hidden,
                  HAS_SHARED=problem.has_shared, BT=COMBINE_ROWS, BH=bh,
-                 EXACT=_numerics(problem)["EXACT"])
+                 EXACT=_numerics(problem)["EXACT"], VEC=problem.row_vector)
     grid = (triton.cdiv(problem.tokens, COMBINE_ROWS), triton.cdiv(problem.hidden, bh))
     spec = KernelSpec.make(K.moe_combine_kernel, args, const, grid,
                            cost=C.combine_cost(problem, COMBINE_ROWS, bh,
                                                target_arch(problem.device)))
-    bind = dict(buf_ptr=buf, ids_ptr="topk_ids", out_ptr=out, T=problem.tokens)
+    bind = dict(buf_ptr=buf, ids_ptr="topk_ids", out_ptr=out, T=problem.tokens,
+                stride_out=_row_stride(problem, out))
     if problem.has_shared:
         bind["shared_ptr"] = shared
     return Stage(spec, bind)

@@ -30,6 +30,14 @@ tiles. The few index words every program reads (offsets, counts: 4(2E + 1) bytes
 Values passed between kernels through HBM (relu(u)², d_u, the fp32 rows the combine sums, the
 <g, a> partials) count on both sides. Integer work (the dispatch's compares and prefix sums)
 counts no FLOPs.
+
+Strides: x, d_out, out and d_x (and the router's logits, d_logits) may be strided views; the
+kernels load and store each row's elements and nothing between rows, so no count depends on the
+strides (a row that starts 16 bytes into a 32-byte sector touches one sector more, at most 32
+bytes a row; not counted).
+
+The counts are torch computations on the CPU; a plan built under a fake-tensor mode (the torch
+ops' fake implementations, torch.compile tracing) still gets real numbers (``_real``).
 """
 
 from __future__ import annotations
@@ -40,34 +48,26 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fusedops.core.cost import Cost
 from fusedops.core.dtypes import element_size
 from fusedops.moe.contract import balanced_rows
 
+from .wave_model import machine
+
 INDEX = 4              # bytes of an int32 id, row or offset, and of an fp32 routing weight
 _F64 = torch.float64
 
 
-@dataclass(frozen=True)
-class Machine:
-    """The GPU the waves of an architecture family's kernels are counted on."""
-
-    sms: int
-    l2_bytes: int
-    name: str
-
-
-MACHINES = {
-    "sm_80": Machine(108, 40 * 10**6, "A100: 108 SMs, 40 MB L2"),
-    "sm_90": Machine(132, 50 * 10**6, "H100/H200 SXM: 132 SMs, 50 MB L2"),
-    "sm_100": Machine(148, 126 * 10**6, "B200: 148 SMs, 126 MB L2 (the two dies' halves together)"),
-}
-
-
-def machine(arch: str) -> Machine:
-    """The modelled GPU of ``arch`` (``sm_90a`` or ``sm_90``)."""
-    return MACHINES[arch.removesuffix("a")]
+def _real(model):
+    """``model`` computed on real CPU tensors even inside a fake-tensor mode (a data-dependent
+    size such as repeat_interleave's has no fake counterpart)."""
+    @functools.wraps(model)
+    def run(*args, **kwargs):
+        with unset_fake_temporarily():
+            return model(*args, **kwargs)
+    return run
 
 
 # -- the balanced routing ----------------------------------------------------------------------
@@ -221,6 +221,7 @@ def grouped_order(m_tiles: int, n_tiles: int, group_m: int) -> tuple[torch.Tenso
     return first_m + pid % per_group % rows, pid % per_group // rows
 
 
+@_real
 def gemm_cost(problem, *, routed: bool, kdim: int, ndim: int, bm: int, bn: int, bk: int,
               out_bytes: int, group_m: int, grid_m_tiles: int, row_tile: int, a_by_token: bool,
               arch: str, ctas_per_sm: int = 1, save_u: bool = False, read_u: bool = False,
@@ -278,6 +279,7 @@ def gemm_cost(problem, *, routed: bool, kdim: int, ndim: int, bm: int, bn: int, 
 
 
 # -- the weight-gradient GEMMs -------------------------------------------------------------------
+@_real
 def wgrad_cost(problem, *, routed: bool, m: int, n: int, bm: int, bn: int, bk: int,
                p_by_token: bool, q_by_token: bool, p_weighted: bool, q_relu2: bool, arch: str,
                ctas_per_sm: int = 1) -> Cost:
@@ -377,6 +379,7 @@ def scatter_cost(problem, blocks: int, experts_padded: int) -> Cost:
 
 
 # -- the fixed-order sums ------------------------------------------------------------------------
+@_real
 def combine_cost(problem, rows_per_program: int, bh: int, arch: str) -> Cost:
     """out[t] = the k fp32 rows of t (+ the shared expert's) summed and rounded.
 

@@ -23,6 +23,12 @@ d_out: gathered) or by row (act, d_u); B is W[e] through strides, so one kernel 
     backward up     d_u[r]     · W_up[e]      epilogue SCATTER:   dx_buf[a] (fp32)
 and, with ROUTED = False (one expert, row = token = assignment), the shared expert.
 
+Strided activations: x, d_out (read by token), out and d_x (the combine's stores) are addressed
+through a row stride taken at launch in units of VEC elements (a 16-byte vector; 1 where a row
+is not a whole number of vectors and the plan takes them contiguous), so every row starts
+16-byte aligned for the compiler and the loads stay vectorised. The buffers the kernels pass to
+each other (act, d_u, u, the fp32 rows) are the plan's own, contiguous, with constexpr widths.
+
 Operands a launch does not have are constexpr None (the dispatch of a dense GEMM, the routing
 weights of an unweighted one, u where nothing saves it, the <g, a> partials outside the routed
 dgrad, the shared expert's rows in the combine): each kernel touches a pointer only under the
@@ -135,14 +141,14 @@ def expert_rows(row0, offsets_ptr, counts_ptr, sorted_ptr, T, K_TOP: tl.constexp
 
 @triton.jit
 def moe_gemm_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_ptr, u_ptr,
-                    out_ptr, part_ptr, T, M_TILES,
+                    out_ptr, part_ptr, T, M_TILES, stride_a,
                     K_TOP: tl.constexpr, E: tl.constexpr, KDIM: tl.constexpr, NDIM: tl.constexpr,
                     STRIDE_BE: tl.constexpr, STRIDE_BK: tl.constexpr, STRIDE_BN: tl.constexpr,
                     ROUTED: tl.constexpr, A_BY_TOKEN: tl.constexpr,
                     EPILOGUE: tl.constexpr, WEIGHTED: tl.constexpr, SAVE_U: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                     STEPS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                    EXACT: tl.constexpr):
+                    EXACT: tl.constexpr, VEC: tl.constexpr):
     # grouped ordering: GROUP_M row tiles run through every column tile before the next group,
     # so a group's rows and its experts' weight columns stay in L2
     pid = tl.program_id(0)
@@ -156,10 +162,12 @@ def moe_gemm_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_pt
     e, r, valid, assign, token, used = expert_rows(pid_m * BM, offsets_ptr, counts_ptr,
                                                    sorted_ptr, T, K_TOP, E, BM, ROUTED, STEPS)
     if used:
-        a_row = token if A_BY_TOKEN else r
         kk = tl.arange(0, BK)
         n = pid_n * BN + tl.arange(0, BN)
-        a_ptrs = a_ptr + a_row[:, None].to(tl.int64) * KDIM + kk[None, :]
+        if A_BY_TOKEN:      # x or d_out: a view, stride_a vectors a row
+            a_ptrs = a_ptr + token[:, None].to(tl.int64) * (stride_a * VEC) + kk[None, :]
+        else:               # act or d_u, contiguous
+            a_ptrs = a_ptr + r[:, None].to(tl.int64) * KDIM + kk[None, :]
         b_ptrs = (b_ptr + e.to(tl.int64) * STRIDE_BE + kk[:, None] * STRIDE_BK
                   + n[None, :] * STRIDE_BN)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -195,22 +203,27 @@ def moe_gemm_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_pt
 
 # -- weight gradients ----------------------------------------------------------------------------
 @triton.jit
-def _operand_rows(source: tl.constexpr, r, token, assign):
+def _operand_rows(source: tl.constexpr, r, token, assign, width: tl.constexpr, stride,
+                  VEC: tl.constexpr):
+    """Element offsets of the rows a weight-gradient operand reads: by token (x, d_out: a
+    view, ``stride`` vectors a row), by assignment (u) or by row (d_u), ``width`` a row."""
     if source == BY_TOKEN:
-        return token
+        return token.to(tl.int64) * (stride * VEC)
     elif source == BY_ASSIGNMENT:
-        return assign
+        return assign.to(tl.int64) * width
     else:
-        return r
+        return r.to(tl.int64) * width
 
 
 @triton.jit
 def moe_wgrad_kernel(p_ptr, q_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_ptr, grad_ptr, T,
-                     K_TOP: tl.constexpr, E: tl.constexpr, M: tl.constexpr, N: tl.constexpr,
+                     stride_p, stride_q, K_TOP: tl.constexpr, E: tl.constexpr,
+                     M: tl.constexpr, N: tl.constexpr,
                      ROUTED: tl.constexpr, P_SOURCE: tl.constexpr, P_WEIGHTED: tl.constexpr,
                      Q_SOURCE: tl.constexpr, Q_RELU2: tl.constexpr, ACCUMULATE: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                     UPCAST: tl.constexpr, IEEE: tl.constexpr, EXACT: tl.constexpr):
+                     UPCAST: tl.constexpr, IEEE: tl.constexpr, EXACT: tl.constexpr,
+                     VEC: tl.constexpr):
     """grad[e][m, n] (+)= sum over e's rows r of P[r, m] · Q[r, n], rows in dispatch order."""
     e = tl.program_id(0)
     m = tl.program_id(1) * BM + tl.arange(0, BM)
@@ -232,14 +245,14 @@ def moe_wgrad_kernel(p_ptr, q_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_p
         else:
             assign = r
         token = assign // K_TOP
-        p_row = _operand_rows(P_SOURCE, r, token, assign)
-        q_row = _operand_rows(Q_SOURCE, r, token, assign)
-        p = tl.load(p_ptr + p_row[:, None].to(tl.int64) * M + m[None, :],
+        p_row = _operand_rows(P_SOURCE, r, token, assign, M, stride_p, VEC)
+        q_row = _operand_rows(Q_SOURCE, r, token, assign, N, stride_q, VEC)
+        p = tl.load(p_ptr + p_row[:, None] + m[None, :],
                     mask=ok[:, None] & (m < M)[None, :], other=0.0)
         if P_WEIGHTED:
             w = tl.load(weight_ptr + assign, mask=ok, other=0.0)
             p = round_to(p.to(tl.float32) * w[:, None], dtype, EXACT)
-        q = tl.load(q_ptr + q_row[:, None].to(tl.int64) * N + n[None, :],
+        q = tl.load(q_ptr + q_row[:, None] + n[None, :],
                     mask=ok[:, None] & (n < N)[None, :], other=0.0)
         if Q_RELU2:
             q = tl.maximum(q.to(tl.float32), 0.0)
@@ -257,11 +270,12 @@ def moe_wgrad_kernel(p_ptr, q_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_p
 
 # -- fixed-order sums ----------------------------------------------------------------------------
 @triton.jit
-def moe_combine_kernel(buf_ptr, shared_ptr, ids_ptr, out_ptr, T, K_TOP: tl.constexpr,
-                       E: tl.constexpr, H: tl.constexpr, HAS_SHARED: tl.constexpr,
-                       BT: tl.constexpr, BH: tl.constexpr, EXACT: tl.constexpr):
+def moe_combine_kernel(buf_ptr, shared_ptr, ids_ptr, out_ptr, T, stride_out,
+                       K_TOP: tl.constexpr, E: tl.constexpr, H: tl.constexpr,
+                       HAS_SHARED: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
+                       EXACT: tl.constexpr, VEC: tl.constexpr):
     """out[t] = sum over j (in order) of buf[t·k + j] for the kept assignments (+ shared[t]),
-    fp32, rounded once."""
+    fp32, rounded once; out (out or d_x: a view) stride_out vectors a row."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     row_ok = rows < T
@@ -276,7 +290,7 @@ def moe_combine_kernel(buf_ptr, shared_ptr, ids_ptr, out_ptr, T, K_TOP: tl.const
     if HAS_SHARED:
         acc += tl.load(shared_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
                        mask=row_ok[:, None] & col_ok, other=0.0)
-    tl.store(out_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
+    tl.store(out_ptr + rows[:, None].to(tl.int64) * (stride_out * VEC) + cols[None, :],
              round_to(acc, out_ptr.dtype.element_ty, EXACT), mask=row_ok[:, None] & col_ok)
 
 

@@ -5,7 +5,11 @@ thread layout. A NaN choice (or group) score is replaced by -inf before any redu
 available set (eligible, not yet taken) is a mask rather than a -inf value, so the k ids are
 always distinct eligible experts in [0, E) whatever the logits hold. The backward drops ids
 outside [0, E) and reports those other than -1 in the status word. Tokens per program come from
-the router's per-architecture table (moe_tiles.ROUTER_TILES, ``config=`` a candidate)."""
+the router's per-architecture table (moe_tiles.ROUTER_TILES, ``config=`` a candidate).
+
+logits and d_logits may be strided views: the kernels take their row strides at launch in units
+of VEC elements (a 16-byte vector, the contract's ``row_vector``; 1 where a row of E logits is
+not a whole number of vectors and the plans take them contiguous)."""
 
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ import triton.language as tl
 
 from fusedops.core.cost import Cost
 from fusedops.core.dtypes import element_size, kernel_dtype_reason
-from fusedops.core.program import Program, Stage
+from fusedops.core.program import Program, Stage, Stride
 from fusedops.core.status import Status
 from fusedops.moe.contract import NORM_EPS, ROUTER_FLOPS_PER_SCORE
 
@@ -43,15 +47,15 @@ def lowest_argmax(values, avail, index, NONE: tl.constexpr):
 
 @triton.jit
 def moe_router_fwd_kernel(logits_ptr, correction_bias_ptr, topk_weights_ptr, topk_ids_ptr, T,
-                          scale, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
+                          scale, stride_logits, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
                           KP: tl.constexpr, BT: tl.constexpr, N_GROUP: tl.constexpr,
                           GP: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
-                          NORM_EPS: tl.constexpr, HAS_BIAS: tl.constexpr):
+                          NORM_EPS: tl.constexpr, HAS_BIAS: tl.constexpr, VEC: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     row_ok = rows < T
     e = tl.arange(0, EP)
     e_ok = e < E
-    logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * E + e[None, :],
+    logits = tl.load(logits_ptr + rows[:, None].to(tl.int64) * (stride_logits * VEC) + e[None, :],
                      mask=row_ok[:, None] & e_ok[None, :], other=0.0).to(tl.float32)
     s = tl.sigmoid(logits)
     choice = s
@@ -96,9 +100,10 @@ def moe_router_fwd_kernel(logits_ptr, correction_bias_ptr, topk_weights_ptr, top
 
 @triton.jit
 def moe_router_bwd_kernel(logits_ptr, topk_ids_ptr, d_topk_weights_ptr, d_logits_ptr, status_ptr,
-                          T, scale, E: tl.constexpr, EP: tl.constexpr, K: tl.constexpr,
-                          KP: tl.constexpr, BT: tl.constexpr, NORM: tl.constexpr,
-                          NORM_EPS: tl.constexpr, HAS_STATUS: tl.constexpr):
+                          T, scale, stride_logits, stride_d_logits, E: tl.constexpr,
+                          EP: tl.constexpr, K: tl.constexpr, KP: tl.constexpr, BT: tl.constexpr,
+                          NORM: tl.constexpr, NORM_EPS: tl.constexpr, HAS_STATUS: tl.constexpr,
+                          VEC: tl.constexpr):
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     row_ok = rows < T
     slot = tl.arange(0, KP)
@@ -106,8 +111,8 @@ def moe_router_bwd_kernel(logits_ptr, topk_ids_ptr, d_topk_weights_ptr, d_logits
     ids = tl.load(topk_ids_ptr + at_k, mask=row_ok[:, None] & (slot < K)[None, :], other=-1)
     ok = (ids >= 0) & (ids < E)
     report(status_ptr, ~ok & (ids != -1), EXPERT_ID, HAS_STATUS)    # -1: padding, no bit
-    r = tl.sigmoid(tl.load(logits_ptr + rows[:, None].to(tl.int64) * E + ids, mask=ok,
-                           other=0.0).to(tl.float32))
+    r = tl.sigmoid(tl.load(logits_ptr + rows[:, None].to(tl.int64) * (stride_logits * VEC) + ids,
+                           mask=ok, other=0.0).to(tl.float32))
     r = tl.where(ok, r, 0.0)
     dw = tl.load(d_topk_weights_ptr + at_k, mask=ok, other=0.0)
     if NORM:
@@ -124,7 +129,7 @@ def moe_router_bwd_kernel(logits_ptr, topk_ids_ptr, d_topk_weights_ptr, d_logits
         at = tl.sum(tl.where(in_slot, ids, 0), axis=1)
         grad = tl.where(e[None, :] == at[:, None],
                         grad + tl.sum(tl.where(in_slot, d_sel, 0.0), axis=1)[:, None], grad)
-    tl.store(d_logits_ptr + rows[:, None].to(tl.int64) * E + e[None, :],
+    tl.store(d_logits_ptr + rows[:, None].to(tl.int64) * (stride_d_logits * VEC) + e[None, :],
              grad.to(d_logits_ptr.dtype.element_ty), mask=row_ok[:, None] & (e < E)[None, :])
 
 
@@ -142,12 +147,20 @@ def _grid(problem, tiles: RouterTiles) -> tuple[int]:
 
 def _constexprs(problem, tiles: RouterTiles) -> dict:
     return dict(E=problem.experts, EP=triton.next_power_of_2(problem.experts), K=problem.top_k,
-                KP=triton.next_power_of_2(problem.top_k), BT=_rows_per_program(problem, tiles))
+                KP=triton.next_power_of_2(problem.top_k), BT=_rows_per_program(problem, tiles),
+                VEC=problem.row_vector)
+
+
+def _strides(problem, *tensors: str) -> dict:
+    """The row strides of the [t, E] views, in vectors of ``problem.row_vector`` elements."""
+    return {f"stride_{name}": Stride(name, 0, problem.row_vector) for name in tensors}
 
 
 def forward_cost(problem) -> Cost:
-    """Each token's logits row read once (t·E·l; the padded columns past E are masked), the bias
-    once (every program reads all E: in L2), topk_weights and topk_ids written (t·k·(4 + 4)).
+    """A 1-D grid, one program per BT tokens in token order (docs/performance.md, "How traffic
+    is counted"): no two programs load the same logits, so each token's logits row counts once
+    (t·E·l; the padded columns past E are masked); the bias, which every program loads in full
+    (4·E bytes, in L2), once; topk_weights and topk_ids written (t·k·(4 + 4)).
     FLOPs per score: the sigmoid, the bias add and k selection rounds of a max and a compare
     (ROUTER_FLOPS_PER_SCORE + 2·(k - 1)), and the group scores (4 per score and group round)
     when grouped."""
@@ -159,10 +172,11 @@ def forward_cost(problem) -> Cost:
 
 
 def backward_cost(problem) -> Cost:
-    """topk_ids and d_topk_weights read (t·k·(4 + 4)); the k selected logits of each token are
-    gathered, one 32-byte sector each (at most the whole row, t·min(k·32, E·l)); d_logits [t, E]
-    written whole (zeros off the selection). FLOPs: about 12 per slot for the sigmoid and the
-    normalisation terms, and the slot-order scatter (2 per score and slot)."""
+    """A 1-D grid, one program per BT tokens, each loading only its own tokens' data (no re-read
+    to credit): topk_ids and d_topk_weights read (t·k·(4 + 4)); the k selected logits of each
+    token are gathered, one 32-byte sector each (at most the whole row, t·min(k·32, E·l));
+    d_logits [t, E] written whole (zeros off the selection). FLOPs: about 12 per slot for the
+    sigmoid and the normalisation terms, and the slot-order scatter (2 per score and slot)."""
     t, E, k = problem.tokens, problem.experts, problem.top_k
     l = element_size(problem.logits_dtype)
     read = t * k * 8 + t * min(k * SECTOR, E * l)
@@ -174,7 +188,7 @@ def forward_spec(problem, tiles: RouterTiles | None = None) -> KernelSpec:
     lt = pointer_type(problem.logits_dtype)
     args = (("logits_ptr", lt), ("correction_bias_ptr", "*fp32" if problem.has_bias else None),
             ("topk_weights_ptr", "*fp32"), ("topk_ids_ptr", "*i32"), ("T", "i32"),
-            ("scale", "fp32"))
+            ("scale", "fp32"), ("stride_logits", "i32"))
     const = dict(_constexprs(problem, tiles), N_GROUP=problem.n_group,
                  GP=triton.next_power_of_2(problem.n_group), TOPK_GROUP=problem.topk_group,
                  NORM=problem.norm_topk_prob, NORM_EPS=NORM_EPS, HAS_BIAS=problem.has_bias)
@@ -187,7 +201,7 @@ def backward_spec(problem, tiles: RouterTiles | None = None) -> KernelSpec:
     lt = pointer_type(problem.logits_dtype)
     args = (("logits_ptr", lt), ("topk_ids_ptr", "*i32"), ("d_topk_weights_ptr", "*fp32"),
             ("d_logits_ptr", lt), ("status_ptr", "*i32" if problem.has_status else None),
-            ("T", "i32"), ("scale", "fp32"))
+            ("T", "i32"), ("scale", "fp32"), ("stride_logits", "i32"), ("stride_d_logits", "i32"))
     const = dict(_constexprs(problem, tiles), NORM=problem.norm_topk_prob, NORM_EPS=NORM_EPS,
                  HAS_STATUS=problem.has_status)
     return KernelSpec.make(moe_router_bwd_kernel, args, const, _grid(problem, tiles),
@@ -201,12 +215,14 @@ def unsupported_reason(problem) -> str | None:
 
 def forward_program(problem, config: RouterTiles | None = None) -> Program:
     return Program(stages=(Stage(forward_spec(problem, config), dict(
-        T=problem.tokens, scale=problem.routed_scaling_factor)),))
+        T=problem.tokens, scale=problem.routed_scaling_factor,
+        **_strides(problem, "logits"))),))
 
 
 def backward_program(problem, config: RouterTiles | None = None) -> Program:
     return Program(stages=(Stage(backward_spec(problem, config), dict(
-        T=problem.tokens, scale=problem.routed_scaling_factor)),))
+        T=problem.tokens, scale=problem.routed_scaling_factor,
+        **_strides(problem, "logits", "d_logits"))),))
 
 
 forward_candidates = router_candidates

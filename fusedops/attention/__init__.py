@@ -2,8 +2,9 @@
 torch op, samples and oracle). See docs/attention.md."""
 
 from .contract import DTYPES, FP8, MAX_HEAD_DIM, AttentionProblem, DecodeAttentionProblem
-from .plans import (GQAAttentionBackward, GQAAttentionDecode, GQAAttentionForward,
-                    gqa_attention_backward, gqa_attention_decode, gqa_attention_forward)
+from .decode import GQAAttentionDecode, gqa_attention_decode
+from .plans import (GQAAttentionBackward, GQAAttentionForward, gqa_attention_backward,
+                    gqa_attention_forward)
 
 __all__ = ["GQAAttentionBackward", "GQAAttentionDecode", "GQAAttentionForward",
            "gqa_attention_backward", "gqa_attention_decode", "gqa_attention_forward"]

@@ -14,8 +14,18 @@ i + offset - left <= j <= i + offset + right (-1: unbounded on that side). A que
 no key (a sequence without keys, or causal with s_q > s_k) gives o = 0, lse = -inf and zero
 gradients, never NaN.
 
-Backward: dP = do vᵀ, delta = rowsum(do ∘ o), dS = P ∘ (dP - delta), dq = scale · dS k,
-dk = scale · dSᵀ q, dv = Pᵀ do; dk and dv of a KV head sum over its h_q / h_kv query heads.
+softcap c > 0 (0: off) caps the scaled scores before the mask, as FlashAttention does:
+S = c · tanh(scale · q kᵀ / c); its backward multiplies dS by 1 - tanh² (one tanh per score).
+
+Backward: dP = do vᵀ, delta = rowsum(do ∘ o), dS = P ∘ (dP - delta) (∘ (1 - tanh²) with a
+softcap), dq = scale · dS k, dk = scale · dSᵀ q, dv = Pᵀ do; dk and dv of a KV head sum over its
+h_q / h_kv query heads.
+
+Paged prefill (forward only): k, v are pages [num_pages, page_size, h_kv, d] and sequence i's
+key j is row j % page_size of page block_table[i, j // page_size] (flash-attn's
+flash_attn_varlen_func(block_table=...)); cu_seqlens_k gives the key lengths. A sequence whose
+needed pages (j < its key length) are not all in [0, num_pages) sees no key: its queries get
+o = 0, lse = -inf (Status.BLOCK_TABLE).
 
 Packed sequences take their offsets sanitised (docs/plans.md, "Index data"): c'[0] =
 clamp(c[0], 0, total), c'[i] = clamp(c[i], c'[i-1], total); sequence i covers its first
@@ -23,12 +33,20 @@ min(c'[i+1] - c'[i], max_seqlen) tokens (queries and keys alike) and is computed
 the whole sequence. Tokens no sequence covers get o = 0, lse = -inf, dq = 0 (queries) and
 dk = dv = 0 (keys). Offsets that needed sanitising set Status.CU_SEQLENS.
 
-Decode with a KV cache (row i of b, T new tokens, L = cache_seqlens[i]): a row is valid when
-0 <= L <= capacity - T and (paged) every page it needs, j·page_size < L + T, is in [0, pages).
-A valid row's new tokens' k, v are written at cache positions L .. L + T - 1 (an FP8 cache holds
-fp32(value / scale) saturated to ±FP8_MAX and rounded to nearest-even e4m3); then new token t
-attends to cache positions j <= L + t, reading an FP8 cache as stored · scale. An invalid row
-writes nothing and gets o = 0, lse = -inf (Status.CACHE_SEQLENS / Status.BLOCK_TABLE).
+Decode with a KV cache (row i of b, T queries, N appended tokens: N = T, or 0 to attend
+only, L = cache_seqlens[i], its cache row c = cache_batch_idx[i] (default i), its first key
+lp = cache_leftpad[i] (default 0)): a row is valid when 0 <= L <= capacity - N, 0 <= lp <= L,
+(paged) every page it needs, j·page_size < L + N, is in [0, pages), c < the cache's rows (a
+negative c is padding: invalid, not reported), no earlier row appends to the same c, and (rotary)
+its query positions fit the table. A valid row's new tokens' k, v are written at cache positions
+L .. L + N - 1 (an FP8 cache holds fp32(value / scale) saturated to ±FP8_MAX and rounded to
+nearest-even e4m3); then query t attends to cache positions lp <= j < L + N, bottom-right
+aligned like training (offset = L + N - T: causal j <= t + offset, window_size as in training),
+reading an FP8 cache as stored · scale. Rotary (rotary_cos/sin [seqlen_ro, r/2], r <= d even):
+the appended k at position L + t and q at L + t (causal or windowed; L for every query
+otherwise, as flash-attn) are rotated on their first r features, interleaved pairs (x0, x1), ...
+or halves (x[:r/2], x[r/2:r]): (x1, x2) -> (x1 cos - x2 sin, x1 sin + x2 cos). An invalid row
+writes nothing and gets o = 0, lse = -inf (Status.CACHE_SEQLENS / BLOCK_TABLE / SLOT_INDEX).
 cache_seqlens is not advanced.
 """
 
@@ -85,6 +103,11 @@ class AttentionProblem:
     total_k: int
     device: torch.device
     has_status: bool = False   # a status word is given (invalid offsets are reported)
+    softcap: float = 0.0       # c > 0: S = c·tanh(scale·q kᵀ / c); 0: off
+    paged: bool = False        # paged prefill: k, v are pages read through a block table
+    page_size: int = 0
+    max_pages: int = 0
+    pages: int = 0             # pages in the pool (paged)
 
 
 @dataclass(frozen=True)
@@ -106,8 +129,29 @@ class DecodeAttentionProblem:
     scale_per_head: bool
     num_splits: int
     device: torch.device
-    pages: int = 0             # pages in the pool (paged), or b (contiguous)
+    pages: int = 0             # pages in the pool (paged), or the cache's rows (contiguous)
     has_status: bool = False   # a status word is given (invalid rows are reported)
+    new_tokens: int | None = None   # N appended tokens (0: attend only; None: = tokens)
+    causal: bool = True
+    window: tuple[int, int] = (-1, -1)
+    softcap: float = 0.0
+    batch_idx: bool = False    # cache_batch_idx maps rows to cache rows
+    leftpad: bool = False      # cache_leftpad gives each row's first key
+    rotary_dim: int = 0        # r: features rotated (0: no rotary)
+    rotary_interleaved: bool = False
+    rotary_len: int = 0        # seqlen_ro: positions in rotary_cos/sin
+    rotary_dtype: torch.dtype | None = None
+
+    @property
+    def appended(self) -> int:
+        """N: the tokens each row appends (0: attend only)."""
+        return self.tokens if self.new_tokens is None else self.new_tokens
+
+    @property
+    def rotary_queries(self) -> int:
+        """Query positions rotary uses past L: T (causal or windowed), else 1 (every query at
+        L, as flash-attn)."""
+        return self.tokens if self.causal or self.window != (-1, -1) else 1
 
 
 # -- option validators ---------------------------------------------------------------------------
@@ -125,6 +169,12 @@ def window_size(name: str, value) -> tuple[int, int]:
 def softmax_scale(name: str, value) -> float | None:
     """None (1/sqrt(d)) or a finite float > 0 (bool refused)."""
     return None if value is None else expect_float(name, value, positive=True)
+
+
+def softcap(name: str, value) -> float:
+    """0 (off) or a finite float > 0 (bool refused)."""
+    value = expect_float(name, value, minimum=0.0)
+    return value
 
 
 def resolve_scale(scale: float | None, head_dim: int) -> float:
@@ -209,26 +259,31 @@ def backward_floor(problem: AttentionProblem) -> Cost:
 
 def decode_context(problem: DecodeAttentionProblem) -> int:
     """The cache length L the decode models take: cache_seqlens is runtime data, so every row at
-    the fullest valid context, capacity - T (8192 - T at the production shape)."""
-    return max(0, problem.capacity - problem.tokens)
+    the fullest valid context, capacity - N (8192 - T at the production shape; the capacity when
+    attending only)."""
+    return max(0, problem.capacity - problem.appended)
 
 
 def decode_floor(problem: DecodeAttentionProblem) -> Cost:
     """The least a decode step does at context L = ``decode_context``: the L cached positions of
-    k and v read once (the new ones come from k_new, v_new), q, k_new, v_new, cache_seqlens, the
-    block-table entries the rows use and the scales read once; the new k, v written to the cache,
-    o and lse written once; 4·d FLOPs per (query head, new token t, visible position: L + t + 1)
-    on tensor cores."""
+    k and v read once (the N new ones come from k_new, v_new), q, k_new, v_new, cache_seqlens (and
+    cache_batch_idx, cache_leftpad), the block-table entries the rows use, the scales and (rotary)
+    the cos/sin rows of the new positions read once; the new k, v written to the cache, o and lse
+    written once; 4·d FLOPs per (query head, query, visible position: L + t + 1 causal with
+    N = T) on tensor cores."""
     p = problem
     e, ce = element_size(p.dtype), element_size(p.cache_dtype)
-    L, T, b = decode_context(p), p.tokens, p.batch
+    L, T, N, b = decode_context(p), p.tokens, p.appended, p.batch
     row = p.heads_kv * p.head_dim
-    read = (b * T * p.heads_q * p.head_dim + 2 * b * T * row) * e + 2 * b * L * row * ce + 4 * b
+    read = (b * T * p.heads_q * p.head_dim + 2 * b * N * row) * e + 2 * b * L * row * ce + 4 * b
+    read += 4 * b * (p.batch_idx + p.leftpad)
     if p.paged:
-        read += 4 * b * min(p.max_pages, -(-(L + T) // p.page_size))
+        read += 4 * b * min(p.max_pages, -(-(L + N) // p.page_size))
     if p.cache_dtype == FP8:
         read += 2 * 4 * (p.heads_kv if p.scale_per_head else 1)
+    if p.rotary_dim:
+        read += 2 * b * max(N, p.rotary_queries) * (p.rotary_dim // 2) * e
     a = element_size(accumulator_dtype(p.dtype))
-    written = 2 * b * T * row * ce + b * T * p.heads_q * p.head_dim * e + a * b * p.heads_q * T
-    flops = 4.0 * p.head_dim * p.heads_q * b * sum(L + t + 1 for t in range(T))
+    written = 2 * b * N * row * ce + b * T * p.heads_q * p.head_dim * e + a * b * p.heads_q * T
+    flops = 4.0 * p.head_dim * p.heads_q * b * visible_pairs(T, L + N, p.causal, p.window)
     return Cost(flops, read, written, mma_flops=flops)

@@ -9,8 +9,9 @@ from ..opinfo import OpInfo, Tolerance
 from . import samples
 from .ops import gqa_attention
 from .oracle import oracle
-from .plans import (GQAAttentionBackward, GQAAttentionDecode, GQAAttentionForward,
-                    gqa_attention_backward, gqa_attention_decode, gqa_attention_forward)
+from .decode import GQAAttentionDecode, gqa_attention_decode
+from .plans import (GQAAttentionBackward, GQAAttentionForward, gqa_attention_backward,
+                    gqa_attention_forward)
 
 KERNEL_TOLERANCE = {
     torch.float64: Tolerance(1e-12, 1e-11, "float64 against float64"),

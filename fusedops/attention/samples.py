@@ -16,7 +16,8 @@ from ..core.dtypes import dtype_name
 from ..core.status import STATUS_DTYPE, Status
 from ..opinfo import Case, PlanCall
 from .contract import FP8, FP8_MAX
-from .plans import GQAAttentionBackward, GQAAttentionDecode, GQAAttentionForward
+from .decode import GQAAttentionDecode
+from .plans import GQAAttentionBackward, GQAAttentionForward
 
 TRAINING_TENSORS = ("q", "k", "v", "cu_seqlens_q", "cu_seqlens_k")
 DECODE_TENSORS = ("q", "k_new", "v_new", "k_cache", "v_cache", "cache_seqlens", "block_table",

@@ -19,8 +19,10 @@ class Cost:
     """FLOPs and HBM bytes of one launch (or the sum of several).
 
     ``mma_flops``: the part of ``flops`` done by tensor-core matrix multiplies (the rest runs on
-    the CUDA cores); ``mma_rows``: rows of the matrix-multiply tile one CTA owns (0 without
-    MMAs), from which the report checks that no warpgroup duplicates another's work.
+    the CUDA cores), duplicated work included; ``mma_duplication``: how many times the kernel's
+    warps (warpgroups) compute each tensor-core product, averaged over its products (1: no
+    warpgroup repeats another's work), stated by the backend from its warp layout and checked
+    against the compiled code; ``mma_rows``: rows of the matrix-multiply tile one CTA owns.
     """
 
     flops: float = 0.0
@@ -28,6 +30,7 @@ class Cost:
     bytes_written: float = 0.0
     mma_flops: float = 0.0
     mma_rows: int = 0
+    mma_duplication: float = 1.0
 
     @property
     def bytes(self) -> float:
@@ -41,7 +44,8 @@ class Cost:
     def __add__(self, other: Cost) -> Cost:
         return Cost(self.flops + other.flops, self.bytes_read + other.bytes_read,
                     self.bytes_written + other.bytes_written, self.mma_flops + other.mma_flops,
-                    max(self.mma_rows, other.mma_rows))
+                    max(self.mma_rows, other.mma_rows),
+                    max(self.mma_duplication, other.mma_duplication))
 
     def floor_seconds(self, tflops: float, tbps: float) -> float:
         """The roofline time: the larger of FLOPs at ``tflops`` TFLOP/s and bytes at ``tbps``

@@ -1,8 +1,8 @@
 """The device-side status word: how kernels report invalid index data without a host read.
 
-Plans that read index tensors (cu_seqlens, block tables, cache lengths, slot indices, accepted
-counts, expert ids) take an optional ``status`` operand: an int32 tensor of one element on the
-plan's device. Every kernel that finds an invalid entry ORs the bit of that kind of violation
+Plans that read index tensors (cu_seqlens, sequence ids, block tables, cache lengths, slot
+indices, accepted counts, expert ids) take an optional ``status`` operand: an int32 tensor of one
+element on the plan's device. Every kernel that finds an invalid entry ORs the bit of that kind of violation
 into it (an integer OR: order-independent, so deterministic) and then clamps or masks, so no
 access leaves the buffers it was handed, whatever the index data holds. fusedops never clears
 the word: zero it when a step starts (``status.zero_()``, capturable in a CUDA Graph), read it
@@ -28,6 +28,7 @@ class Status(enum.IntFlag):
     SLOT_INDEX = 1 << 3          # a state slot past the state cache (negative = padding: valid)
     ACCEPTED_COUNT = 1 << 4      # accepted tokens outside [0, T]
     EXPERT_ID = 1 << 5           # an expert id outside [0, E) other than -1 (padding)
+    SEQ_IDX = 1 << 6             # a sequence id negative or smaller than the one before it
 
     def describe(self) -> str:
         """The violated kinds, by name ("OK" when none)."""

@@ -85,7 +85,7 @@ class KernelRow:
         if self.cost is not None:
             out.update(flops=self.cost.flops, mma_flops=self.cost.mma_flops,
                        bytes_read=self.cost.bytes_read, bytes_written=self.cost.bytes_written,
-                       mma_rows=self.cost.mma_rows,
+                       mma_rows=self.cost.mma_rows, mma_duplication=self.cost.mma_duplication,
                        intensity=None if math.isinf(self.cost.intensity) else self.cost.intensity,
                        floor_us=self.floor_us())
         return out

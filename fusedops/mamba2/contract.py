@@ -18,6 +18,20 @@ running maximum of max(c, 0), capped at the ``total`` packed tokens); sequence i
 sequence covers get y = 0 and zero gradients, and Status.CU_SEQLENS is reported when c[0] != 0
 or c' != c.
 
+Sequence ids (seq_idx [b, l] int32, mamba_ssm's convention; not with cu_seqlens): the batch rows
+stay the sequences of initial_states and final_states, and within a row the state restarts at
+every token whose id differs from the previous token's. A row's initial state enters only its
+leading run of tokens, and only when their id is 0 (a row starting with another id starts from
+zero); final_states[r] is the state after the row's last token. Valid ids are non-negative and
+non-decreasing along a row, and for them this is mamba_ssm's rule exactly. Any values are
+memory-safe (ids are compared, never used as addresses): the kernels apply the rule above to
+whatever the ids hold and report Status.SEQ_IDX for a row that decreases or holds a negative id.
+
+Strided operands: x, z, y, dy, dx, dz (rows of p elements), B, C, dB, dC (rows of n) and dt,
+ddt (rows of h) take views whose last dimension is contiguous when a row is a whole number of
+16-byte vectors (``row_vector``): their other strides are then any multiples of 16 bytes (slices
+of the in-projection or conv output go in without a copy). Otherwise they are contiguous.
+
 The dt transform, the dt_limit check and the checks of the per-token and per-head operands are
 shared with the Mamba2 inference plans (fusedops.mamba2_inference.contract).
 """
@@ -101,6 +115,45 @@ def check_status(descs: dict[str, TensorDesc]) -> bool:
     return True
 
 
+def row_vector(width: int, dtype: torch.dtype) -> int:
+    """Elements per stride unit of a tensor whose rows are ``width`` elements of ``dtype``: a
+    16-byte vector when a row is a whole number of them (the tensor may then be a view whose
+    other strides are multiples of 16 bytes), else 1 (the tensor must be contiguous)."""
+    e = element_size(dtype)
+    return 16 // e if e <= 16 and (width * e) % 16 == 0 else 1
+
+
+def check_seq_idx(descs: dict[str, TensorDesc], batch: int, length: int, layout: str) -> bool:
+    """The optional seq_idx: int32 [b, l] (``layout``), not with cu_seqlens. Returns whether it
+    is given."""
+    if "seq_idx" not in descs:
+        return False
+    expect_dtype("seq_idx", descs["seq_idx"], (torch.int32,))
+    expect_shape("seq_idx", descs["seq_idx"], (batch, length), layout)
+    if "cu_seqlens" in descs:
+        raise ValidationError("seq_idx: expected None with cu_seqlens (the packed sequences are "
+                              "already the boundaries), got a tensor")
+    return True
+
+
+def check_seq_idx_values(tensors) -> None:
+    """Host check of seq_idx (check_inputs=True): non-negative and non-decreasing along every
+    row."""
+    ids = tensors.get("seq_idx")
+    if not isinstance(ids, torch.Tensor):
+        return
+    rows = ids.detach().to("cpu", torch.int64).reshape(ids.shape[0], -1).tolist()
+    for r, row in enumerate(rows):
+        for t, value in enumerate(row):
+            if value < 0:
+                raise ValidationError(f"seq_idx: expected non-negative ids, got seq_idx[{r}, {t}] = "
+                                      f"{value}")
+            if t and value < row[t - 1]:
+                raise ValidationError(f"seq_idx: expected ids non-decreasing along a row, got "
+                                      f"seq_idx[{r}, {t}] = {value} < seq_idx[{r}, {t - 1}] = "
+                                      f"{row[t - 1]}")
+
+
 def check_cu_seqlens_values(tensors, total: int) -> None:
     """Host check of cu_seqlens (check_inputs=True): starts at 0, non-decreasing, ends at most at
     the ``total`` packed tokens."""
@@ -144,6 +197,23 @@ class ScanProblem:
     has_dfinal_states: bool
     device: torch.device
     has_status: bool = False    # a status word is given: the kernels report CU_SEQLENS into it
+    has_seq_idx: bool = False   # seq_idx [b, l]: the state restarts where the id changes
+    has_segment_states: bool = False   # the forward also writes the state entering each segment
+
+    @property
+    def vector(self) -> int:
+        """Elements per stride unit of x, z, y, dy, dx, dz (``row_vector`` of p)."""
+        return row_vector(self.head_dim, self.dtype)
+
+    @property
+    def bc_vector(self) -> int:
+        """Elements per stride unit of B, C, dB, dC (``row_vector`` of n)."""
+        return row_vector(self.state, self.dtype)
+
+    @property
+    def dt_vector(self) -> int:
+        """Elements per stride unit of dt and ddt (``row_vector`` of h)."""
+        return row_vector(self.heads, self.dt_dtype)
 
     @property
     def sequences(self) -> int:
@@ -211,7 +281,7 @@ def _parameter_bytes(problem: ScanProblem) -> float:
 
 def forward_floor(problem: ScanProblem) -> Cost:
     """The least any forward does: read x, dt, B, C, A (and z, D, dt_bias, initial_states,
-    cu_seqlens where given) once and write y and final_states once. What a forward saves for
+    cu_seqlens, seq_idx where given) once and write y and final_states once. What a forward saves for
     its backward (states, y before the gate) is an implementation's choice, not part of the
     floor. FLOPs: the chunked algorithm's products at this chunk size, on tensor cores: each
     segment's own state (2·T·h·p·n) and the entering state's term of y (2·T·h·p·n), the causal
@@ -223,7 +293,8 @@ def forward_floor(problem: ScanProblem) -> Cost:
     xbytes, head_tokens, states = _operand_bytes(problem)
     read = (xbytes * (1 + problem.has_z) + head_tokens * edt + 2 * T * g * n * e
             + _parameter_bytes(problem) + (states if problem.has_initial_states else 0)
-            + (4 * (problem.sequences + 1) if problem.num_sequences is not None else 0))
+            + (4 * (problem.sequences + 1) if problem.num_sequences is not None else 0)
+            + 4 * T * problem.has_seq_idx)
     written = xbytes + states
     pairs = causal_pairs(problem)
     mma = 4 * T * h * p * n + pairs * (2 * h * p + 2 * g * n)
@@ -250,7 +321,7 @@ def backward_floor(problem: ScanProblem) -> Cost:
     read = (xbytes * (2 + problem.has_z) + head_tokens * edt + bc + params
             + states * (problem.has_initial_states + problem.has_dfinal_states)
             + (4 * (problem.sequences + 1) if problem.num_sequences is not None else 0)
-            + (params if problem.accumulate else 0))
+            + 4 * T * problem.has_seq_idx + (params if problem.accumulate else 0))
     written = (xbytes * (1 + problem.has_z) + head_tokens * edt + bc + params
                + (states if problem.has_initial_states else 0))
     pairs = causal_pairs(problem)

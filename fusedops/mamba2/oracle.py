@@ -23,9 +23,12 @@ def transformed_dt(dt, dt_bias=None, dt_softplus=False, dt_limit=DEFAULT_DT_LIMI
 
 
 def mamba2_sequential(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
-                      dt_limit=DEFAULT_DT_LIMIT, initial_states=None, cu_seqlens=None):
+                      dt_limit=DEFAULT_DT_LIMIT, initial_states=None, cu_seqlens=None,
+                      seq_idx=None):
     """The forward as the token-by-token recurrence, in float64; returns (y [b, l, h, p],
-    final_states [nseq, h, p, n]). Differentiable by autograd."""
+    final_states [nseq, h, p, n]). Differentiable by autograd. ``seq_idx`` [b, l]: along a row
+    the state restarts at every token whose id differs from the previous token's, and the row's
+    initial state enters only when its first id is 0 (mamba_ssm's rule, applied to any ids)."""
     x, A, B, C = (t.double() for t in (x, A, B, C))
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
@@ -36,13 +39,17 @@ def mamba2_sequential(x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=
         bounds = cu_seqlens.tolist()
         spans = [(0, bounds[s], bounds[s + 1]) for s in range(len(bounds) - 1)]
     heads_per_group = h // g
+    ids = seq_idx.tolist() if seq_idx is not None else None
     ys = torch.zeros(b, l, h, p, dtype=torch.float64, device=x.device)
     finals = []
+    zero = torch.zeros(h, p, n, dtype=torch.float64, device=x.device)
     for s, (row, t0, t1) in enumerate(spans):
-        state = (initial_states[s].double().clone() if initial_states is not None
-                 else torch.zeros(h, p, n, dtype=torch.float64, device=x.device))
+        enters = initial_states is not None and (ids is None or ids[row][0] == 0)
+        state = initial_states[s].double().clone() if enters else zero
         rows = []
         for t in range(t0, t1):
+            if ids is not None and t > t0 and ids[row][t] != ids[row][t - 1]:
+                state = zero                                              # a new sequence
             Bt = B[row, t].repeat_interleave(heads_per_group, 0)        # [h, n]
             Ct = C[row, t].repeat_interleave(heads_per_group, 0)
             decay = torch.exp(dtv[row, t] * A)                            # [h]
@@ -69,13 +76,14 @@ def scan_with_gradients(tensors, *, dt_softplus=False, dt_limit=DEFAULT_DT_LIMIT
         leaves["x"], leaves["dt"], leaves["A"], leaves["B"], leaves["C"], D=leaves.get("D"),
         z=leaves.get("z"), dt_bias=leaves.get("dt_bias"), dt_softplus=dt_softplus,
         dt_limit=dt_limit, initial_states=leaves.get("initial_states"),
-        cu_seqlens=t.get("cu_seqlens"))
+        cu_seqlens=t.get("cu_seqlens"), seq_idx=t.get("seq_idx"))
     loss = (y * t["dy"].double()).sum()
     if t.get("dfinal_states") is not None:
         loss = loss + (final * t["dfinal_states"].double()).sum()
-    grads = torch.autograd.grad(loss, list(leaves.values()))
+    grads = torch.autograd.grad(loss, list(leaves.values()), allow_unused=True)
     return dict(y=y.detach(), final_states=final.detach(),
-                **{GRADIENT_OF[k]: g for k, g in zip(leaves, grads)})
+                **{GRADIENT_OF[k]: g if g is not None else torch.zeros_like(leaves[k])
+                   for k, g in zip(leaves, grads)})
 
 
 def oracle(case) -> dict[str, torch.Tensor]:

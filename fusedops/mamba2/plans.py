@@ -9,18 +9,55 @@ from __future__ import annotations
 
 import torch
 
+from collections.abc import Mapping
+from dataclasses import replace
+
 from ..core.checks import expect_contiguous, expect_dtype, expect_ndim, expect_shape
-from ..core.dtypes import accumulator_dtype
+from ..core.desc import TensorDesc
+from ..core.dtypes import accumulator_dtype, dtype_name, element_size
 from ..core.options import Option, expect_bool
 from ..core.tupledict import TupleDict
 from ..errors import ValidationError
 from ..plan import Plan, indices, inputs, outputs, saved_buffer, status_word
 from .contract import (ACTIVATION_DTYPES, DEFAULT_CHUNK_SIZE, DEFAULT_DT_LIMIT, ScanProblem,
                        backward_floor, check_cu_seqlens_values, check_dt, check_gate,
-                       check_heads, check_status, expect_chunk_size, expect_dt_limit,
-                       forward_floor)
+                       check_heads, check_seq_idx, check_seq_idx_values, check_status,
+                       expect_chunk_size, expect_dt_limit, forward_floor, row_vector)
 
 _OPTIONAL = ("D", "z", "dt_bias", "initial_states")
+_PER_P = ("x", "z", "y", "dy", "dx", "dz")            # rows of p elements
+_PER_N = ("B", "C", "dB", "dC")                       # rows of n elements
+_PER_H = ("dt", "ddt")                                # rows of h elements
+
+
+def check_layouts(plan, descs, vectors: Mapping[str, int]) -> None:
+    """The activations (``vectors``: operand name -> ``row_vector`` of its rows) take views
+    whose other strides are multiples of 16 bytes when a row is a whole number of 16-byte
+    vectors (the operands the plan declares ``strided``; the base class checks them). Where it
+    is not (vector 1), a contiguous tensor's rows are not aligned either, so this plan takes
+    that operand contiguous only (its strided flag dropped for this plan). Every other operand
+    (parameters, states, index data) is contiguous."""
+    contiguous_only = {name for name, vector in vectors.items() if vector == 1}
+    if contiguous_only:
+        plan.operands = tuple(replace(o, strided=False) if o.name in contiguous_only else o
+                              for o in type(plan).operands)
+    strided = {o.name for o in plan.operands if o.strided}
+    for name, desc in descs.items():
+        if name in strided:
+            continue
+        if name in vectors and not desc.is_contiguous():
+            size = desc.shape[-1] * element_size(desc.dtype)
+            raise ValidationError(
+                f"{name}: expected a contiguous tensor (a view needs rows of a multiple of 16 "
+                f"bytes; {desc.shape[-1]} {dtype_name(desc.dtype)} elements make {size}), got "
+                f"shape {list(desc.shape)} with strides {list(desc.stride)}")
+        expect_contiguous(name, desc)
+
+
+def scan_vectors(problem) -> dict[str, int]:
+    """The stride unit (``row_vector``) of every activation operand of a scan plan."""
+    return {**dict.fromkeys(_PER_P, problem.vector), **dict.fromkeys(_PER_N, problem.bc_vector),
+            **dict.fromkeys(_PER_H, problem.dt_vector)}
 _GRAD_OF = {"x": "dx", "dt": "ddt", "A": "dA", "B": "dB", "C": "dC", "D": "dD", "z": "dz",
             "dt_bias": "ddt_bias", "initial_states": "dinitial_states"}
 _SCAN_OPTIONS = (Option("chunk_size", expect_chunk_size, DEFAULT_CHUNK_SIZE),
@@ -72,18 +109,19 @@ class _ScanPlan(Plan):
             expect_shape("initial_states", h0, (seqs, h, p, n),
                          "[nseq, h, p, n]" if nseq is not None else "[b, h, p, n]")
         has_status = check_status(descs)
-        for name, desc in descs.items():
-            expect_contiguous(name, desc)
+        has_seq_idx = check_seq_idx(descs, b, l, "[b, l] like x's first two dims")
         D = descs.get("D")
         return dict(dtype=x.dtype, dt_dtype=descs["dt"].dtype, batch=b, length=l, heads=h,
                     head_dim=p, groups=g, state=n, num_sequences=nseq, has_D=D is not None,
                     D_per_channel=D is not None and D.ndim == 2, has_z="z" in descs,
                     has_dt_bias="dt_bias" in descs, has_initial_states="initial_states" in descs,
-                    device=self.device, has_status=has_status)
+                    device=self.device, has_status=has_status, has_seq_idx=has_seq_idx)
 
     def _check_index_values(self, tensors) -> None:
-        """cu_seqlens starts at 0, never decreases and ends at most at the l packed tokens."""
+        """cu_seqlens starts at 0, never decreases and ends at most at the l packed tokens;
+        seq_idx is non-negative and non-decreasing along every row."""
         check_cu_seqlens_values(tensors, self.problem.length)
+        check_seq_idx_values(tensors)
 
     def _tuning_tensors(self) -> dict[str, torch.Tensor]:
         """Packed sequences: valid cu_seqlens, the l tokens split as evenly as possible over the
@@ -104,8 +142,11 @@ class _ScanPlan(Plan):
 class Mamba2ChunkScanForward(_ScanPlan):
     """Forward plan of the Mamba2 chunked scan.
 
-    Args (tensors or TensorDescs; all contiguous):
+    Args (tensors or TensorDescs; parameters, states and index data contiguous):
         x: [b, l, h, p] bf16/fp16/fp32 (float64: reference precision, torch backend only).
+            x, z, dt, B, C and y may be views (slices of the in-projection or conv output) with
+            their last dimension contiguous and the other strides multiples of 16 bytes, when
+            a row (p, h or n elements) is a whole number of 16-byte vectors (else contiguous).
         dt: [b, l, h], x's dtype or fp32: raw time steps (bias, softplus and clamp applied here).
         A: [h] fp32 (negative). B, C: [b, l, g, n], x's dtype; head i uses group i // (h / g).
         chunk_size: 16, 32, 64, 128 or 256 tokens per segment.
@@ -116,8 +157,17 @@ class Mamba2ChunkScanForward(_ScanPlan):
             starts from its initial state (or zero) and none mixes with another. Any values are
             memory-safe: the kernels use the sanitised offsets (contract; tokens no sequence
             covers get y = 0) and report Status.CU_SEQLENS into ``status``.
+        seq_idx: [b, l] int32 sequence ids (mamba_ssm's convention; not with cu_seqlens): the
+            state restarts wherever the id changes along a row, initial_states[r] enters only
+            a leading run of id 0, final_states[r] is the state after the row's last token.
+            Valid ids are non-negative and non-decreasing along a row; any values are
+            memory-safe (the rule applies to whatever they hold) and a row that decreases or
+            holds a negative id reports Status.SEQ_IDX.
         recompute_states: do not save the segment-start states (saved_states_bytes); the
             backward recomputes them.
+        segment_states: an optional output [b·ceil(l / chunk_size), h, p, n] fp32 (not with
+            cu_seqlens), declared here: the state entering every segment, row by row (mamba_ssm's
+            chunk states, from which its varlen states are computed).
         status: optional int32 [1] status word (fusedops.core.status), ORed into, never
             cleared.
 
@@ -129,30 +179,45 @@ class Mamba2ChunkScanForward(_ScanPlan):
 
     op_name = "mamba2_chunk_scan_forward"
     program_name = "forward"
-    operands = (*inputs("x", "dt", "A", "B", "C"), *outputs("y", "final_states"),
-                *saved_buffer("out"), *inputs(*_OPTIONAL, optional=True),
-                *indices("cu_seqlens", optional=True), *status_word())
+    operands = (*inputs("x", "dt", strided=True), *inputs("A"), *inputs("B", "C", strided=True),
+                *outputs("y", strided=True), *outputs("final_states"), *saved_buffer("out"),
+                *inputs("D", optional=True), *inputs("z", optional=True, strided=True),
+                *inputs("dt_bias", "initial_states", optional=True),
+                *indices("cu_seqlens", "seq_idx", optional=True),
+                *outputs("segment_states", optional=True), *status_word())
     options = _SCAN_OPTIONS
-    returns = ("y", "final_states", "saved")
+    returns = ("y", "final_states", "saved", "segment_states")
 
     def __init__(self, x, dt, A, B, C, *, chunk_size: int = DEFAULT_CHUNK_SIZE, D=None, z=None,
                  dt_bias=None, dt_softplus: bool = False, dt_limit=DEFAULT_DT_LIMIT,
-                 initial_states=None, cu_seqlens=None, recompute_states: bool = False,
-                 status=None, backend: str = "auto") -> None:
+                 initial_states=None, cu_seqlens=None, seq_idx=None,
+                 recompute_states: bool = False, segment_states=None, status=None,
+                 backend: str = "auto") -> None:
         super().__init__(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
-                              initial_states=initial_states, cu_seqlens=cu_seqlens, status=status),
+                              initial_states=initial_states, cu_seqlens=cu_seqlens,
+                              seq_idx=seq_idx, segment_states=segment_states, status=status),
                          dict(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
                               recompute_states=recompute_states), backend)
 
     def _validate(self, descs, *, chunk_size, dt_softplus, dt_limit, recompute_states) -> ScanProblem:
-        facts = self._validate_scan(descs)
+        facts = self._validate_scan({k: v for k, v in descs.items() if k != "segment_states"})
         problem = ScanProblem(**facts, chunk=chunk_size, dt_softplus=dt_softplus,
                               dt_limit=dt_limit, recompute_states=recompute_states,
-                              accumulate=False, has_dfinal_states=False)
+                              accumulate=False, has_dfinal_states=False,
+                              has_segment_states="segment_states" in descs)
         self._plan_tensor("y", (problem.batch, problem.length, problem.heads, problem.head_dim),
                           problem.dtype)
         self._plan_tensor("final_states", (problem.sequences, problem.heads, problem.head_dim,
                                            problem.state), problem.param_dtype)
+        if "segment_states" in descs:
+            if problem.num_sequences is not None:
+                raise ValidationError("segment_states: expected None with cu_seqlens (the "
+                                      "segments of packed sequences depend on their offsets)")
+            expect_dtype("segment_states", descs["segment_states"], (problem.param_dtype,))
+            expect_shape("segment_states", descs["segment_states"],
+                         (problem.max_segments, problem.heads, problem.head_dim, problem.state),
+                         "[b·ceil(l / chunk_size), h, p, n]")
+        check_layouts(self, descs, scan_vectors(problem))
         return problem
 
     def floor(self):
@@ -161,12 +226,13 @@ class Mamba2ChunkScanForward(_ScanPlan):
         return forward_floor(self.problem)
 
     def execute(self, x, dt, A, B, C, y, final_states, saved, *, D=None, z=None, dt_bias=None,
-                initial_states=None, cu_seqlens=None, status=None, workspace=None,
-                current_stream=None) -> TupleDict:
-        """Runs the forward; returns TupleDict(y, final_states, saved)."""
+                initial_states=None, cu_seqlens=None, seq_idx=None, segment_states=None,
+                status=None, workspace=None, current_stream=None) -> TupleDict:
+        """Runs the forward; returns TupleDict(y, final_states, saved[, segment_states])."""
         return self._execute(dict(x=x, dt=dt, A=A, B=B, C=C, y=y, final_states=final_states,
                                   saved=saved, D=D, z=z, dt_bias=dt_bias,
                                   initial_states=initial_states, cu_seqlens=cu_seqlens,
+                                  seq_idx=seq_idx, segment_states=segment_states,
                                   status=status, workspace=workspace,
                                   current_stream=current_stream))
 
@@ -174,8 +240,8 @@ class Mamba2ChunkScanForward(_ScanPlan):
 class Mamba2ChunkScanBackward(_ScanPlan):
     """Backward plan of the Mamba2 chunked scan.
 
-    Takes the forward's inputs and options (the same chunk_size, dt transform, cu_seqlens,
-    recompute_states and backend), dy [b, l, h, p] and optionally dfinal_states [nseq, h, p, n]
+    Takes the forward's inputs and options (the same chunk_size, dt transform, cu_seqlens or
+    seq_idx, recompute_states and backend), dy [b, l, h, p] and optionally dfinal_states [nseq, h, p, n]
     fp32, and the forward's ``saved`` buffer (``saved_size`` bytes, not verified on the device).
     Writes dx, ddt (w.r.t. the raw dt, dt's dtype), dA [h] fp32, dB and dC (summed over the
     heads of each group in fp32, rounded once) and, for the optional inputs the plan was built
@@ -183,27 +249,32 @@ class Mamba2ChunkScanBackward(_ScanPlan):
     token in fixed order (deterministic); with ``accumulate=True`` they are added to the
     caller's buffers. ``workspace``: ``workspace_size`` bytes. cu_seqlens is sanitised as in the
     forward (tokens no sequence covers get zero gradients); ``status``: the optional int32 [1]
-    status word.
+    status word. dy, dx, ddt, dB, dC and dz may be views like the forward's activations (dx, dB,
+    dC, ddt and dz written straight into slices of a fused gradient buffer).
     """
 
     op_name = "mamba2_chunk_scan_backward"
     program_name = "backward"
-    operands = (*inputs("x", "dt", "A", "B", "C", "dy"), *saved_buffer("in"),
-                *outputs("dx", "ddt", "dA", "dB", "dC"), *inputs(*_OPTIONAL, optional=True),
-                *indices("cu_seqlens", optional=True), *inputs("dfinal_states", optional=True),
-                *outputs("dD", "dz", "ddt_bias", "dinitial_states", optional=True),
-                *status_word())
+    operands = (*inputs("x", "dt", strided=True), *inputs("A"), *inputs("B", "C", "dy", strided=True),
+                *saved_buffer("in"), *outputs("dx", "ddt", strided=True), *outputs("dA"),
+                *outputs("dB", "dC", strided=True), *inputs("D", optional=True),
+                *inputs("z", optional=True, strided=True),
+                *inputs("dt_bias", "initial_states", optional=True),
+                *indices("cu_seqlens", "seq_idx", optional=True),
+                *inputs("dfinal_states", optional=True), *outputs("dD", optional=True),
+                *outputs("dz", optional=True, strided=True),
+                *outputs("ddt_bias", "dinitial_states", optional=True), *status_word())
     options = (*_SCAN_OPTIONS, Option("accumulate", expect_bool, False))
     returns = tuple(_GRAD_OF.values())
 
     def __init__(self, x, dt, A, B, C, dy, *, chunk_size: int = DEFAULT_CHUNK_SIZE, D=None, z=None,
                  dt_bias=None, dt_softplus: bool = False, dt_limit=DEFAULT_DT_LIMIT,
-                 initial_states=None, cu_seqlens=None, dfinal_states=None,
+                 initial_states=None, cu_seqlens=None, seq_idx=None, dfinal_states=None,
                  recompute_states: bool = False, accumulate: bool = False, status=None,
                  backend: str = "auto") -> None:
         super().__init__(dict(x=x, dt=dt, A=A, B=B, C=C, dy=dy, D=D, z=z, dt_bias=dt_bias,
                               initial_states=initial_states, cu_seqlens=cu_seqlens,
-                              dfinal_states=dfinal_states, status=status),
+                              seq_idx=seq_idx, dfinal_states=dfinal_states, status=status),
                          dict(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
                               recompute_states=recompute_states, accumulate=accumulate), backend)
 
@@ -214,7 +285,6 @@ class Mamba2ChunkScanBackward(_ScanPlan):
         x = descs["x"]
         expect_dtype("dy", descs["dy"], (x.dtype,))
         expect_shape("dy", descs["dy"], tuple(x.shape), "[b, l, h, p] like x")
-        expect_contiguous("dy", descs["dy"])
         problem = ScanProblem(**facts, chunk=chunk_size, dt_softplus=dt_softplus,
                               dt_limit=dt_limit, recompute_states=recompute_states,
                               accumulate=accumulate, has_dfinal_states="dfinal_states" in descs)
@@ -223,10 +293,10 @@ class Mamba2ChunkScanBackward(_ScanPlan):
             expect_dtype("dfinal_states", df, (problem.param_dtype,))
             expect_shape("dfinal_states", df, (problem.sequences, problem.heads, problem.head_dim,
                                                problem.state), "[nseq, h, p, n]")
-            expect_contiguous("dfinal_states", df)
         for name, grad in _GRAD_OF.items():
             if name in descs:
                 self._plan_tensor(grad, descs[name].shape, descs[name].dtype)
+        check_layouts(self, descs, scan_vectors(problem))
         return problem
 
     def floor(self):
@@ -240,14 +310,14 @@ class Mamba2ChunkScanBackward(_ScanPlan):
         return tuple(g for g in _GRAD_OF.values() if g in self._descs)
 
     def execute(self, x, dt, A, B, C, dy, saved, dx, ddt, dA, dB, dC, *, D=None, z=None,
-                dt_bias=None, initial_states=None, cu_seqlens=None, dfinal_states=None, dD=None,
-                dz=None, ddt_bias=None, dinitial_states=None, status=None, workspace=None,
-                current_stream=None) -> TupleDict:
+                dt_bias=None, initial_states=None, cu_seqlens=None, seq_idx=None,
+                dfinal_states=None, dD=None, dz=None, ddt_bias=None, dinitial_states=None,
+                status=None, workspace=None, current_stream=None) -> TupleDict:
         """Runs the backward; returns a TupleDict of the gradients (``gradient_names``)."""
         return self._execute(dict(x=x, dt=dt, A=A, B=B, C=C, dy=dy, saved=saved, dx=dx, ddt=ddt,
                                   dA=dA, dB=dB, dC=dC, D=D, z=z, dt_bias=dt_bias,
                                   initial_states=initial_states, cu_seqlens=cu_seqlens,
-                                  dfinal_states=dfinal_states, dD=dD, dz=dz, ddt_bias=ddt_bias,
+                                  seq_idx=seq_idx, dfinal_states=dfinal_states, dD=dD, dz=dz, ddt_bias=ddt_bias,
                                   dinitial_states=dinitial_states, status=status,
                                   workspace=workspace, current_stream=current_stream))
 
@@ -255,21 +325,34 @@ class Mamba2ChunkScanBackward(_ScanPlan):
 def mamba2_chunk_scan_forward(x, dt, A, B, C, chunk_size: int = DEFAULT_CHUNK_SIZE, *, D=None,
                               z=None, dt_bias=None, dt_softplus: bool = False,
                               dt_limit=DEFAULT_DT_LIMIT, initial_states=None, cu_seqlens=None,
-                              recompute_states: bool = False, status=None,
+                              seq_idx=None, recompute_states: bool = False,
+                              return_segment_states: bool = False, status=None,
                               backend: str = "auto", current_stream=None,
                               check_inputs: bool | None = None) -> TupleDict:
     """Eager forward: allocates y, final_states, saved and the workspace; returns
-    TupleDict(y, final_states, saved). Pass ``saved`` and the same options to
-    ``mamba2_chunk_scan_backward``. ``status``: the optional status word; ``check_inputs``
-    (default: FUSEDOPS_CHECK_INPUTS) checks cu_seqlens on the host first (a synchronisation).
+    TupleDict(y, final_states, saved[, segment_states]) (``return_segment_states``: the state
+    entering every segment, see Mamba2ChunkScanForward). Pass ``saved`` and the same options
+    to ``mamba2_chunk_scan_backward``. ``status``: the optional status word; ``check_inputs``
+    (default: FUSEDOPS_CHECK_INPUTS) checks cu_seqlens and seq_idx on the host first (a
+    synchronisation).
 
     Example::
 
         y, final_states, saved = fusedops.mamba2_chunk_scan_forward(x, dt, A, B, C, 64, D=D)
     """
+    segment_states = None
+    if expect_bool("return_segment_states", return_segment_states):
+        if not isinstance(x, torch.Tensor):
+            raise ValidationError(f"x: expected a torch.Tensor, got {type(x).__name__}")
+        b, l, h, p = x.shape
+        chunks = -(-l // Mamba2ChunkScanForward.normalise_options(
+            dict(chunk_size=chunk_size))["chunk_size"])
+        segment_states = TensorDesc((b * chunks, h, p, B.shape[-1]), accumulator_dtype(x.dtype),
+                                    device=x.device)
     return Mamba2ChunkScanForward.eager(
         dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias, initial_states=initial_states,
-             cu_seqlens=cu_seqlens, status=status),
+             cu_seqlens=cu_seqlens, seq_idx=seq_idx, segment_states=segment_states,
+             status=status),
         backend=backend, current_stream=current_stream, check_inputs=check_inputs,
         chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
         recompute_states=recompute_states)
@@ -278,7 +361,8 @@ def mamba2_chunk_scan_forward(x, dt, A, B, C, chunk_size: int = DEFAULT_CHUNK_SI
 def mamba2_chunk_scan_backward(x, dt, A, B, C, dy, saved, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
                                D=None, z=None, dt_bias=None, dt_softplus: bool = False,
                                dt_limit=DEFAULT_DT_LIMIT, initial_states=None, cu_seqlens=None,
-                               dfinal_states=None, recompute_states: bool = False, status=None,
+                               seq_idx=None, dfinal_states=None, recompute_states: bool = False,
+                               status=None,
                                backend: str = "auto", current_stream=None,
                                check_inputs: bool | None = None) -> TupleDict:
     """Eager backward: allocates the gradients and workspace; returns TupleDict(dx, ddt, dA, dB,
@@ -286,8 +370,8 @@ def mamba2_chunk_scan_backward(x, dt, A, B, C, dy, saved, chunk_size: int = DEFA
     forward."""
     return Mamba2ChunkScanBackward.eager(
         dict(x=x, dt=dt, A=A, B=B, C=C, dy=dy, saved=saved, D=D, z=z, dt_bias=dt_bias,
-             initial_states=initial_states, cu_seqlens=cu_seqlens, dfinal_states=dfinal_states,
-             status=status),
+             initial_states=initial_states, cu_seqlens=cu_seqlens, seq_idx=seq_idx,
+             dfinal_states=dfinal_states, status=status),
         backend=backend, current_stream=current_stream, check_inputs=check_inputs,
         chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
         recompute_states=recompute_states)

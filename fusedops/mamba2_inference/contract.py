@@ -20,6 +20,12 @@ negative (padding: valid, no status bit) or past the cache (Status.SLOT_INDEX) i
 slot is touched, and its y rows and snapshots are written as 0. Slots of the valid rows must be
 distinct (checked on the host only: ``check_inputs``).
 
+Operands: x, z, y (rows of p elements), B, C (rows of n) and dt (rows of h) take views whose last
+dimension is contiguous when a row is a whole number of 16-byte vectors (``row_vector``: their
+other strides are then any multiples of 16 bytes, e.g. the decode step's slices of the
+in-projection and conv output); otherwise they are contiguous. B and C may be fp32 with 16-bit x
+(mamba_ssm's own mix), read as they are. The state cache and the snapshots are contiguous.
+
 Rollback: state[slot_i] = snapshots[i, accepted[i]] for rows with a valid slot and accepted in
 [0, T]; the other rows are skipped (their slots unchanged). Status.ACCEPTED_COUNT is reported
 for every accepted count outside [0, T] (padding rows included: keep theirs in range, e.g. 0)
@@ -39,12 +45,12 @@ from ..core.desc import TensorDesc
 from ..core.index_checks import check_range
 from ..errors import ValidationError
 from ..mamba2.contract import (DEFAULT_DT_LIMIT, SOFTPLUS_THRESHOLD, check_dt, check_gate,
-                               check_heads, check_status, expect_dt_limit)
+                               check_heads, check_status, expect_dt_limit, row_vector)
 
 __all__ = ["ACTIVATION_DTYPES", "DEFAULT_DT_LIMIT", "DecodeProblem", "ROUNDINGS",
            "RollbackProblem", "SOFTPLUS_THRESHOLD", "STATE_DTYPES", "UPDATE_FLOPS_PER_ELEMENT",
            "check_accepted_values", "check_dt", "check_gate", "check_heads", "check_slot_indices",
-           "check_slot_values", "check_status", "expect_dt_limit", "rollback_floor",
+           "check_slot_values", "check_status", "expect_dt_limit", "rollback_floor", "row_vector",
            "update_floor"]
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -80,6 +86,27 @@ class DecodeProblem:
     checkpoint_period: int
     device: torch.device
     has_status: bool = False     # a status word is given: the kernel reports SLOT_INDEX into it
+    bc_dtype: torch.dtype | None = None   # B and C: x's dtype (None) or fp32 with 16-bit x
+
+    @property
+    def b_dtype(self) -> torch.dtype:
+        """The dtype of B and C."""
+        return self.bc_dtype or self.dtype
+
+    @property
+    def vector(self) -> int:
+        """Elements per stride unit of x, z, y (``row_vector`` of p)."""
+        return row_vector(self.head_dim, self.dtype)
+
+    @property
+    def bc_vector(self) -> int:
+        """Elements per stride unit of B and C (``row_vector`` of n)."""
+        return row_vector(self.state, self.b_dtype)
+
+    @property
+    def dt_vector(self) -> int:
+        """Elements per stride unit of dt (``row_vector`` of h)."""
+        return row_vector(self.heads, self.dt_dtype)
 
 
 @dataclass(frozen=True)
@@ -162,7 +189,8 @@ def update_floor(problem: DecodeProblem) -> Cost:
     xbytes = b * T * h * p * e
     params = 4 * (h + (h * p if problem.D_per_channel else h) * problem.has_D
                   + h * problem.has_dt_bias)
-    read = (state + xbytes * (1 + problem.has_z) + b * T * h * edt + 2 * b * T * g * n * e
+    read = (state + xbytes * (1 + problem.has_z) + b * T * h * edt
+            + 2 * b * T * g * n * element_size(problem.b_dtype)
             + params + 4 * b * problem.has_indices + 16 * b * problem.stochastic)
     written = state + xbytes + (T + 1) * state * problem.has_snapshots
     flops = (UPDATE_FLOPS_PER_ELEMENT * b * T * h * p * n + b * T * h * 12

@@ -14,6 +14,7 @@ from ..core.options import Option, expect_bool, expect_int
 from ..core.stream import allocation_stream
 from ..core.tupledict import TupleDict
 from ..errors import ValidationError
+from ..mamba2.plans import check_layouts
 from ..plan import Plan, indices, inputs, outputs, status_word, updated
 from .contract import (ACTIVATION_DTYPES, DEFAULT_DT_LIMIT, RNG_DTYPE, DecodeProblem,
                        RollbackProblem, check_accepted_values, check_dt, check_gate, check_heads,
@@ -28,10 +29,13 @@ def _period(name: str, value) -> int:
 class Mamba2StateUpdate(Plan):
     """T >= 1 tokens for a batch of cached Mamba2 states, in place.
 
-    Args (tensors or TensorDescs; all contiguous):
+    Args (tensors or TensorDescs; the state, parameters and index data contiguous):
         state: [slots, h, p, n] fp32, bf16 or fp16: the state cache, updated in place.
         x: [b, T, h, p] bf16/fp16/fp32; dt: [b, T, h] x's dtype or fp32; A: [h] fp32;
-        B, C: [b, T, g, n] x's dtype; D: [h] or [h, p] fp32; z: [b, T, h, p]; dt_bias: [h] fp32.
+        B, C: [b, T, g, n] x's dtype, or both fp32 with 16-bit x (read as they are); D: [h] or
+        [h, p] fp32; z: [b, T, h, p] x's dtype; dt_bias: [h] fp32. x, dt, B, C, z and y may be
+        views (last dimension contiguous, other strides multiples of 16 bytes) when their rows
+        (p, h or n elements) are whole 16-byte vectors, else contiguous.
         dt_softplus, dt_limit: the scan's dt transform.
         state_batch_indices: [b] int32 slot of each row (default: row i uses slot i); a
             negative index (padding) or one past the cache (Status.SLOT_INDEX) skips the row:
@@ -56,8 +60,10 @@ class Mamba2StateUpdate(Plan):
     backend_module = "mamba2_inference"
     program_name = "update"
     backends = ("torch", "triton")
-    operands = (*updated("state"), *inputs("x", "dt", "A", "B", "C"), *outputs("y"),
-                *inputs("D", "z", "dt_bias", optional=True),
+    operands = (*updated("state"), *inputs("x", "dt", strided=True), *inputs("A"),
+                *inputs("B", "C", strided=True), *outputs("y", strided=True),
+                *inputs("D", optional=True), *inputs("z", optional=True, strided=True),
+                *inputs("dt_bias", optional=True),
                 *indices("state_batch_indices", optional=True),
                 *outputs("snapshots", optional=True),
                 *inputs("rng_seed", "rng_offset", optional=True, alignment=8), *status_word())
@@ -91,13 +97,13 @@ class Mamba2StateUpdate(Plan):
                                   f"{list(state.shape)}")
         check_dt(descs, x, (b, T, h), "[b, T, h]")
         B = descs["B"]
-        expect_dtype("B", B, (x.dtype,))
+        expect_dtype("B", B, (x.dtype,) if x.dtype == torch.float32 else (x.dtype, torch.float32))
         expect_ndim("B", B, 4, "[b, T, g, n]")
         g = B.shape[2]
         if B.shape[:2] != (b, T) or B.shape[3] != n or g < 1 or h % g:
             raise ValidationError(f"B: expected shape [b, T, g, n] = [{b}, {T}, g, {n}] with g dividing "
                                   f"h = {h}, got {list(B.shape)}")
-        expect_dtype("C", descs["C"], (x.dtype,))
+        expect_dtype("C", descs["C"], (B.dtype,))
         expect_shape("C", descs["C"], (b, T, g, n), "[b, T, g, n] like B")
         check_heads(descs, h, p, torch.float32)
         check_gate(descs, x, "[b, T, h, p] like x")
@@ -113,18 +119,21 @@ class Mamba2StateUpdate(Plan):
             raise ValidationError("rounding: 'stochastic' needs a bf16 or fp16 state; an fp32 state "
                                   "is stored exactly")
         has_status = check_status(descs)
-        for name, desc in descs.items():
-            expect_contiguous(name, desc)
         if stochastic:
             for name in ("rng_seed", "rng_offset"):
                 self._plan_tensor(name, (b,), RNG_DTYPE)
         self._plan_tensor("y", (b, T, h, p), x.dtype)
         D = descs.get("D")
-        return DecodeProblem(x.dtype, descs["dt"].dtype, state.dtype, b, T, slots, h, p, g, n,
-                             D is not None, D is not None and D.ndim == 2, "z" in descs,
-                             "dt_bias" in descs, dt_softplus, dt_limit,
-                             "state_batch_indices" in descs, "snapshots" in descs, stochastic,
-                             checkpoint_period, self.device, has_status)
+        problem = DecodeProblem(x.dtype, descs["dt"].dtype, state.dtype, b, T, slots, h, p, g, n,
+                                D is not None, D is not None and D.ndim == 2, "z" in descs,
+                                "dt_bias" in descs, dt_softplus, dt_limit,
+                                "state_batch_indices" in descs, "snapshots" in descs, stochastic,
+                                checkpoint_period, self.device, has_status,
+                                None if B.dtype == x.dtype else B.dtype)
+        check_layouts(self, descs, {**dict.fromkeys(("x", "z", "y"), problem.vector),
+                                    **dict.fromkeys(("B", "C"), problem.bc_vector),
+                                    "dt": problem.dt_vector})
+        return problem
 
     def _check_index_values(self, tensors) -> None:
         """state_batch_indices: negative (padding) or in [0, slots), valid slots distinct."""
@@ -253,7 +262,8 @@ def mamba2_state_update(state, x, dt, A, B, C, *, D=None, z=None, dt_bias=None,
                         return_snapshots: bool = False, status=None, backend: str = "auto",
                         current_stream=None, check_inputs: bool | None = None) -> TupleDict:
     """Eager update, in place on ``state``. x may be [b, h, p] (one token; dt [b, h], B and C
-    [b, g, n], z [b, h, p], and y comes back [b, h, p]) or [b, T, h, p]. rng_seed/rng_offset: ints
+    [b, g, n], z [b, h, p], and y comes back [b, h, p]) or [b, T, h, p]; x, dt, B, C and z may
+    be views (see Mamba2StateUpdate), B and C fp32 with 16-bit x. rng_seed/rng_offset: ints
     or int64 [b] tensors. Returns TupleDict(y[, snapshots]); snapshots (return_snapshots=True)
     [b, T+1, h, p, n] in the state dtype. ``status``: the optional status word;
     ``check_inputs`` (default: FUSEDOPS_CHECK_INPUTS) checks state_batch_indices on the host

@@ -34,6 +34,11 @@ Experts, per assignment (t, j) with e = ids[t, j]:
 u and a are rounded to x's dtype (as a bf16 model computes them), y and the sum over j stay fp32
 and out is rounded once. A repeated id in a token's row is two assignments of the same expert.
 
+Layouts (docs/moe.md, "Strided activations"): the activations x, out, d_out and d_x [t, H], the
+router's logits and d_logits [t, E] may be views (the last dimension contiguous, the row stride
+a multiple of 16 bytes) whenever a row is a whole number of 16-byte vectors (``row_vector``);
+the parameters, the routing data and their gradients are contiguous.
+
 Index data (docs/plans.md, "Index data"): an id outside [0, E) drops the assignment: it adds
 nothing to out, d_x, the weight gradients or d_logits, and its d_topk_weights entry is 0 (its
 routing weight is never read, so it may hold anything). -1 is padding (unused tokens of a
@@ -56,6 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.checks import ALIGNMENT
 from ..core.cost import Cost
 from ..core.dtypes import accumulator_dtype, element_size
 
@@ -70,6 +76,16 @@ MAX_GROUPS = 64
 
 NORM_EPS = 1e-20
 """Added to the sum of the selected scores before the normalisation."""
+
+
+def row_vector(width: int, dtype: torch.dtype) -> int:
+    """Elements per 16-byte vector, the unit the kernels take an activation's row stride in,
+    when a row of ``width`` elements is a whole number of vectors: then the activations of that
+    width may be strided views (a contiguous tensor's row stride is a whole number of vectors
+    too). 1 otherwise: a contiguous tensor's rows are not 16-byte aligned, so the plans take
+    those activations contiguous only and the kernels step their rows by elements."""
+    vector = ALIGNMENT // element_size(dtype)
+    return vector if width % vector == 0 else 1
 
 
 @dataclass(frozen=True)
@@ -92,6 +108,11 @@ class RouterProblem:
     def compute_dtype(self) -> torch.dtype:
         """The scores, weights and d_topk_weights: fp32 (float64 for float64 logits)."""
         return accumulator_dtype(self.logits_dtype)
+
+    @property
+    def row_vector(self) -> int:
+        """The unit of the logits' and d_logits' row strides (``row_vector``)."""
+        return row_vector(self.experts, self.logits_dtype)
 
 
 @dataclass(frozen=True)
@@ -118,6 +139,11 @@ class MoEProblem:
     @property
     def has_shared(self) -> bool:
         return self.shared_intermediate > 0
+
+    @property
+    def row_vector(self) -> int:
+        """The unit of the row strides of x, out, d_out and d_x (``row_vector``)."""
+        return row_vector(self.hidden, self.dtype)
 
     @property
     def weight_dtype(self) -> torch.dtype:

@@ -1,16 +1,27 @@
 """The router and the experts as differentiable torch ops (``torch.ops.fusedops.moe_router_fwd/
-bwd`` and ``torch.ops.fusedops.relu2_moe_fwd/bwd``)."""
+bwd`` and ``torch.ops.fusedops.relu2_moe_fwd/bwd``).
+
+The activations (logits, x and the incoming gradient d_out) go into the ops as they come. The
+ops' implementations hand the plans a view whose rows the kernels read without a copy
+(``rows_as_planned``) and copy only a layout the plans refuse (a transposed tensor, rows not
+16-byte aligned); the decision is made inside the custom ops, on the real tensors, so
+torch.compile traces the wrappers without a graph break. The weights, the routing data and
+d_topk_weights are made contiguous (a no-op for parameters). Every output is a new contiguous
+tensor, as the fake implementations say."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
 
+from ..core.checks import ALIGNMENT, rows_layout
+from ..core.desc import TensorDesc
 from ..core.dtypes import accumulator_dtype
 from ..core.index_checks import check_inputs_requested
 from ..errors import ValidationError
 from ..plan import BACKENDS
 from ..plan.torch_ops import contiguous, describe, empty_like_planned
+from .contract import row_vector
 from .plans import (MoERouter, ReLU2MoEForward, moe_router as _moe_router, moe_router_backward,
                     relu2_moe_backward, relu2_moe_forward)
 
@@ -22,13 +33,30 @@ def _expect_backend(backend) -> str:
     return backend
 
 
+def rows_as_planned(t: Tensor) -> Tensor:
+    """``t`` [rows, width] itself where the plans take it as a view (its row width a whole number
+    of 16-byte vectors, the last dimension contiguous, the row stride a multiple of 16 bytes and
+    the data 16-byte aligned: docs/moe.md, "Strided activations"); a contiguous copy otherwise
+    (a no-op for a contiguous tensor). Called on real tensors, inside the custom ops."""
+    if (t.dim() >= 1 and row_vector(t.shape[-1], t.dtype) > 1 and t.data_ptr() % ALIGNMENT == 0
+            and rows_layout(t.shape, t.stride(), t.element_size())):
+        return t
+    return t.contiguous()
+
+
+def _as_planned(t: Tensor) -> TensorDesc:
+    """A desc of what ``rows_as_planned`` hands the plans, where only its shape matters (the
+    fake implementations, the host check of the ids): contiguous."""
+    return TensorDesc(tuple(t.shape), t.dtype, device=t.device)
+
+
 # -- router ----------------------------------------------------------------------------------------
 @torch.library.custom_op("fusedops::moe_router_fwd", mutates_args=())
 def _router_fwd(logits: Tensor, correction_bias: Tensor | None, top_k: int, n_group: int,
                 topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
                 backend: str) -> tuple[Tensor, Tensor]:
-    w, ids = _moe_router(logits, top_k, correction_bias=correction_bias, n_group=n_group,
-                         topk_group=topk_group, norm_topk_prob=norm_topk_prob,
+    w, ids = _moe_router(rows_as_planned(logits), top_k, correction_bias=correction_bias,
+                         n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
                          routed_scaling_factor=routed_scaling_factor, backend=backend)
     return w, ids
 
@@ -44,13 +72,14 @@ def _(logits, correction_bias, top_k, n_group, topk_group, norm_topk_prob, route
 @torch.library.custom_op("fusedops::moe_router_bwd", mutates_args=())
 def _router_bwd(logits: Tensor, topk_ids: Tensor, d_topk_weights: Tensor, norm_topk_prob: bool,
                 routed_scaling_factor: float, backend: str) -> Tensor:
-    return moe_router_backward(logits, topk_ids, d_topk_weights, norm_topk_prob=norm_topk_prob,
+    return moe_router_backward(rows_as_planned(logits), topk_ids, d_topk_weights,
+                               norm_topk_prob=norm_topk_prob,
                                routed_scaling_factor=routed_scaling_factor, backend=backend)[0]
 
 
 @_router_bwd.register_fake
 def _(logits, topk_ids, d_topk_weights, norm_topk_prob, routed_scaling_factor, backend):
-    return torch.empty_like(logits)
+    return logits.new_empty(logits.shape)       # contiguous, whatever logits' strides
 
 
 def _router_setup(ctx, inputs, output):
@@ -73,14 +102,15 @@ def moe_router(logits: Tensor, top_k: int, *, correction_bias: Tensor | None = N
                n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
                routed_scaling_factor: float = 1.0, backend: str = "auto") -> tuple[Tensor, Tensor]:
     """Differentiable router: (topk_weights [t, k] fp32, differentiable w.r.t. logits; topk_ids
-    [t, k] int32). See MoERouter (NaN logits: NaN weights, ids still k distinct experts). The
-    options are validated first (ValidationError naming the option: top_k=2.0 is refused, not
-    truncated)."""
+    [t, k] int32). See MoERouter (NaN logits: NaN weights, ids still k distinct experts).
+    logits may be a view (the router's columns of a fused projection): no copy where the plans
+    take it (``rows_as_planned``). The options are validated first (ValidationError naming the
+    option: top_k=2.0 is refused, not truncated)."""
     o = MoERouter.normalise_options(dict(top_k=top_k, n_group=n_group, topk_group=topk_group,
                                          norm_topk_prob=norm_topk_prob,
                                          routed_scaling_factor=routed_scaling_factor))
     backend = _expect_backend(backend)
-    logits, bias = contiguous(logits, correction_bias)
+    bias, = contiguous(correction_bias)
     return _router_fwd(logits, bias, o["top_k"], o["n_group"], o["topk_group"],
                        o["norm_topk_prob"], o["routed_scaling_factor"], backend)
 
@@ -90,14 +120,15 @@ def moe_router(logits: Tensor, top_k: int, *, correction_bias: Tensor | None = N
 def _moe_fwd(x: Tensor, w_up: Tensor, w_down: Tensor, topk_ids: Tensor, topk_weights: Tensor,
              shared_w_up: Tensor | None, shared_w_down: Tensor | None,
              backend: str) -> tuple[Tensor, Tensor]:
-    out, saved = relu2_moe_forward(x, w_up, w_down, topk_ids, topk_weights, shared_w_up=shared_w_up,
-                                   shared_w_down=shared_w_down, backend=backend)
+    out, saved = relu2_moe_forward(rows_as_planned(x), w_up, w_down, topk_ids, topk_weights,
+                                   shared_w_up=shared_w_up, shared_w_down=shared_w_down,
+                                   backend=backend)
     return out, saved
 
 
 @_moe_fwd.register_fake
 def _(x, w_up, w_down, topk_ids, topk_weights, shared_w_up, shared_w_down, backend):
-    plan = ReLU2MoEForward(*map(describe, (x, w_up, w_down, topk_ids, topk_weights)),
+    plan = ReLU2MoEForward(_as_planned(x), *map(describe, (w_up, w_down, topk_ids, topk_weights)),
                            shared_w_up=describe(shared_w_up), shared_w_down=describe(shared_w_down),
                            backend=backend)
     return empty_like_planned(plan, "out", x), empty_like_planned(plan, "saved", x)
@@ -107,16 +138,17 @@ def _(x, w_up, w_down, topk_ids, topk_weights, shared_w_up, shared_w_down, backe
 def _moe_bwd(x: Tensor, w_up: Tensor, w_down: Tensor, topk_ids: Tensor, topk_weights: Tensor,
              d_out: Tensor, saved: Tensor, shared_w_up: Tensor | None,
              shared_w_down: Tensor | None, backend: str) -> list[Tensor]:
-    grads = relu2_moe_backward(x, w_up, w_down, topk_ids, topk_weights, d_out, saved,
-                               shared_w_up=shared_w_up, shared_w_down=shared_w_down,
-                               weight_grad_dtype=x.dtype, backend=backend)
+    grads = relu2_moe_backward(rows_as_planned(x), w_up, w_down, topk_ids, topk_weights,
+                               rows_as_planned(d_out), saved, shared_w_up=shared_w_up,
+                               shared_w_down=shared_w_down, weight_grad_dtype=x.dtype,
+                               backend=backend)
     return list(grads.values())
 
 
 @_moe_bwd.register_fake
 def _(x, w_up, w_down, topk_ids, topk_weights, d_out, saved, shared_w_up, shared_w_down, backend):
     present = [x, topk_weights, w_up, w_down] + [t for t in (shared_w_up, shared_w_down) if t is not None]
-    return [torch.empty_like(t) for t in present]
+    return [t.new_empty(t.shape) for t in present]      # contiguous, as the plans allocate
 
 
 def _moe_setup(ctx, inputs, output):
@@ -127,7 +159,7 @@ def _moe_setup(ctx, inputs, output):
 
 def _moe_backward(ctx, d_out, _d_saved):
     x, w_up, w_down, ids, weights, saved, su, sd = ctx.saved_tensors
-    grads = _moe_bwd(x, w_up, w_down, ids, weights, d_out.contiguous(), saved, su, sd, ctx.backend)
+    grads = _moe_bwd(x, w_up, w_down, ids, weights, d_out, saved, su, sd, ctx.backend)
     d_x, d_w, d_up, d_down = grads[:4]
     d_su, d_sd = grads[4:] if su is not None else (None, None)
     return d_x, d_up, d_down, None, d_w, d_su, d_sd, None
@@ -141,14 +173,17 @@ def relu2_moe(x: Tensor, w_up: Tensor, w_down: Tensor, topk_ids: Tensor, topk_we
               backend: str = "auto", check_inputs: bool | None = None) -> Tensor:
     """Differentiable routed ReLU2 experts: out [t, H], gradients for x, the weights, the routing
     weights and the shared expert (weight gradients in the weights' dtype). See ReLU2MoEForward
-    (an id outside [0, E) drops the assignment). ``check_inputs`` (default:
-    FUSEDOPS_CHECK_INPUTS) checks topk_ids on the host before the op (a synchronisation) and
-    raises a ValidationError naming the first id outside [0, E) other than -1."""
+    (an id outside [0, E) drops the assignment). x and the incoming gradient may be views (a
+    slice of an in-projection): no copy where the plans take them (``rows_as_planned``).
+    ``check_inputs`` (default: FUSEDOPS_CHECK_INPUTS) checks topk_ids on the host before the op
+    (a synchronisation) and raises a ValidationError naming the first id outside [0, E) other
+    than -1."""
     backend = _expect_backend(backend)
     check = check_inputs_requested(check_inputs)
-    args = contiguous(x, w_up, w_down, topk_ids, topk_weights, shared_w_up, shared_w_down)
+    args = [x, *contiguous(w_up, w_down, topk_ids, topk_weights, shared_w_up, shared_w_down)]
     if check:
         names = ("x", "w_up", "w_down", "topk_ids", "topk_weights", "shared_w_up", "shared_w_down")
-        plan = ReLU2MoEForward.cached(dict(zip(names, args)), backend=backend)
+        plan = ReLU2MoEForward.cached(dict(zip(names, [_as_planned(x), *args[1:]])),
+                                      backend=backend)
         plan.check_index_values(topk_ids=args[3])
     return _moe_fwd(*args, backend)[0]

@@ -4,12 +4,14 @@ non-gated experts expert(x) = W_down · relu(W_up · x)², plus a shared expert.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from ..core.checks import expect_contiguous, expect_dtype, expect_ndim, expect_shape
 from ..core.index_checks import check_range
 from ..core.status import STATUS_DTYPE
-from ..core.dtypes import accumulator_dtype, dtype_name
+from ..core.dtypes import accumulator_dtype, dtype_name, element_size
 from ..core.options import (Option, expect_bool, expect_dtype_choice, expect_float, expect_int,
                             optional)
 from ..core.tupledict import TupleDict
@@ -17,7 +19,7 @@ from ..errors import ValidationError
 from ..plan import Plan, indices, inputs, outputs, saved_buffer, status_word
 from .contract import (DTYPES, LOGIT_DTYPES, MAX_GROUPS, MoEProblem, RouterProblem,
                        backward_floor, forward_floor, router_backward_floor, router_forward_floor,
-                       weight_grad_dtypes)
+                       row_vector, weight_grad_dtypes)
 
 
 def _positive_int(name: str, value) -> int:
@@ -28,8 +30,25 @@ def _weight_grad_dtype(name: str, value) -> torch.dtype:
     return expect_dtype_choice(name, value, DTYPES)
 
 
-def _all_contiguous(descs) -> None:
+def _check_layouts(plan, descs, vector: int, width: str) -> None:
+    """The activations (the operands declared ``strided``) take views whose rows are 16-byte
+    aligned when a row is a whole number of 16-byte vectors (``vector`` > 1, the contract's
+    ``row_vector``); otherwise a contiguous tensor's rows are not aligned either, so this plan
+    takes them contiguous only (its operands' strided flags dropped). Every other operand (the
+    weights, the routing data, their gradients) is contiguous."""
+    if vector == 1:
+        plan.operands = tuple(replace(o, strided=False) for o in type(plan).operands)
+    activations = {o.name for o in type(plan).operands if o.strided}
+    strided = {o.name for o in plan.operands if o.strided}
     for name, desc in descs.items():
+        if name in strided:
+            continue
+        if name in activations and not desc.is_contiguous():
+            size = desc.shape[-1] * element_size(desc.dtype)
+            raise ValidationError(
+                f"{name}: expected a contiguous tensor (a view needs rows of a multiple of 16 "
+                f"bytes; {width} = {desc.shape[-1]} {dtype_name(desc.dtype)} elements make "
+                f"{size}), got shape {list(desc.shape)} with strides {list(desc.stride)}")
         expect_contiguous(name, desc)
 
 
@@ -91,7 +110,10 @@ class MoERouter(_RouterPlan):
     """The router's selection and weights (forward).
 
     Args:
-        logits: [t, E] fp32 (bf16/fp16 are read and computed in fp32; fp64: torch backend).
+        logits: [t, E] fp32 (bf16/fp16 are read and computed in fp32; fp64: torch backend); a
+            view (the last dimension contiguous, rows a multiple of 16 bytes apart, e.g. the
+            router's columns of a fused projection) where a row of E is a whole number of
+            16-byte vectors, else contiguous (docs/moe.md, "Strided activations").
         top_k: experts per token.
         correction_bias: optional [E] fp32 (fp64 with fp64 logits), added to the scores for the
             selection only (Nemotron's e_score_correction_bias).
@@ -103,8 +125,8 @@ class MoERouter(_RouterPlan):
 
     execute(logits, topk_weights, topk_ids) writes topk_weights [t, k] fp32 (fp64 with fp64
     logits) and topk_ids [t, k] int32, in descending order of the choice score with ties to the
-    lower expert index. Deterministic; no workspace; saves nothing (the backward reads logits
-    and ids). The outputs must not overlap the inputs.
+    lower expert index (both contiguous). Deterministic; no workspace; saves nothing (the
+    backward reads logits and ids). The outputs must not overlap the inputs.
 
     NaN: for the selection a NaN choice score (a NaN logit or bias) ranks below every number,
     as -inf, ties to the lower expert index (a NaN group score likewise, ties to the lower
@@ -115,8 +137,8 @@ class MoERouter(_RouterPlan):
 
     op_name = "moe_router"
     program_name = "forward"
-    operands = (*inputs("logits"), *outputs("topk_weights"), *outputs("topk_ids", alignment=4),
-                *inputs("correction_bias", optional=True))
+    operands = (*inputs("logits", strided=True), *outputs("topk_weights"),
+                *outputs("topk_ids", alignment=4), *inputs("correction_bias", optional=True))
     options = (Option("top_k", _positive_int), Option("n_group", _positive_int, 1),
                Option("topk_group", _positive_int, 1), _NORM, _SCALE)
     returns = ("topk_weights", "topk_ids")
@@ -148,7 +170,7 @@ class MoERouter(_RouterPlan):
         if "correction_bias" in descs:
             expect_dtype("correction_bias", descs["correction_bias"], (compute,))
             expect_shape("correction_bias", descs["correction_bias"], (E,), "[E]")
-        _all_contiguous(descs)
+        _check_layouts(self, descs, row_vector(E, logits_dtype), "E")
         self._plan_tensor("topk_weights", (t, top_k), compute)
         self._plan_tensor("topk_ids", (t, top_k), torch.int32)
         grouped = n_group > 1
@@ -170,15 +192,15 @@ class MoERouter(_RouterPlan):
 class MoERouterBackward(_RouterPlan):
     """The router's backward: d_logits from d_topk_weights with the selection held fixed.
 
-    Args: logits [t, E] as in the forward; topk_ids [t, k] int32 (1 <= k <= E) from it;
-    d_topk_weights [t, k] fp32 (fp64 with fp64 logits); norm_topk_prob and
+    Args: logits [t, E] as in the forward (a view likewise); topk_ids [t, k] int32 (1 <= k <= E)
+    from it; d_topk_weights [t, k] fp32 (fp64 with fp64 logits); norm_topk_prob and
     routed_scaling_factor as in the forward; status: optional int32 [1] status word (a tensor
     or TensorDesc; docs/plans.md, "Index data").
 
     With r = sigmoid(logits)[ids], S = sum r + 1e-20 and c = routed_scaling_factor:
     d_r_j = c · (d_w_j / S - sum_i d_w_i r_i / S²) when norm_topk_prob, else c · d_w_j; then
-    execute(logits, topk_ids, d_topk_weights, d_logits) writes d_logits [t, E] (logits' dtype)
-    = d_r_j · r_j (1 - r_j) at ids_j (a repeated id: the sum, in slot order) and zero for every
+    execute(logits, topk_ids, d_topk_weights, d_logits) writes d_logits [t, E] (logits' dtype;
+    a view as logits may be) = d_r_j · r_j (1 - r_j) at ids_j (a repeated id: the sum, in slot order) and zero for every
     unselected expert (the hard top-k and the correction bias carry no gradient). An id outside
     [0, E) is dropped: it contributes nothing (its r_j counts 0 in S and its d_w_j is not read);
     unless it is -1 (padding) it sets Status.EXPERT_ID in ``status``. Deterministic; no
@@ -187,8 +209,8 @@ class MoERouterBackward(_RouterPlan):
 
     op_name = "moe_router_backward"
     program_name = "backward"
-    operands = (*inputs("logits"), *indices("topk_ids"), *inputs("d_topk_weights"),
-                *outputs("d_logits"), *status_word())
+    operands = (*inputs("logits", strided=True), *indices("topk_ids"), *inputs("d_topk_weights"),
+                *outputs("d_logits", strided=True), *status_word())
     options = (_NORM, _SCALE)
     returns = ("d_logits",)
 
@@ -222,7 +244,7 @@ class MoERouterBackward(_RouterPlan):
         compute = accumulator_dtype(logits_dtype)
         expect_dtype("d_topk_weights", descs["d_topk_weights"], (compute,))
         expect_shape("d_topk_weights", descs["d_topk_weights"], (t, top_k), "[t, k] like topk_ids")
-        _all_contiguous(descs)
+        _check_layouts(self, descs, row_vector(E, logits_dtype), "E")
         has_status = _has_status(descs)
         self._plan_tensor("d_logits", (t, E), logits_dtype)
         return RouterProblem(logits_dtype, t, E, top_k, 1, 1, norm_topk_prob,
@@ -267,7 +289,8 @@ def moe_router_backward(logits, topk_ids, d_topk_weights, *, norm_topk_prob: boo
 # -- experts ---------------------------------------------------------------------------------------
 _WEIGHT_GRADS = (("w_up", "d_w_up"), ("w_down", "d_w_down"), ("shared_w_up", "d_shared_w_up"),
                  ("shared_w_down", "d_shared_w_down"))
-_EXPERT_INPUTS = (*inputs("x", "w_up", "w_down"), *indices("topk_ids"), *inputs("topk_weights"))
+_EXPERT_INPUTS = (*inputs("x", strided=True), *inputs("w_up", "w_down"), *indices("topk_ids"),
+                  *inputs("topk_weights"))
 _SHARED_INPUTS = inputs("shared_w_up", "shared_w_down", optional=True)
 _STATUS = status_word()
 
@@ -334,8 +357,11 @@ class _ExpertPlan(Plan):
 class ReLU2MoEForward(_ExpertPlan):
     """Forward of the routed ReLU2 experts (and an optional shared expert).
 
-    Args (tensors or TensorDescs; all contiguous):
-        x: [t, H] bf16/fp16/fp32 (fp64: reference precision, torch backend only).
+    Args (tensors or TensorDescs):
+        x: [t, H] bf16/fp16/fp32 (fp64: reference precision, torch backend only); a view (the
+            last dimension contiguous, rows a multiple of 16 bytes apart, e.g. a slice of an
+            in-projection) where a row of H is a whole number of 16-byte vectors, else
+            contiguous (docs/moe.md, "Strided activations"). Every other tensor is contiguous.
         w_up: [E, I, H], w_down: [E, H, I], x's dtype (transformers' NemotronHExperts layout).
         topk_ids: [t, k] int32 (an id outside [0, E) drops the assignment; -1 is padding);
             topk_weights: [t, k] fp32 (fp64 with fp64 x), e.g. from MoERouter (a dropped
@@ -346,17 +372,17 @@ class ReLU2MoEForward(_ExpertPlan):
             Status.EXPERT_ID (docs/plans.md, "Index data").
         is_inference: no ``saved`` buffer (no backward will follow).
 
-    execute(...) writes out [t, H] (x's dtype; the fp32 sum over the k experts and the shared
-    expert rounded once) and, unless is_inference, ``saved`` (``saved_size`` bytes: the
-    dispatch and u, see docs/moe.md for the byte formula; 0 bytes on the torch backend, whose
-    backward recomputes). ``workspace_size`` bytes of workspace. Keep the inputs and saved
+    execute(...) writes out [t, H] (x's dtype, a view as x may be; the fp32 sum over the k
+    experts and the shared expert rounded once) and, unless is_inference, ``saved``
+    (``saved_size`` bytes: the dispatch and u, see docs/moe.md for the byte formula; 0 bytes on
+    the torch backend, whose backward recomputes). ``workspace_size`` bytes of workspace. Keep the inputs and saved
     unchanged until the backward has run. The dispatch runs on the device: no host
     synchronisation, so the plan is CUDA-graph capturable for any routing.
     """
 
     op_name = "relu2_moe_forward"
     program_name = "forward"
-    operands = (*_EXPERT_INPUTS, *outputs("out"), *saved_buffer("out", optional=True),
+    operands = (*_EXPERT_INPUTS, *outputs("out", strided=True), *saved_buffer("out", optional=True),
                 *_SHARED_INPUTS, *_STATUS)
     options = (Option("is_inference", expect_bool, False),)
     returns = ("out", "saved")
@@ -371,7 +397,7 @@ class ReLU2MoEForward(_ExpertPlan):
 
     def _validate(self, descs, *, is_inference) -> MoEProblem:
         facts = self._validate_experts(descs)
-        _all_contiguous(descs)
+        _check_layouts(self, descs, row_vector(facts["hidden"], facts["dtype"]), "H")
         self._plan_tensor("out", (facts["tokens"], facts["hidden"]), facts["dtype"])
         return MoEProblem(**facts, is_inference=is_inference, accumulate=False,
                           weight_grad_dtype=torch.float32)
@@ -401,9 +427,10 @@ class ReLU2MoEBackward(_ExpertPlan):
     """Backward of the routed ReLU2 experts (docs/moe.md).
 
     Takes the forward's inputs (the same topk_ids, shared expert and backend: the saved buffer
-    holds the dispatch of those ids), d_out [t, H] (x's dtype), the forward's ``saved`` buffer
-    and an optional ``status`` word (as the forward's). Writes d_x [t, H] (x's dtype: the fp32
-    sum over the k experts and the shared expert rounded once), d_topk_weights [t, k] fp32
+    holds the dispatch of those ids), d_out [t, H] (x's dtype; a view as x may be, row stride 0
+    included), the forward's ``saved`` buffer and an optional ``status`` word (as the
+    forward's). Writes d_x [t, H] (x's dtype, a view as x may be: the fp32 sum over the k
+    experts and the shared expert rounded once), d_topk_weights [t, k] fp32
     (<d_out_t, y_tj>; zero for dropped assignments, ids outside [0, E)), and d_w_up [E, I, H],
     d_w_down [E, H, I] (and d_shared_w_up, d_shared_w_down) in ``weight_grad_dtype`` (default
     fp32 main-grad buffers, fp64 for fp64 inputs; or the weights' dtype), summed over each
@@ -413,8 +440,9 @@ class ReLU2MoEBackward(_ExpertPlan):
 
     op_name = "relu2_moe_backward"
     program_name = "backward"
-    operands = (*_EXPERT_INPUTS, *inputs("d_out"), *saved_buffer("in"),
-                *outputs("d_x", "d_topk_weights", "d_w_up", "d_w_down"), *_SHARED_INPUTS,
+    operands = (*_EXPERT_INPUTS, *inputs("d_out", strided=True), *saved_buffer("in"),
+                *outputs("d_x", strided=True), *outputs("d_topk_weights", "d_w_up", "d_w_down"),
+                *_SHARED_INPUTS,
                 *outputs("d_shared_w_up", "d_shared_w_down", optional=True), *_STATUS)
     options = (Option("accumulate", expect_bool, False),
                Option("weight_grad_dtype", optional(_weight_grad_dtype), None))
@@ -439,7 +467,7 @@ class ReLU2MoEBackward(_ExpertPlan):
         t, H = facts["tokens"], facts["hidden"]
         expect_dtype("d_out", descs["d_out"], (facts["dtype"],))
         expect_shape("d_out", descs["d_out"], (t, H), "[t, H] like x")
-        _all_contiguous(descs)
+        _check_layouts(self, descs, row_vector(H, facts["dtype"]), "H")
         self._plan_tensor("d_x", (t, H), facts["dtype"])
         self._plan_tensor("d_topk_weights", (t, facts["top_k"]), accumulator_dtype(facts["dtype"]))
         for weight, grad in _WEIGHT_GRADS:

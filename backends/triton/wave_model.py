@@ -1,0 +1,142 @@
+"""The machines the Triton cost models count waves on, and the wave counter the Mamba2 models
+share (docs/performance.md, "How traffic is counted").
+
+A launch's programs start in launch order (the grid's first dimension fastest; programs that
+return at once take no slot), ``Machine.sms`` x the kernel's CTAs per SM at a time: a wave. Within
+a wave a tile several programs load counts once if the wave's working set fits in the L2, else
+once per program; a tile loaded again in a later wave counts again.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from fusedops.core.target import target_arch
+
+
+@dataclass(frozen=True)
+class Machine:
+    """The GPU the waves of an architecture family's kernels are counted on."""
+
+    sms: int
+    l2_bytes: int
+    name: str
+
+
+MACHINES = {
+    "sm_80": Machine(108, 40 * 10**6, "A100: 108 SMs, 40 MB L2"),
+    "sm_90": Machine(132, 50 * 10**6, "H100/H200 SXM: 132 SMs, 50 MB L2"),
+    "sm_100": Machine(148, 126 * 10**6, "B200: 148 SMs, 126 MB L2 (the two dies' halves together)"),
+}
+
+
+def machine(arch: str) -> Machine:
+    """The modelled GPU of ``arch`` (``sm_90a`` or ``sm_90``)."""
+    return MACHINES[arch.removesuffix("a")]
+
+
+def key(*parts) -> torch.Tensor:
+    """One int64 key per entry from (values, bound) pairs, in mixed radix."""
+    key = None
+    for values, bound in parts:
+        key = values if key is None else key * bound + values
+    return key
+
+
+class Waves:
+    """A launch's programs in launch order (the grid's first dimension fastest; programs that
+    return at once take no slot), cut into waves of ``size`` (SMs × CTAs per SM), and what each
+    loads and stores. ``load`` records a tile (keyed by what it holds) its programs load;
+    ``alone`` what a program loads that no other does; ``store`` what it writes. ``count``: per
+    wave, the working set is its distinct tiles plus what its programs load alone and store; if
+    it fits in ``l2``, each distinct tile counts once, else every program's tiles count (a tile
+    one program loads twice counts once); a tile loaded again in a later wave counts again."""
+
+    def __init__(self, dims, size: int, l2: float, active=None):
+        idx = torch.arange(math.prod(dims), dtype=torch.int64)
+        coords = []
+        for extent in dims:
+            coords.append(idx % extent)
+            idx = idx // extent
+        if active is not None:
+            keep = active(*coords)
+            coords = [c[keep] for c in coords]
+        self.coords = coords
+        self.programs = int(coords[0].numel())
+        self.size, self.l2 = max(1, size), l2
+        self._loads, self._alone, self._stores, self._operands = [], [], [], {}
+
+    def loop(self, m: int, keep=None):
+        """(program, k) for every program and k in range(m) where keep(program, k)."""
+        prog = torch.arange(self.programs).repeat_interleave(m)
+        k = torch.arange(m).repeat(self.programs)
+        if keep is not None:
+            mask = keep(prog, k)
+            prog, k = prog[mask], k[mask]
+        return prog, k
+
+    @staticmethod
+    def _bytes(prog, nbytes) -> torch.Tensor:
+        return torch.as_tensor(nbytes, dtype=torch.float64).expand(prog.shape)
+
+    def load(self, operand: str, prog, key, nbytes) -> None:
+        op = self._operands.setdefault(operand, len(self._operands))
+        nbytes = self._bytes(prog, nbytes)
+        keep = nbytes > 0                                     # masked off: nothing moves
+        self._loads.append((prog[keep], key[keep] * 32 + op, nbytes[keep]))
+
+    def alone(self, prog, nbytes) -> None:
+        self._alone.append((prog, self._bytes(prog, nbytes)))
+
+    def store(self, prog, nbytes) -> None:
+        self._stores.append((prog, self._bytes(prog, nbytes)))
+
+    def count(self) -> tuple[float, float, int, int]:
+        """(bytes read, bytes written, waves, waves that fit in L2)."""
+        waves, size = -(-self.programs // self.size), self.size
+
+        def per_wave(pairs):
+            out = torch.zeros(waves, dtype=torch.float64)
+            for prog, nbytes in pairs:
+                out += torch.bincount(prog // size, weights=nbytes, minlength=waves)
+            return out
+
+        alone, stored = per_wave(self._alone), per_wave(self._stores)
+        every = distinct = torch.zeros(waves, dtype=torch.float64)
+        if self._loads:
+            prog = torch.cat([p for p, _, _ in self._loads])
+            key = torch.cat([k for _, k, _ in self._loads])
+            nbytes = torch.cat([b for _, _, b in self._loads])
+            tiles_, tile = torch.unique(key, return_inverse=True)
+            K = int(tiles_.numel())
+            tile_bytes = torch.zeros(K, dtype=torch.float64).scatter_reduce_(
+                0, tile, nbytes, "amax", include_self=False)
+            own = torch.unique(prog * K + tile)                 # each program's distinct tiles
+            every = torch.bincount(own // K // size, weights=tile_bytes[own % K],
+                                   minlength=waves)
+            shared = torch.unique(own // K // size * K + own % K)   # each wave's
+            distinct = torch.bincount(shared // K, weights=tile_bytes[shared % K],
+                                      minlength=waves)
+        fits = distinct + alone + stored <= self.l2
+        read = float(torch.where(fits, distinct, every).sum() + alone.sum())
+        return read, float(stored.sum()), waves, int(fits.sum())
+
+
+def per_arch(fn):
+    """``fn`` cached per (problem, tiles, arguments) and the target architecture the waves are
+    counted on."""
+    cached = functools.lru_cache(maxsize=128)(lambda arch, *args: fn(*args))
+
+    @functools.wraps(fn)
+    def wrapper(*args):
+        return cached(target_arch(args[0].device), *args)
+    return wrapper
+
+
+def every_program(w: Waves) -> torch.Tensor:
+    """Every program of ``w``, in launch order."""
+    return torch.arange(w.programs)

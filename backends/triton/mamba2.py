@@ -301,7 +301,7 @@ def chunk_scan_spec(problem, t: Tiles | None = None) -> KernelSpec:
                       D_PER_CHANNEL=problem.D_per_channel, HAS_Z=problem.has_z, **ty.common,
                       **numerics(problem.dtype), **ty.seq, VX=problem.vector,
                       VB=problem.bc_vector),
-                 (problem.max_segments * problem.heads, c["NPB"], c["NQB"]),
+                 (c["NPB"] * c["NQB"] * problem.max_segments * problem.heads,),
                  cost=model.chunk_scan_cost(problem, t))
 
 
@@ -356,7 +356,7 @@ def dx_spec(problem, t: Tiles | None = None) -> KernelSpec:
                       Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.BN, HAS_D=problem.has_D,
                       D_PER_CHANNEL=problem.D_per_channel, **ty.common, **numerics(problem.dtype),
                       **ty.seq, VX=problem.vector, VB=problem.bc_vector),
-                 (problem.max_segments * problem.heads, c["NPB"], c["NQB"]), warps=8,
+                 (c["NPB"] * c["NQB"] * problem.max_segments * problem.heads,), warps=8,
                  cost=model.dx_cost(problem, t))
 
 
@@ -386,7 +386,7 @@ def dacs_intra_spec(problem, t: Tiles | None = None) -> KernelSpec:
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, Q=problem.chunk,
                       BQ=t.BQ, BP=t.BP, **ty.common, **numerics(problem.dtype),
                       VX=problem.vector),
-                 (problem.max_segments * problem.heads, c["NQB"]), warps=8,
+                 (c["NQB"] * problem.max_segments * problem.heads,), warps=8,
                  cost=model.dacs_intra_cost(problem, t))
 
 

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from .mamba2_fwd import carries, segment_bounds, segment_runs, sequence_segments, token_runs
+from .ssm_math import softplus
 from .tiles import mm
 
 
@@ -99,12 +100,15 @@ def ssd_chunk_scan_bwd_dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr
                                  IEEE: tl.constexpr, HAS_SEQ: tl.constexpr, VX: tl.constexpr,
                                  VB: tl.constexpr):
     """dx of the rows j of one block, the dt-linear part of ddt (per head-dim tile) and the
-    dD partial sums of the block."""
-    i_sh, i_p, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_seg, i_h = i_sh // H, i_sh % H
-    i_g = i_h // (H // G)
+    dD partial sums of the block. One program per (head-dim tile, row block, segment·head),
+    the tiles fastest: a segment's row blocks run together and share its dH tile and dy rows
+    in L2."""
     NQB: tl.constexpr = Q // BQ
     NPB: tl.constexpr = (P + BP - 1) // BP
+    pid = tl.program_id(0)
+    i_p, i_m, i_sh = pid % NPB, pid // NPB % NQB, pid // (NPB * NQB)
+    i_seg, i_h = i_sh // H, i_sh % H
+    i_g = i_h // (H // G)
     row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
     seg_len = end - start
     o_j = i_m * BQ + tl.arange(0, BQ)
@@ -239,11 +243,13 @@ def ssd_dacs_intra_kernel(x_ptr, dy_ptr, cb_ptr, dts_ptr, acum_ptr, cu_ptr, off_
                           VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
                           UPCAST: tl.constexpr, IEEE: tl.constexpr, VX: tl.constexpr):
     """part[σ, h, I, k] = sum over rows i of block I with i >= k of sum_{j<k} T_ij (C·B is zero
-    across runs of sequence ids, so T is too)."""
-    i_sh, i_m = tl.program_id(0), tl.program_id(1)
+    across runs of sequence ids, so T is too). One program per (row block, segment·head), the
+    row block fastest: a segment's row blocks share its x rows in L2."""
+    NQB: tl.constexpr = Q // BQ
+    pid = tl.program_id(0)
+    i_m, i_sh = pid % NQB, pid // NQB
     i_seg, i_h = i_sh // H, i_sh % H
     i_g = i_h // (H // G)
-    NQB: tl.constexpr = Q // BQ
     row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
     if i_m * BQ >= end - start:
         return
@@ -423,8 +429,7 @@ def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt
     if HAS_BIAS:
         b_u_in += tl.load(bias_ptr + i_h)
     if SOFTPLUS:
-        b_val = tl.where(b_u_in > SOFTPLUS_THRESHOLD, b_u_in,
-                         tl.maximum(b_u_in, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_u_in))))
+        b_val = softplus(b_u_in, SOFTPLUS_THRESHOLD)
         b_ddt *= tl.where(b_u_in > SOFTPLUS_THRESHOLD, 1.0, tl.sigmoid(b_u_in))
     else:
         b_val = b_u_in

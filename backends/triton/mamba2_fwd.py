@@ -29,6 +29,7 @@ import triton.language as tl
 
 from fusedops.core.status import Status
 
+from .ssm_math import softplus
 from .tiles import last_at_most, mm, report_if
 
 CU_SEQLENS_BIT: tl.constexpr = tl.constexpr(int(Status.CU_SEQLENS))
@@ -203,8 +204,7 @@ def ssd_dt_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, cu_ptr, off_ptr, dts_ptr, acum
     if HAS_BIAS:
         b_dt += tl.load(bias_ptr + o_h, mask=m_h, other=0.0)[None, :]
     if SOFTPLUS:
-        b_dt = tl.where(b_dt > SOFTPLUS_THRESHOLD, b_dt,
-                        tl.maximum(b_dt, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(b_dt))))
+        b_dt = softplus(b_dt, SOFTPLUS_THRESHOLD)
     b_dt = tl.minimum(tl.maximum(b_dt, dt_min), dt_max)
     b_dt = tl.where(m, b_dt, 0.0)
     b_A = tl.load(A_ptr + o_h, mask=m_h, other=0.0)
@@ -361,8 +361,12 @@ def ssd_chunk_scan_fwd_kernel(x_ptr, z_ptr, C_ptr, cb_ptr, dts_ptr, acum_ptr, st
                               VB: tl.constexpr):
     """y_i = exp(Acum_i) C_i·H0 + sum_{j<=i} (C_i·B_j) exp(Acum_i - Acum_j) dt_j x_j + D x_i
     (sequence ids: the entering state's term only for the tokens of the run before the
-    segment; C·B is already zero across runs). y before the gate is contiguous [b, l, h, p]."""
-    i_sh, i_p, i_m = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    segment; C·B is already zero across runs). y before the gate is contiguous [b, l, h, p].
+    One program per (head-dim tile, row block, segment·head), the tiles fastest: a segment's
+    row blocks run together and share its state tile and x rows in L2."""
+    NPB: tl.constexpr = (P + BP - 1) // BP
+    pid = tl.program_id(0)
+    i_p, i_m, i_sh = pid % NPB, pid // NPB % (Q // BQ), pid // (NPB * (Q // BQ))
     i_seg, i_h = i_sh // H, i_sh % H
     i_g = i_h // (H // G)
     row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)

@@ -34,6 +34,7 @@ from fusedops.mamba2_inference.contract import SOFTPLUS_THRESHOLD, DecodeProblem
 from . import interpreter_active
 from .mamba2_decode_model import rollback_cost, update_cost
 from .rounding import nearest_even, stochastic
+from .ssm_math import softplus
 from .runtime import KernelSpec, pointer_type
 from .tiles import report_if
 
@@ -132,7 +133,7 @@ def ssd_state_update_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr
         if HAS_BIAS:
             dt += bias
         if SOFTPLUS:
-            dt = tl.where(dt > SOFTPLUS_THRESHOLD, dt, tl.maximum(dt, 0.0) + tl.log(1.0 + tl.exp(-tl.abs(dt))))
+            dt = softplus(dt, SOFTPLUS_THRESHOLD)
         dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
         decay = tl.exp(dt * b_A)
         b_x = tl.load(p_x + t * (stride_x_t * VX), mask=m_p, other=0.0).to(tl.float32)

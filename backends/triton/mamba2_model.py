@@ -287,23 +287,22 @@ def state_passing_cost(problem, t: Tiles) -> Cost:
 
 @per_arch
 def chunk_scan_cost(problem, t: Tiles) -> Cost:
-    """The output. Order: grid (S·h, NPB, NQB), (segment, head) fastest, the row block i slowest;
-    programs past their segment's end return (no slot). A wave (132 × 3 = 396 programs on sm_90,
-    148 × 3 on sm_100, 108 × 3 on sm_80) holds one row block's programs of about 3 segments' h
-    heads; the programs of row block i + 1 of the same segment run S·h·NPB programs later, in a
-    later wave (8192 programs apart at b = 2, Q = 256: 20 waves). Reuse: C rows i (over n) and
-    the C·B tiles (i, k <= i) are shared by the R heads of the group in the wave: once per row
-    block; the entering state's [BP, n] fp32 tile is re-read by each row block: NQB times
-    (state-sized x rb per segment: 4x at Q = 256); x rows k by every row block i >= k: tri/rb
-    times (2.5x), acum and dts rows likewise; the D term re-loads the diagonal x block the loop
-    just loaded (counted once). Every wave fits (at most 39 MB on sm_90, 43 on sm_100, 32 of 40
-    on sm_80). z read, y (and y before the gate) written once. MMA: [BQ, BN] @ [BN, BP] over n
+    """The output. Order: a 1-D grid over (NPB, NQB, S·h), the head-dim tile fastest, then the
+    row block i, the (segment, head) slowest; programs past their segment's end return (no
+    slot). A wave (132 × 3 = 396 programs on sm_90, 148 × 3 on sm_100, 108 × 3 on sm_80) holds
+    every row block of about 99 (segment, head) pairs at NQB = 4, NPB = 1. Reuse: C rows i (over
+    n) and the C·B tiles (i, k <= i) are shared by the R heads of the group in the wave; the
+    entering state's [BP, n] fp32 tile by the segment's row blocks (once, where (S·h, NPB,
+    NQB) order re-read it NQB times, 20 waves apart); x rows k by every row block i >= k in the
+    same wave (once), acum and dts rows likewise; the D term re-loads the diagonal x block the
+    loop just loaded (counted once). The (segment, head) pairs a wave cuts in two count their
+    shared tiles in both waves. Every wave fits in the L2. z read, y (and y before the gate) written once. MMA: [BQ, BN] @ [BN, BP] over n
     and [BQ, BQ] @ [BQ, BP] per pair."""
     d = _Dims(problem, t)
-    launch = _Launch(problem, t, "ssd_chunk_scan_fwd_kernel", (d.S * d.H, d.NPB, d.NQB),
-                     active=lambda la, sh, ip, im: im * d.BQ < la.L[sh // d.H])
+    launch = _Launch(problem, t, "ssd_chunk_scan_fwd_kernel", (d.NPB, d.NQB, d.S * d.H),
+                     active=lambda la, ip, im, sh: im * d.BQ < la.L[sh // d.H])
     w, V = launch.waves, launch.V
-    sh, ip, i = w.coords
+    ip, i, sh = w.coords
     s, h = sh // d.H, sh % d.H
     g = h // d.R
     bp = launch.rows(d.P, d.BP, ip)
@@ -357,22 +356,22 @@ def state_passing_bwd_cost(problem, t: Tiles) -> Cost:
 
 @per_arch
 def dx_cost(problem, t: Tiles) -> Cost:
-    """dx. Order: grid (S·h, NPB, NQB), (segment, head) fastest, the row block j slowest, no
-    early exit (a program past the segment's end still loads its state tile and writes its
-    partials). A wave (132 × 2 = 264 programs on sm_90, 148 × 2 or 3 on sm_100, 108 × 2 on
-    sm_80) holds one row block's programs of about 2 segments' heads; row block j + 1 of the same
-    segment runs S·h·NPB programs later, in a later wave. Reuse: B rows j (over n) and the C·B
-    tiles (i >= j, j) are shared by the R heads of the group in the wave: once per row block;
-    the segment's [BP, n] dH1 tile is re-read by every row block of every grid segment: NQB x
-    state-sized; dy rows i by every row block j <= i (tri/rb times, 2.5x at Q = 256), acum
-    likewise; x rows j, dts read once, the D term's re-load of the diagonal dy block counted
-    once. Every wave fits (at most 24 MB). dx written once, ddt partials (BQ·4 per program) and dD
+    """dx. Order: a 1-D grid over (NPB, NQB, S·h), the head-dim tile fastest, then the row
+    block j, the (segment, head) slowest; no early exit (a program past the segment's end still
+    loads its state tile and writes its partials). A wave (132 × 2 = 264 programs on sm_90, 148
+    × 2 or 3 on sm_100, 108 × 2 on sm_80) holds every row block of about 66 (segment, head)
+    pairs at NQB = 4, NPB = 1. Reuse: B rows j (over n) and the C·B tiles (i >= j, j) are
+    shared by the R heads of the group in the wave; the segment's [BP, n] dH1 tile by its row
+    blocks (once, where (S·h, NPB, NQB) order re-read it NQB times, waves apart); dy rows i by
+    every row block j <= i in the same wave (once), acum likewise; x rows j, dts read once, the
+    D term's re-load of the diagonal dy block counted once; pairs a wave cuts in two count
+    their shared tiles in both waves. Every wave fits in the L2. dx written once, ddt partials (BQ·4 per program) and dD
     partials (BP·4 per program). MMA: [BQ, BN] @ [BN, BP] over n for every program, [BQ, BQ] @
     [BQ, BP] per pair."""
     d = _Dims(problem, t)
-    launch = _Launch(problem, t, "ssd_chunk_scan_bwd_dx_kernel", (d.S * d.H, d.NPB, d.NQB))
+    launch = _Launch(problem, t, "ssd_chunk_scan_bwd_dx_kernel", (d.NPB, d.NQB, d.S * d.H))
     w, V = launch.waves, launch.V
-    sh, ip, j = w.coords
+    ip, j, sh = w.coords
     s, h = sh // d.H, sh % d.H
     g = h // d.R
     bp = launch.rows(d.P, d.BP, ip)
@@ -438,19 +437,19 @@ def dcb_cost(problem, t: Tiles) -> Cost:
 
 @per_arch
 def dacs_intra_cost(problem, t: Tiles) -> Cost:
-    """Straddling-pair sums of the decay gradient. Order: grid (S·h, NQB), (segment, head)
-    fastest, the row block i slowest; programs past the segment's end return. A wave (132 × 2
-    = 264 on sm_90) holds one row block's programs of about 2 segments' heads. Reuse: the C·B
-    tiles (i, j <= i) are shared by the R heads of the group in the wave (once per row block);
-    dy rows i are re-loaded by the program for every block j (counted once); x rows j, acum and
-    dts are re-read by every row block i >= j, in later waves: tri/rb times (2.5x at Q = 256).
-    Every wave fits (at most 13 MB). BQ·4 partials written per pair. MMA: dy·x^T [BQ, BP] @
+    """Straddling-pair sums of the decay gradient. Order: a 1-D grid over (NQB, S·h), the row
+    block i fastest; programs past the segment's end return. A wave (132 × 2 = 264 on sm_90)
+    holds every row block of about 66 (segment, head) pairs at NQB = 4. Reuse: the C·B tiles
+    (i, j <= i) are shared by the R heads of the group in the wave; dy rows i are re-loaded by
+    the program for every block j (counted once); x rows j, acum and dts by every row block i
+    >= j of the segment, in the same wave (once; pairs a wave cuts in two count them in both).
+    Every wave fits in the L2. BQ·4 partials written per pair. MMA: dy·x^T [BQ, BP] @
     [BP, BQ] over p per pair (the same products the d(C·B) kernel computes, again)."""
     d = _Dims(problem, t)
-    launch = _Launch(problem, t, "ssd_dacs_intra_kernel", (d.S * d.H, d.NQB),
-                     active=lambda la, sh, im: im * d.BQ < la.L[sh // d.H])
+    launch = _Launch(problem, t, "ssd_dacs_intra_kernel", (d.NQB, d.S * d.H),
+                     active=lambda la, im, sh: im * d.BQ < la.L[sh // d.H])
     w, V = launch.waves, launch.V
-    sh, i = w.coords
+    i, sh = w.coords
     s, h = sh // d.H, sh % d.H
     g = h // d.R
     every = every_program(w)

@@ -146,27 +146,28 @@ class Mamba2Mixer(nn.Module):
         b, l, _ = hidden_states.shape
         projected = self.in_proj(_padding_mask(hidden_states, attention_mask))
         gate, xbc, dt = projected.split([self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
-        xbc = xbc.transpose(1, 2)
         kernel = self.conv1d.kernel_size[0]
-        if state is not None:
-            history = torch.cat([state.conv, xbc], dim=-1)
-            state.conv.copy_(history[..., -(kernel - 1):])
-            xbc = F.conv1d(history, self.conv1d.weight, self.conv1d.bias, groups=self.conv_dim)
+        if state is not None:        # history [b, k - 1 + l, conv_dim]: channels-last, as the output
+            history = torch.cat([state.conv.transpose(1, 2), xbc], dim=1)
+            state.conv.copy_(history[:, -(kernel - 1):].transpose(1, 2))
+            xbc = self._conv_channels_last(history.transpose(1, 2), 0)
         else:
-            xbc = self.conv1d(xbc)[..., :l]
-        xbc = _padding_mask(F.silu(xbc).transpose(1, 2), attention_mask)
+            xbc = self._conv_channels_last(xbc.transpose(1, 2), kernel - 1)[:, :l]
+        xbc = _padding_mask(F.silu(xbc), attention_mask)           # [b, l, conv_dim], channels last
         gn = self.n_groups * self.state_size
         x, B, C = xbc.split([self.intermediate_size, gn, gn], dim=-1)
-        x = x.reshape(b, l, self.num_heads, self.head_dim)
-        B, C = B.reshape(b, l, self.n_groups, self.state_size), C.reshape(b, l, self.n_groups, self.state_size)
+        # views of the conv output (x, B, C) and of the in-projection (dt) go in as they are
+        x = x.unflatten(-1, (self.num_heads, self.head_dim))
+        B, C = B.unflatten(-1, (self.n_groups, self.state_size)), C.unflatten(-1, (self.n_groups, self.state_size))
         param = accumulator_dtype(x.dtype)
         A = -torch.exp(self.A_log.to(param))
         options = dict(D=self.D.to(param), dt_bias=self.dt_bias.to(param), dt_softplus=True,
                        dt_limit=self.time_step_limit, backend=self.backend)
         if state is not None and state.tokens > 0:
+            from .plan.torch_ops import as_planned
             from .mamba2_inference import mamba2_state_update
-            y = mamba2_state_update(state.ssm, x.contiguous(), dt.contiguous(), A, B.contiguous(),
-                                    C.contiguous(), **options)["y"]
+            y = mamba2_state_update(state.ssm, as_planned(x), as_planned(dt), A,
+                                    as_planned(B), as_planned(C), **options)["y"]
         else:
             y, final = ops.mamba2_chunk_scan(x, dt, A, B, C, self.chunk_size, **options)
             if state is not None:
@@ -174,6 +175,17 @@ class Mamba2Mixer(nn.Module):
         if state is not None:
             state.tokens += l
         return self.out_proj(self.norm(y.reshape(b, l, -1), gate).to(hidden_states.dtype))
+
+    def _conv_channels_last(self, xbc, padding: int):
+        """The depthwise convolution of xbc [b, conv_dim, L] (a transposed [b, L, conv_dim]:
+        the channels contiguous; padded by ``padding`` on both sides), returned as [b, L',
+        conv_dim] with the channels contiguous. It runs as a 2-D convolution of [b, conv_dim, 1,
+        L], whose channels-last input makes torch store the output channels-last, so the scan's
+        x, B and C are views of it (conv1d's [b, conv_dim, L] output would need a transposing
+        copy of each)."""
+        out = F.conv2d(xbc.unsqueeze(2), self.conv1d.weight.unsqueeze(2), self.conv1d.bias,
+                       padding=(0, padding), groups=self.conv_dim)
+        return out.squeeze(2).transpose(1, 2)
 
     def extra_repr(self) -> str:
         return (f"heads={self.num_heads}, head_dim={self.head_dim}, groups={self.n_groups}, "
@@ -227,8 +239,8 @@ class GQAAttention(nn.Module):
             o = ops.gqa_attention(q, k, v, causal=True, backend=self.backend)
         else:
             from .attention import gqa_attention_decode
-            o = gqa_attention_decode(q.contiguous(), k.contiguous(), v.contiguous(), state.k, state.v,
-                                     state.lengths, backend=self.backend)["o"]
+            o = gqa_attention_decode(q, k, v, state.k, state.v, state.lengths,
+                                     backend=self.backend)["o"]              # views go in as they are
             state.lengths += s
         return self.o_proj(o.reshape(b, s, -1)), None
 

@@ -4,8 +4,9 @@ Every operator is a ``torch.library`` custom op (``torch.ops.fusedops.*``) with 
 implementation (shapes from the plan, no computation), so it traces under
 ``torch.compile(fullgraph=True)``, and an autograd formula that calls the backward op, so it
 works in eager mode and with activation checkpointing. The forward's ``saved`` buffer is kept
-by reference for the backward (no copies). Inputs are made contiguous before the op; gradients
-come back in the inputs' dtypes. Each family defines its ops in ``fusedops/<family>/ops.py``.
+by reference for the backward (no copies). Activations go in as they are when the plans take
+their layout (last dimension contiguous, rows 16-byte aligned: views of a fused projection
+included) and are made contiguous otherwise; gradients come back in the inputs' dtypes. Each family defines its ops in ``fusedops/<family>/ops.py``.
 
     o = fusedops.ops.gqa_attention(q, k, v, causal=True)
     o.sum().backward()

@@ -111,8 +111,10 @@ def paged_keys(k, v, block_table, cu_k, longest: int, status=None):
     safe = torch.where((table >= 0) & (table < pages), table, torch.zeros_like(table))
     if not pages:
         keys = values = k.new_zeros(nseq * cap, *k.shape[2:])
-    else:
-        keys, values = k[safe].flatten(0, 2), v[safe].flatten(0, 2)
+    else:     # rows past a sequence's keys may hold anything (NaN): zeros, as the kernels mask
+        live = (torch.arange(cap, device=table.device)[None, :] < len_k[:, None]).reshape(-1)
+        keys = torch.where(live[:, None, None], k[safe].flatten(0, 2), 0)
+        values = torch.where(live[:, None, None], v[safe].flatten(0, 2), 0)
     offsets = torch.arange(nseq + 1, device=table.device) * cap
     return keys, values, offsets, len_k, bad
 
@@ -342,6 +344,8 @@ def decode(q, k_new, v_new, k_cache, v_cache, cache_seqlens, *, block_table=None
     if right >= 0:
         visible &= j <= diagonal + right
     p, lse = masked_softmax(scores, visible[:, None])
+    # positions no query sees may hold anything (an uninitialised cache): never multiplied in
+    vf = torch.where(visible.any(1)[:, None, :, None], vf, 0)
     o = torch.einsum("bhqk,bhkd->bhqd", p, vf).permute(0, 2, 1, 3)
     return o.to(q.dtype), lse
 

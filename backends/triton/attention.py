@@ -150,6 +150,11 @@ def _rows(problem, block: int) -> int:
     return triton.cdiv(max(problem.seqlen_q, 1), block)
 
 
+def _wide(problem) -> bool:
+    """The variants that take the tiles' wide register budget: packed or softcapped."""
+    return problem.packed or problem.softcap > 0
+
+
 def _paging(problem) -> dict:
     return dict(PAGED=problem.paged, PAGE=max(problem.page_size, 1), MAX_PAGES=max(problem.max_pages, 1))
 
@@ -170,7 +175,7 @@ def forward_spec(problem, config: Tiles | None = None) -> KernelSpec:
                                 HAS_STATUS=problem.has_status and problem.paged),
                            (_rows(problem, tiles.bm), problem.batch * problem.heads_q),
                            num_warps=tiles.warps, num_stages=tiles.stages,
-                           maxnreg=tiles.budget(problem.packed),
+                           maxnreg=tiles.budget(_wide(problem)),
                            cost=C.forward_cost(problem, tiles, bd, target_arch(problem.device)))
 
 
@@ -197,7 +202,7 @@ def backward_specs(problem, config: BackwardTiles | None = None) -> dict[str, Ke
          *_stride_args("q", "k", "v", "do", "dk", "dv"), *seq, ("TOTAL_K", "i32"), *scales),
         _common(problem, kv.bm, kv.bn, bd),
         (triton.cdiv(max(problem.seqlen_k, 1), kv.bn), problem.batch * problem.heads_kv),
-        num_warps=kv.warps, num_stages=kv.stages, maxnreg=kv.budget(problem.packed),
+        num_warps=kv.warps, num_stages=kv.stages, maxnreg=kv.budget(_wide(problem)),
         cost=C.dkdv_cost(problem, kv, bd, target_arch(problem.device)))
     dq = KernelSpec.make(
         K.attn_bwd_dq_kernel,
@@ -206,7 +211,7 @@ def backward_specs(problem, config: BackwardTiles | None = None) -> dict[str, Ke
          *_stride_args("q", "k", "v", "do", "dq"), *seq, *scales),
         _common(problem, qt.bm, qt.bn, bd),
         (_rows(problem, qt.bm), problem.batch * problem.heads_q), num_warps=qt.warps,
-        num_stages=qt.stages, maxnreg=qt.budget(problem.packed), cost=C.dq_cost(problem, qt, bd, target_arch(problem.device)))
+        num_stages=qt.stages, maxnreg=qt.budget(_wide(problem)), cost=C.dq_cost(problem, qt, bd, target_arch(problem.device)))
     return dict(delta=delta, dkdv=dkdv, dq=dq)
 
 

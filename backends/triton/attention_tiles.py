@@ -21,7 +21,8 @@ from fusedops.core.target import target_arch
 class Tiles:
     """One training kernel's tiles: bm query rows and bn keys per step, warps per CTA, software
     pipeline stages and a register budget for ptxas (None: its own choice), and another for the
-    packed variant (whose clearing of uncovered tokens adds registers; default: maxnreg)."""
+    wide variants (packed: the clearing of uncovered tokens; softcap: the tanh and its 1 - tanh²
+    factor; both add registers; default: maxnreg)."""
 
     bm: int
     bn: int
@@ -30,9 +31,9 @@ class Tiles:
     maxnreg: int | None = None
     packed_maxnreg: int | None = None
 
-    def budget(self, packed: bool) -> int | None:
-        """The register budget of the dense or packed variant."""
-        return (self.packed_maxnreg or self.maxnreg) if packed else self.maxnreg
+    def budget(self, wide: bool) -> int | None:
+        """The register budget of the plain or the wide (packed or softcapped) variant."""
+        return (self.packed_maxnreg or self.maxnreg) if wide else self.maxnreg
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,10 @@ FORWARD = {
         64: (Tiles(64, 64, 4), "today's tiles: one warpgroup owns the 64-row wgmma tile; 40 KiB "
              "of shared memory, 3 CTAs per SM by registers (strided addressing took ptxas to 138; "
              "a 128 budget for 4 CTAs spilled 8 bytes)"),
-        128: (Tiles(64, 64, 8, 2, WIDE_TILE_REGISTERS), "today's tiles: " + _FWD_DUP),
+        128: (Tiles(128, 64, 8, 3, None, WIDE_TILE_REGISTERS), "128 query rows on 8 warps: each "
+              "warpgroup owns one 64-row wgmma slab (no duplicated QKᵀ or softmax: 2/3 of the "
+              "64-row tile's tensor-core work, half its exponentials); 182 registers, 1 CTA per "
+              "SM, 128 KiB of shared memory for 3 stages (2026-12-01, `fusedops kernels`)"),
         256: (Tiles(64, 32, 8, 2, WIDE_TILE_REGISTERS), "today's tiles, 32 keys per step to "
               "keep q (64 x 256) and the accumulator in registers: " + _FWD_DUP),
     },
@@ -111,7 +115,8 @@ BACKWARD = {
               "today's tiles: dk/dv's [64 keys, 128] products are wgmma (N split over the two "
               "warpgroups), S, dP and dq mma.sync at 32 rows; a 232-register budget for dk/dv, "
               "128 for the dense dq (2 CTAs per SM: ptxas's own choice took 141 with strided "
-              "addressing) and 192 for the packed dq (it spilled 8 bytes at ptxas's 128)"),
+              "addressing) and 192 for the packed or softcapped dq (they spilled 8 and 16 bytes "
+              "at 128)"),
         256: (BackwardTiles(Tiles(16, 32, 8, 2, DKDV_REGISTERS), Tiles(16, 32, 8, 2, None, WIDE_TILE_REGISTERS)),
               "today's tiles: 16 x 32 keeps the 32 x 256 dk, dv accumulators in registers; all "
               "mma.sync"),

@@ -262,7 +262,7 @@ def segment_state_spec(problem, from_start: bool, t: Tiles | None = None) -> Ker
                       Q=problem.chunk, BP=t.BP, BN=t.BN, BK=t.BQ, FROM_START=from_start,
                       **ty.common, **numerics(problem.dtype), **ty.seq, VX=problem.vector,
                       VB=problem.bc_vector),
-                 (problem.max_segments * problem.heads, c["NPB"], c["NNB"]),
+                 (c["NNB"] * c["NPB"] * problem.max_segments * problem.heads,),
                  warps=8 if from_start else 4,
                  cost=model.segment_state_cost(problem, t, from_start))
 

@@ -265,8 +265,12 @@ def ssd_segment_state_kernel(x_ptr, B_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, r
     w_j = exp(Acum_last - Acum_j) dt_j: the segment's own contribution to its end state; or,
     FROM_START (backward, x = dy and B = C), w_j = exp(Acum_j): what dy sends back into H0.
     Sequence ids: only the tokens of the last token's run (of the run before the segment,
-    FROM_START) count."""
-    i_sh, i_p, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    FROM_START) count. One program per (state tile, head-dim tile, segment·head), the tiles
+    fastest: the state tiles of a (segment, head) share its x rows in L2."""
+    NPB: tl.constexpr = (P + BP - 1) // BP
+    NNB: tl.constexpr = (N + BN - 1) // BN
+    pid = tl.program_id(0)
+    i_n, i_p, i_sh = pid % NNB, pid // NNB % NPB, pid // (NNB * NPB)
     i_seg, i_h = i_sh // H, i_sh % H
     i_g = i_h // (H // G)
     row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)

@@ -196,22 +196,22 @@ def cb_cost(problem, t: Tiles) -> Cost:
 @per_arch
 def segment_state_cost(problem, t: Tiles, from_start: bool) -> Cost:
     """Each segment's own end state (the backward's dH0 terms ``from_start``: x = dy, B = C).
-    Order: grid (S·h, NPB, NNB), (segment, head) fastest, the state tile slowest: the R heads of
-    a group run one after another, a segment's heads together, and the NNB state tiles S·h
-    programs apart. Wave: 132 × 6 = 792 programs on sm_90 (the backward's 8-warp kernel 132 ×
-    5), about 6 segments' heads; every wave fits (at most 42 MB on sm_90, 47 of 126 on sm_100).
-    Reuse: B rows (the segment's
+    Order: a 1-D grid over (NNB, NPB, S·h), the state tile fastest, then the head-dim tile, the
+    (segment, head) slowest: a (segment, head)'s tiles run side by side, the R heads of a group
+    NNB·NPB programs apart. Wave: 132 × 6 = 792 programs on sm_90 (the backward's 8-warp kernel
+    132 × 5), about 3 segments' heads; every wave fits in the L2. Reuse: B rows (the segment's
     token blocks over the tile's BN state columns) are shared by the R heads of the group in
-    one wave: once per state tile (B read once in all); x rows k over the BP head-dim rows are
-    re-read by each state tile, S·h programs later: NNB times (2 at n = 128, BN = 64); acum and
-    dts (BQ·4 per block, unmasked) and the last acum once per (segment, head) and state tile.
+    one wave (once; groups a wave cuts in two count them in both); x rows k over the BP
+    head-dim rows by the NNB state tiles next to each other (once, where (S·h, NPB, NNB) order
+    read them NNB times, S·h programs apart); acum and dts (BQ·4 per block, unmasked) and the
+    last acum once per (segment, head).
     Every program writes its fp32 [BP, BN] tile (state-sized). MMA: [BP, BQ] @ [BQ, BN] per
     block; CUDA: the decay weights and the scaling of B."""
     d = _Dims(problem, t)
     kernel = "ssd_segment_state_kernel" + (" (dy, C)" if from_start else "")
-    launch = _Launch(problem, t, kernel, (d.S * d.H, d.NPB, d.NNB))
+    launch = _Launch(problem, t, kernel, (d.NNB, d.NPB, d.S * d.H))
     w, V = launch.waves, launch.V
-    sh, ip, jn = w.coords
+    jn, ip, sh = w.coords
     s, h = sh // d.H, sh % d.H
     g = h // d.R
     bp, bn = launch.rows(d.P, d.BP, ip), launch.rows(d.N, d.BN, jn)

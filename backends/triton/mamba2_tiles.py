@@ -87,37 +87,57 @@ def counts(problem, t: Tiles) -> dict:
 
 # -- waves and L2 --------------------------------------------------------------------------------
 # CTAs per SM of each kernel with the tile table's entry, as ``fusedops kernels --backend triton
-# --only scan`` reports them at h128 p64 n128 Q256 (triton 3.9, 2026-12-01; registers decide all
+# --only "scan "`` reports them at h128 p64 n128 Q256 (triton 3.9, 2026-12-01; registers decide all
 # but C·B's on sm_90/sm_100 and the forward segment state's on sm_100: shared memory), and the
-# production shapes whose registers give another (``_variant``). The kernels not listed share no
-# tile between programs (dt transform, gate, ddt, parameter reduction): waves change nothing.
+# other production shapes where their registers give another (CTAS_VARIANTS, keyed by the shape's
+# ``_variant``); tests/test_kernel_report.py checks both against the compiled kernels. The
+# kernels not listed share no tile between programs (dt transform, gate, ddt, parameter
+# reduction): waves change nothing.
 CTAS_PER_SM = {
     "ssd_cb_kernel": {"sm_80": 4, "sm_90": 6, "sm_100": 6},
     "ssd_segment_state_kernel": {"sm_80": 4, "sm_90": 6, "sm_100": 6},
-    "ssd_segment_state_kernel (dy, C)": {"sm_80": 4, "sm_90": 5, "sm_100": 6},
+    "ssd_segment_state_kernel (dy, C)": {"sm_80": 4, "sm_90": 4, "sm_100": 6},
     "ssd_state_passing_kernel": {"sm_80": 16, "sm_90": 16, "sm_100": 16},
     "ssd_chunk_scan_fwd_kernel": {"sm_80": 3, "sm_90": 3, "sm_100": 3},
     "ssd_state_passing_bwd_kernel": {"sm_80": 12, "sm_90": 12, "sm_100": 12},
-    "ssd_chunk_scan_bwd_dx_kernel": {"sm_80": 2, "sm_90": 2, "sm_100": 2},
-    "ssd_dcb_kernel": {"sm_80": 2, "sm_90": 3, "sm_100": 2},
+    "ssd_chunk_scan_bwd_dx_kernel": {"sm_80": 2, "sm_90": 2, "sm_100": 3},
+    "ssd_dcb_kernel": {"sm_80": 2, "sm_90": 2, "sm_100": 2},
     "ssd_dacs_intra_kernel": {"sm_80": 2, "sm_90": 2, "sm_100": 2},
-    "ssd_dbc_kernel (dB)": {"sm_80": 2, "sm_90": 2, "sm_100": 3},
-    "ssd_dbc_kernel (dC)": {"sm_80": 2, "sm_90": 2, "sm_100": 3},
+    "ssd_dbc_kernel (dB)": {"sm_80": 2, "sm_90": 2, "sm_100": 2},
+    "ssd_dbc_kernel (dC)": {"sm_80": 2, "sm_90": 2, "sm_100": 2},
 }
+_Q128, _PACKED, _P80 = ("Q < 256",), ("packed",), ("p > 64", "Q < 256")
 CTAS_VARIANTS = {
-    ("ssd_chunk_scan_bwd_dx_kernel", "sm_100", "packed"): 3,
-    ("ssd_chunk_scan_bwd_dx_kernel", "sm_100", "p > 64"): 3,
-    ("ssd_dbc_kernel (dB)", "sm_100", "p > 64"): 2,
-    ("ssd_dbc_kernel (dC)", "sm_100", "p > 64"): 2,
-    ("ssd_dbc_kernel (dB)", "sm_80", "p > 64"): 1,
+    ("ssd_chunk_scan_fwd_kernel", "sm_100", _Q128): 4,
+    ("ssd_chunk_scan_fwd_kernel", "sm_100", _P80): 4,
+    ("ssd_segment_state_kernel (dy, C)", "sm_90", _Q128): 5,
+    ("ssd_segment_state_kernel (dy, C)", "sm_90", _PACKED): 5,
+    ("ssd_segment_state_kernel (dy, C)", "sm_90", _P80): 5,
+    ("ssd_segment_state_kernel (dy, C)", "sm_100", _PACKED): 5,
+    ("ssd_chunk_scan_bwd_dx_kernel", "sm_100", _Q128): 2,
+    ("ssd_chunk_scan_bwd_dx_kernel", "sm_100", _P80): 2,
+    ("ssd_dcb_kernel", "sm_90", _PACKED): 3,
+    ("ssd_dbc_kernel (dC)", "sm_100", _PACKED): 3,
+    ("ssd_dbc_kernel (dB)", "sm_80", _P80): 1,
 }
 
 
 def _variant(problem) -> tuple[str, ...]:
     """The features of a production shape that change a kernel's registers: packed sequences,
-    a head dim past one 64-row tile."""
+    a head dim past one 64-row tile, a chunk shorter than 256 (fewer row blocks per segment)."""
     return (("packed",) if problem.num_sequences is not None else ()) + \
-        (("p > 64",) if problem.head_dim > 64 else ())
+        (("p > 64",) if problem.head_dim > 64 else ()) + (("Q < 256",) if problem.chunk < 256 else ())
+
+
+def occupancy_key(spec) -> str | None:
+    """The CTAS_PER_SM key of a scan KernelSpec (the backward's segment-state kernel is
+    "(dy, C)", the dB and dC kernels "(dB)" and "(dC)"), or None for a kernel the waves do not
+    need."""
+    c = dict(spec.constexprs)
+    key = spec.name + (" (dy, C)" if c.get("FROM_START") else "")
+    if "GRAD_B" in c:
+        key += " (dB)" if c["GRAD_B"] else " (dC)"
+    return key if key in CTAS_PER_SM else None
 
 
 def ctas_per_sm(kernel: str, problem, t: Tiles, arch: str) -> int:
@@ -128,6 +148,4 @@ def ctas_per_sm(kernel: str, problem, t: Tiles, arch: str) -> int:
     table = tiles(problem, TILES[arch][0])
     if (t.BQ, t.BP, t.BN) != (table.BQ, table.BP, table.BN):
         return 1
-    ctas = [CTAS_VARIANTS[(kernel, arch, v)] for v in _variant(problem)
-            if (kernel, arch, v) in CTAS_VARIANTS]
-    return min(ctas) if ctas else CTAS_PER_SM[kernel][arch]
+    return CTAS_VARIANTS.get((kernel, arch, _variant(problem)), CTAS_PER_SM[kernel][arch])

@@ -6,7 +6,9 @@ enter a row's leading run of id 0); ``cu_seqlens`` never resets anything, it onl
 ``varlen_states`` returned with ``return_varlen_states=True``, computed by mamba_ssm's formula
 (``varlen_states``). ``selective_state_update`` takes mamba_ssm's dtype mix (B, C and dt in fp32
 with fp16/bf16 x and state) as it is. Activations go in as views (no copy) wherever the plans
-take their layout.
+take their layout. Both functions add one keyword, ``backend`` ("auto", "torch", "triton"),
+which picks the fusedops backend; float64 inputs (with float64 parameters) run the torch
+backend's reference precision, so ``torch.autograd.gradcheck`` goes through the drop-in.
 """
 
 from __future__ import annotations
@@ -17,18 +19,20 @@ import torch
 import torch.nn.functional as F
 
 from fusedops import ops
+from fusedops.core.dtypes import accumulator_dtype
 from fusedops.errors import UnsupportedError, ValidationError
 from fusedops.mamba2.contract import SOFTPLUS_THRESHOLD
-from fusedops.mamba2.ops import readable
+from fusedops.plan.torch_ops import as_planned
 from fusedops.mamba2.plans import mamba2_chunk_scan_forward
 from fusedops.mamba2_inference import mamba2_state_update
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def _fp32(t):
-    """A parameter or state as contiguous fp32 (no copy when it is already)."""
-    return None if t is None else t.float().contiguous()
+def _param(t, dtype: torch.dtype):
+    """A parameter or state as contiguous ``dtype`` (fp32, or float64 for float64 activations;
+    no copy when it is already)."""
+    return None if t is None else t.to(dtype).contiguous()
 
 
 def _expect_state_dtype(value):
@@ -41,7 +45,7 @@ def _expect_state_dtype(value):
 def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bias=None,
                               initial_states=None, seq_idx=None, cu_seqlens=None, dt_softplus=False,
                               dt_limit=(0.0, float("inf")), return_final_states=False,
-                              return_varlen_states=False, state_dtype=None):
+                              return_varlen_states=False, state_dtype=None, *, backend="auto"):
     """x [b, l, h, p], dt [b, l, h], A [h], B, C [b, l, g, n], D [h] or [h, p], z [b, l, h, p],
     dt_bias [h], initial_states [b, h, p, n], seq_idx [b, l] (the state restarts where the id
     changes; valid ids are non-negative and non-decreasing along a row). Returns out like x
@@ -49,7 +53,9 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     after each row's last token) and varlen_states [nseq, h, p, n] (``return_varlen_states``,
     b = 1: the states at the ends of the ``cu_seqlens`` sequences by mamba_ssm's formula, in
     ``state_dtype``, default C's dtype; not differentiable, as in mamba_ssm, so out is not
-    either then). ``cu_seqlens`` is read only for varlen_states."""
+    either then). ``cu_seqlens`` is read only for varlen_states. The scan keeps its states in
+    fp32 whatever ``state_dtype`` (which sets only varlen_states' dtype). ``backend``: the
+    fusedops backend (a keyword mamba_ssm does not have)."""
     state_dtype = _expect_state_dtype(state_dtype)
     if return_varlen_states and cu_seqlens is None:
         raise ValidationError("cu_seqlens: expected the packed sequences' offsets with "
@@ -64,17 +70,17 @@ def mamba_chunk_scan_combined(x, dt, A, B, C, chunk_size, D=None, z=None, dt_bia
     z = z if z is None or z.dtype == x.dtype else z.to(x.dtype)
     if seq_idx is not None and seq_idx.dtype != torch.int32:
         seq_idx = seq_idx.to(torch.int32)
-    options = dict(D=_fp32(D), z=z, dt_bias=_fp32(dt_bias), dt_softplus=bool(dt_softplus),
-                   dt_limit=tuple(float(v) for v in dt_limit),
-                   initial_states=_fp32(initial_states), seq_idx=seq_idx)
+    param = accumulator_dtype(x.dtype)
+    options = dict(D=_param(D, param), z=z, dt_bias=_param(dt_bias, param),
+                   dt_softplus=bool(dt_softplus), dt_limit=tuple(float(v) for v in dt_limit),
+                   initial_states=_param(initial_states, param), seq_idx=seq_idx, backend=backend)
     chunk_size = int(chunk_size)
     if not return_varlen_states:
-        y, final = ops.mamba2_chunk_scan(x, dt, A.float(), B, C, chunk_size, **options)
+        y, final = ops.mamba2_chunk_scan(x, dt, _param(A, param), B, C, chunk_size, **options)
         return (y, final) if return_final_states else y
-    p, n, h = x.shape[-1], B.shape[-1], dt.shape[-1]
-    out = mamba2_chunk_scan_forward(readable(x, p), readable(dt, h), A.float(), readable(B, n),
-                                    readable(C, n), chunk_size,
-                                    **dict(options, z=readable(z, p)), return_segment_states=True)
+    out = mamba2_chunk_scan_forward(as_planned(x), as_planned(dt), _param(A, param),
+                                    as_planned(B), as_planned(C), chunk_size,
+                                    **dict(options, z=as_planned(z)), return_segment_states=True)
     states = varlen_states(x, dt, A, B, cu_seqlens, out["segment_states"], chunk_size,
                            dt_bias=options["dt_bias"], dt_softplus=bool(dt_softplus),
                            dt_limit=options["dt_limit"]).to(state_dtype or C.dtype)
@@ -142,12 +148,14 @@ def _per_head(name: str, t, dims: tuple[int, ...]):
 
 
 def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,
-                           state_batch_indices=None, dt_limit=(0.0, math.inf)):
+                           state_batch_indices=None, dt_limit=(0.0, math.inf), *, backend="auto"):
     """One Mamba2 decode step in place on state [b or slots, h, p, n] (fp32, bf16 or fp16):
     x [b, h, p], dt [b, h, p] and A [h, p, n], dt_bias [h, p] as Mamba2 expands them per head, B,
-    C [b, g, n] (x's dtype or fp32, as mamba_ssm's tests mix them), D [h] or [h, p], z [b, h, p];
+    C [b, g, n] or [b, n] (one group; x's dtype or fp32, as mamba_ssm's tests mix them), D [h]
+    or [h, p], z [b, h, p];
     returns out [b, h, p]. x, dt, B, C and z go in as views; a negative state_batch_indices entry
-    is padding (out 0, no slot touched)."""
+    is padding (out 0, no slot touched). Not differentiable (an in-place decode step, as in
+    mamba_ssm). ``dt_limit`` and ``backend`` are fusedops keywords mamba_ssm does not have."""
     if state.dim() != 4:
         raise UnsupportedError(f"selective_state_update: state: expected Mamba2's [b, h, p, n], "
                                f"got {list(state.shape)} (Mamba1 states are not implemented)")
@@ -156,17 +164,18 @@ def selective_state_update(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, 
     bias_h = _per_head("dt_bias", dt_bias, (1,)) if dt_bias is not None and dt_bias.dim() == 2 else dt_bias
     if D is not None and D.dim() == 2 and D.stride(1) == 0:
         D = D[:, 0]
-    x16 = (x.dtype, torch.float32)
-    dt_h = dt_h if dt_h.dtype in x16 else dt_h.float()
-    if B.dtype not in x16 or C.dtype != B.dtype:
-        B, C = B.float(), C.float()
-    if x.dtype == torch.float32:
-        B, C = B.float(), C.float()
+    if B.dim() == 2:                          # mamba_ssm's [b, n]: one group
+        B, C = B[:, None], C[:, None]
+    dt_h = dt_h if dt_h.dtype in (x.dtype, torch.float32) else dt_h.float()
+    wide = torch.float32 if x.dtype in (torch.float16, torch.bfloat16) else x.dtype
+    if B.dtype not in (x.dtype, wide) or C.dtype != B.dtype:    # one lossless conversion each
+        B, C = B.to(wide), C.to(wide)
     z = z if z is None or z.dtype == x.dtype else z.to(x.dtype)
-    p, n, h = x.shape[-1], B.shape[-1], x.shape[-2]
     indices = None if state_batch_indices is None else state_batch_indices.to(torch.int32)
-    out = mamba2_state_update(state, readable(x, p), readable(dt_h, h), _fp32(A_h),
-                              readable(B, n), readable(C, n), D=_fp32(D), z=readable(z, p),
-                              dt_bias=_fp32(bias_h), dt_softplus=bool(dt_softplus),
-                              dt_limit=tuple(dt_limit), state_batch_indices=indices)
+    param = accumulator_dtype(x.dtype)
+    out = mamba2_state_update(state, as_planned(x), as_planned(dt_h), _param(A_h, param),
+                              as_planned(B), as_planned(C), D=_param(D, param),
+                              z=as_planned(z), dt_bias=_param(bias_h, param),
+                              dt_softplus=bool(dt_softplus), dt_limit=tuple(dt_limit),
+                              state_batch_indices=indices, backend=backend)
     return out["y"]

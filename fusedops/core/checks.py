@@ -13,7 +13,7 @@ import torch
 
 from ..errors import ValidationError
 from .desc import TensorDesc
-from .dtypes import dtype_name
+from .dtypes import dtype_name, element_size
 from .overlap import byte_range, shares_bytes
 
 ALIGNMENT = 16  # bytes: every floating tensor and workspace must start on a 16-byte boundary
@@ -76,6 +76,15 @@ def expect_aligned(name: str, tensor: torch.Tensor, alignment: int = ALIGNMENT) 
         raise ValidationError(
             f"{name}: expected a data pointer aligned to {alignment} bytes, got address "
             f"{tensor.data_ptr():#x} (offset {tensor.data_ptr() % alignment})")
+
+
+def row_vector(width: int, dtype: torch.dtype) -> int:
+    """Elements per 16-byte vector, the unit kernels take an activation's row strides in, when a
+    row of ``width`` elements of ``dtype`` is a whole number of vectors (the tensor may then be a
+    view whose other strides are any multiples of 16 bytes); 1 otherwise (its rows are not
+    16-byte aligned, so the plans take it contiguous only)."""
+    vector = ALIGNMENT // element_size(dtype)
+    return vector if vector >= 1 and width % vector == 0 else 1
 
 
 def rows_layout(shape, stride, element_size: int, vector_bytes: int = ALIGNMENT) -> bool:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..core.checks import rows_layout
-from ..plan.torch_ops import contiguous, describe, empty_like_planned
+from ..plan.torch_ops import as_planned, contiguous, describe, empty_like_planned
 from .contract import DEFAULT_EPS
 from .plans import EngramGateSavedForward, engram_gate_saved_backward, engram_gate_saved_forward
 
@@ -45,7 +44,7 @@ def _gate_setup(ctx, inputs, output):
 
 def _gate_backward(ctx, grad_out, _grad_saved):
     x, kv, weight, saved = ctx.saved_tensors
-    gx, gkv, gw = _gate_bwd(x, kv, weight, saved, _rows(grad_out), ctx.backend)
+    gx, gkv, gw = _gate_bwd(x, kv, weight, saved, as_planned(grad_out), ctx.backend)
     return gx, gkv, gw, None, None, None
 
 
@@ -58,10 +57,4 @@ def engram_gate(x: Tensor, kv: Tensor, weight: Tensor, mask: Tensor | None = Non
     may be strided views (last dimension contiguous, rows 16-byte aligned): they go in without a
     copy; weight and mask are made contiguous (parameters, small)."""
     weight, mask = contiguous(weight, mask)
-    return _gate_fwd(_rows(x), _rows(kv), weight, mask, float(eps), backend)[0]
-
-
-def _rows(t: Tensor) -> Tensor:
-    """``t`` itself when the gate takes its layout (last dimension contiguous, rows 16-byte
-    aligned), else a contiguous copy (an exotic layout, e.g. a transposed gradient)."""
-    return t if rows_layout(t.shape, t.stride(), t.element_size()) else t.contiguous()
+    return _gate_fwd(as_planned(x), as_planned(kv), weight, mask, float(eps), backend)[0]

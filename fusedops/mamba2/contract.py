@@ -46,7 +46,7 @@ import torch
 
 from ..core.cost import Cost
 from ..core.dtypes import accumulator_dtype, element_size
-from ..core.checks import expect_dtype, expect_shape
+from ..core.checks import expect_dtype, expect_shape, row_vector  # noqa: F401  (the plans' stride unit)
 from ..core.desc import TensorDesc
 from ..core.index_checks import check_cu_seqlens
 from ..core.options import expect_float_range
@@ -113,14 +113,6 @@ def check_status(descs: dict[str, TensorDesc]) -> bool:
     expect_dtype("status", descs["status"], (STATUS_DTYPE,))
     expect_shape("status", descs["status"], (1,), "[1]")
     return True
-
-
-def row_vector(width: int, dtype: torch.dtype) -> int:
-    """Elements per stride unit of a tensor whose rows are ``width`` elements of ``dtype``: a
-    16-byte vector when a row is a whole number of them (the tensor may then be a view whose
-    other strides are multiples of 16 bytes), else 1 (the tensor must be contiguous)."""
-    e = element_size(dtype)
-    return 16 // e if e <= 16 and (width * e) % 16 == 0 else 1
 
 
 def check_seq_idx(descs: dict[str, TensorDesc], batch: int, length: int, layout: str) -> bool:

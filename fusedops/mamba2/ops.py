@@ -7,26 +7,12 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from ..core.checks import rows_layout
 from ..core.index_checks import check_inputs_requested
 from ..errors import ValidationError
 from ..plan import BACKENDS
-from ..plan.torch_ops import contiguous, describe, empty_like_planned
-from .contract import DEFAULT_CHUNK_SIZE, DEFAULT_DT_LIMIT, row_vector
+from ..plan.torch_ops import as_planned, contiguous, describe, empty_like_planned
+from .contract import DEFAULT_CHUNK_SIZE, DEFAULT_DT_LIMIT
 from .plans import Mamba2ChunkScanForward, mamba2_chunk_scan_backward, mamba2_chunk_scan_forward
-
-
-def readable(t: Tensor | None, width: int) -> Tensor | None:
-    """``t`` itself when the scan's plans take its layout (a view whose rows of ``width``
-    elements are whole 16-byte vectors, last dimension contiguous, other strides and the data
-    pointer 16-byte aligned), else a contiguous copy (an odd row size or an exotic layout such
-    as a transposed gradient; no copy when ``t`` is contiguous already)."""
-    if t is None:
-        return None
-    if (row_vector(width, t.dtype) > 1 and t.data_ptr() % 16 == 0
-            and rows_layout(t.shape, t.stride(), t.element_size())):
-        return t
-    return t.contiguous()
 
 
 @torch.library.custom_op("fusedops::mamba2_chunk_scan_fwd", mutates_args=())
@@ -85,7 +71,7 @@ def _scan_setup(ctx, inputs, output):
 
 def _scan_backward(ctx, dy, d_final, _d_saved):
     x, dt, A, B, C, D, z, dt_bias, h0, cu, seq_idx, saved = ctx.saved_tensors
-    grads = iter(_scan_bwd(x, dt, A, B, C, readable(dy, x.shape[-1]), saved, D, z, dt_bias, h0,
+    grads = iter(_scan_bwd(x, dt, A, B, C, as_planned(dy), saved, D, z, dt_bias, h0,
                            cu, seq_idx, d_final.contiguous(), *ctx.options))
     core = [next(grads) for _ in range(5)]
     optional = [None if t is None else next(grads) for t in (D, z, dt_bias, h0)]
@@ -112,7 +98,7 @@ def mamba2_chunk_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
     gradients for x, dt, A, B, C and the optional D, z, dt_bias, initial_states (see
     Mamba2ChunkScanForward; ``seq_idx``: sequence ids, mamba_ssm's convention). x, z, dt, B and
     C go in as they are when the plans take their layout (slices of a projection whose rows are
-    whole 16-byte vectors: no copy); any other layout is copied once (``readable``). The
+    whole 16-byte vectors: no copy); any other layout is copied once (``as_planned``). The
     options are validated first (ValidationError naming the option: chunk_size=64.0 is
     refused, not truncated); ``check_inputs`` (default: FUSEDOPS_CHECK_INPUTS) checks
     cu_seqlens and seq_idx on the host before the op (a synchronisation)."""
@@ -120,9 +106,8 @@ def mamba2_chunk_scan(x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor,
         dict(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit))
     backend = _expect_backend(backend)
     check = check_inputs_requested(check_inputs)
-    p, n, h = x.shape[-1], B.shape[-1], dt.shape[-1]
-    args = [readable(x, p), readable(dt, h), *contiguous(A), readable(B, n), readable(C, n),
-            *contiguous(D), readable(z, p), *contiguous(dt_bias, initial_states, cu_seqlens,
+    args = [as_planned(x), as_planned(dt), *contiguous(A), as_planned(B), as_planned(C),
+            *contiguous(D), as_planned(z), *contiguous(dt_bias, initial_states, cu_seqlens,
                                                       seq_idx)]
     if check and (cu_seqlens is not None or seq_idx is not None):
         names = ("x", "dt", "A", "B", "C", "D", "z", "dt_bias", "initial_states", "cu_seqlens",

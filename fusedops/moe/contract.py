@@ -61,7 +61,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.checks import ALIGNMENT
+from ..core.checks import row_vector  # noqa: F401  (the plans' stride unit)
 from ..core.cost import Cost
 from ..core.dtypes import accumulator_dtype, element_size
 
@@ -76,16 +76,6 @@ MAX_GROUPS = 64
 
 NORM_EPS = 1e-20
 """Added to the sum of the selected scores before the normalisation."""
-
-
-def row_vector(width: int, dtype: torch.dtype) -> int:
-    """Elements per 16-byte vector, the unit the kernels take an activation's row stride in,
-    when a row of ``width`` elements is a whole number of vectors: then the activations of that
-    width may be strided views (a contiguous tensor's row stride is a whole number of vectors
-    too). 1 otherwise: a contiguous tensor's rows are not 16-byte aligned, so the plans take
-    those activations contiguous only and the kernels step their rows by elements."""
-    vector = ALIGNMENT // element_size(dtype)
-    return vector if width % vector == 0 else 1
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@ bwd`` and ``torch.ops.fusedops.relu2_moe_fwd/bwd``).
 
 The activations (logits, x and the incoming gradient d_out) go into the ops as they come. The
 ops' implementations hand the plans a view whose rows the kernels read without a copy
-(``rows_as_planned``) and copy only a layout the plans refuse (a transposed tensor, rows not
+(``as_planned``) and copy only a layout the plans refuse (a transposed tensor, rows not
 16-byte aligned); the decision is made inside the custom ops, on the real tensors, so
 torch.compile traces the wrappers without a graph break. The weights, the routing data and
 d_topk_weights are made contiguous (a no-op for parameters). Every output is a new contiguous
@@ -14,14 +14,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ..core.checks import ALIGNMENT, rows_layout
 from ..core.desc import TensorDesc
 from ..core.dtypes import accumulator_dtype
 from ..core.index_checks import check_inputs_requested
 from ..errors import ValidationError
 from ..plan import BACKENDS
-from ..plan.torch_ops import contiguous, describe, empty_like_planned
-from .contract import row_vector
+from ..plan.torch_ops import as_planned, contiguous, describe, empty_like_planned
 from .plans import (MoERouter, ReLU2MoEForward, moe_router as _moe_router, moe_router_backward,
                     relu2_moe_backward, relu2_moe_forward)
 
@@ -33,19 +31,8 @@ def _expect_backend(backend) -> str:
     return backend
 
 
-def rows_as_planned(t: Tensor) -> Tensor:
-    """``t`` [rows, width] itself where the plans take it as a view (its row width a whole number
-    of 16-byte vectors, the last dimension contiguous, the row stride a multiple of 16 bytes and
-    the data 16-byte aligned: docs/moe.md, "Strided activations"); a contiguous copy otherwise
-    (a no-op for a contiguous tensor). Called on real tensors, inside the custom ops."""
-    if (t.dim() >= 1 and row_vector(t.shape[-1], t.dtype) > 1 and t.data_ptr() % ALIGNMENT == 0
-            and rows_layout(t.shape, t.stride(), t.element_size())):
-        return t
-    return t.contiguous()
-
-
 def _as_planned(t: Tensor) -> TensorDesc:
-    """A desc of what ``rows_as_planned`` hands the plans, where only its shape matters (the
+    """A desc of what ``as_planned`` hands the plans, where only its shape matters (the
     fake implementations, the host check of the ids): contiguous."""
     return TensorDesc(tuple(t.shape), t.dtype, device=t.device)
 
@@ -55,7 +42,7 @@ def _as_planned(t: Tensor) -> TensorDesc:
 def _router_fwd(logits: Tensor, correction_bias: Tensor | None, top_k: int, n_group: int,
                 topk_group: int, norm_topk_prob: bool, routed_scaling_factor: float,
                 backend: str) -> tuple[Tensor, Tensor]:
-    w, ids = _moe_router(rows_as_planned(logits), top_k, correction_bias=correction_bias,
+    w, ids = _moe_router(as_planned(logits), top_k, correction_bias=correction_bias,
                          n_group=n_group, topk_group=topk_group, norm_topk_prob=norm_topk_prob,
                          routed_scaling_factor=routed_scaling_factor, backend=backend)
     return w, ids
@@ -72,7 +59,7 @@ def _(logits, correction_bias, top_k, n_group, topk_group, norm_topk_prob, route
 @torch.library.custom_op("fusedops::moe_router_bwd", mutates_args=())
 def _router_bwd(logits: Tensor, topk_ids: Tensor, d_topk_weights: Tensor, norm_topk_prob: bool,
                 routed_scaling_factor: float, backend: str) -> Tensor:
-    return moe_router_backward(rows_as_planned(logits), topk_ids, d_topk_weights,
+    return moe_router_backward(as_planned(logits), topk_ids, d_topk_weights,
                                norm_topk_prob=norm_topk_prob,
                                routed_scaling_factor=routed_scaling_factor, backend=backend)[0]
 
@@ -104,7 +91,7 @@ def moe_router(logits: Tensor, top_k: int, *, correction_bias: Tensor | None = N
     """Differentiable router: (topk_weights [t, k] fp32, differentiable w.r.t. logits; topk_ids
     [t, k] int32). See MoERouter (NaN logits: NaN weights, ids still k distinct experts).
     logits may be a view (the router's columns of a fused projection): no copy where the plans
-    take it (``rows_as_planned``). The options are validated first (ValidationError naming the
+    take it (``as_planned``). The options are validated first (ValidationError naming the
     option: top_k=2.0 is refused, not truncated)."""
     o = MoERouter.normalise_options(dict(top_k=top_k, n_group=n_group, topk_group=topk_group,
                                          norm_topk_prob=norm_topk_prob,
@@ -120,7 +107,7 @@ def moe_router(logits: Tensor, top_k: int, *, correction_bias: Tensor | None = N
 def _moe_fwd(x: Tensor, w_up: Tensor, w_down: Tensor, topk_ids: Tensor, topk_weights: Tensor,
              shared_w_up: Tensor | None, shared_w_down: Tensor | None,
              backend: str) -> tuple[Tensor, Tensor]:
-    out, saved = relu2_moe_forward(rows_as_planned(x), w_up, w_down, topk_ids, topk_weights,
+    out, saved = relu2_moe_forward(as_planned(x), w_up, w_down, topk_ids, topk_weights,
                                    shared_w_up=shared_w_up, shared_w_down=shared_w_down,
                                    backend=backend)
     return out, saved
@@ -138,8 +125,8 @@ def _(x, w_up, w_down, topk_ids, topk_weights, shared_w_up, shared_w_down, backe
 def _moe_bwd(x: Tensor, w_up: Tensor, w_down: Tensor, topk_ids: Tensor, topk_weights: Tensor,
              d_out: Tensor, saved: Tensor, shared_w_up: Tensor | None,
              shared_w_down: Tensor | None, backend: str) -> list[Tensor]:
-    grads = relu2_moe_backward(rows_as_planned(x), w_up, w_down, topk_ids, topk_weights,
-                               rows_as_planned(d_out), saved, shared_w_up=shared_w_up,
+    grads = relu2_moe_backward(as_planned(x), w_up, w_down, topk_ids, topk_weights,
+                               as_planned(d_out), saved, shared_w_up=shared_w_up,
                                shared_w_down=shared_w_down, weight_grad_dtype=x.dtype,
                                backend=backend)
     return list(grads.values())
@@ -174,7 +161,7 @@ def relu2_moe(x: Tensor, w_up: Tensor, w_down: Tensor, topk_ids: Tensor, topk_we
     """Differentiable routed ReLU2 experts: out [t, H], gradients for x, the weights, the routing
     weights and the shared expert (weight gradients in the weights' dtype). See ReLU2MoEForward
     (an id outside [0, E) drops the assignment). x and the incoming gradient may be views (a
-    slice of an in-projection): no copy where the plans take them (``rows_as_planned``).
+    slice of an in-projection): no copy where the plans take them (``as_planned``).
     ``check_inputs`` (default: FUSEDOPS_CHECK_INPUTS) checks topk_ids on the host before the op
     (a synchronisation) and raises a ValidationError naming the first id outside [0, E) other
     than -1."""

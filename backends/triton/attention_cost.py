@@ -43,12 +43,13 @@ SCORE_FLOPS_BWD = 5     # per score: scale, subtract lse, exp2, dP - delta, time
 # CTAs per SM of each kernel at its tile-table entry (arch -> head-dim class -> CTAs), as
 # ``fusedops kernels --backend triton --only attn`` / ``--only decode`` reports them (triton 3.9,
 # 2026-12-01; registers decide all but decode split's sm_80 entry, shared memory); the packed
-# variants where their registers differ (the packed dq: 133 registers, one CTA; the paged FP8
+# variants where their registers differ (the packed dq: 133 registers, one CTA; the packed
+# forward at d = 128: 162 registers on sm_100, one CTA; the paged FP8
 # decode split on sm_100 takes 179 registers, 2 CTAs, counted here at the bf16 cache's 3: the
 # split programs share only q, a few KB per wave). The delta and
 # combine kernels share no tile between programs: their waves change nothing.
 CTAS_PER_SM = {
-    "attn_fwd_kernel": {"sm_90": {64: 3, 128: 1, 256: 1}, "sm_100": {64: 3, 128: 1, 256: 1},
+    "attn_fwd_kernel": {"sm_90": {64: 3, 128: 1, 256: 1}, "sm_100": {64: 3, 128: 2, 256: 1},
                         "sm_80": {64: 3, 128: 1, 256: 1}},
     "attn_bwd_dkdv_kernel": {"sm_90": {64: 2, 128: 1, 256: 1}, "sm_100": {64: 3, 128: 1, 256: 1},
                              "sm_80": {64: 4, 128: 1, 256: 1}},
@@ -57,7 +58,7 @@ CTAS_PER_SM = {
     "decode_append_kernel": {"sm_90": 16, "sm_100": 16, "sm_80": 16},
     "decode_split_kernel": {"sm_90": 3, "sm_100": 3, "sm_80": 4},
 }
-PACKED_CTAS_PER_SM = {("attn_bwd_dq_kernel", 128): 1}
+PACKED_CTAS_PER_SM = {("attn_bwd_dq_kernel", 128): 1, ("attn_fwd_kernel", 128): 1}
 
 
 def _arch(arch: str) -> str:

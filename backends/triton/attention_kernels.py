@@ -232,6 +232,27 @@ def key_range(m0, m1, len_q, len_k, BN: tl.constexpr, CAUSAL: tl.constexpr, LEFT
 
 
 @triton.jit
+def unmasked_keys(m0, m1, lo, hi, len_q, len_k, BN: tl.constexpr, CAUSAL: tl.constexpr,
+                  LEFT: tl.constexpr, RIGHT: tl.constexpr):
+    """[full_lo, full_hi) within key_range's [lo, hi), both multiples of BN: the key blocks every
+    query of rows [m0, m1) sees whole (below the diagonal and the window's right edge, at or past
+    its left edge, inside len_k). Empty when no block is."""
+    offset = len_k - len_q
+    last = tl.minimum(m1, len_q) - 1
+    end = len_k
+    if CAUSAL:
+        end = tl.minimum(end, m0 + offset + 1)
+    if RIGHT >= 0:
+        end = tl.minimum(end, m0 + offset + RIGHT + 1)
+    start = lo
+    if LEFT >= 0:
+        start = tl.maximum(start, last + offset - LEFT)
+    start = tl.minimum((start + BN - 1) // BN * BN, hi)
+    end = tl.maximum(end, start)
+    return start, tl.maximum(start, end // BN * BN)
+
+
+@triton.jit
 def query_range(n0, n1, len_q, len_k, BM: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr,
                 RIGHT: tl.constexpr):
     """[lo, hi) queries that may see any key of [n0, n1), lo aligned to BM."""
@@ -254,6 +275,48 @@ def lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ: tl.constexpr, PACKED
         return i_h.to(tl.int64) * TOTAL_Q + q_start + o_m
     else:
         return (i_b.to(tl.int64) * HQ + i_h) * SEQ_Q + o_m
+
+
+@triton.jit
+def _fwd_block(b_q, b_m, b_l, b_acc, n0, o_m, o_d, m_d, k_ptr, v_ptr, block_table_ptr, i_b, i_kh,
+               k_start, len_q, len_k, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+               stride_vh, qk_scale, cap_in, cap_out, MASKED: tl.constexpr, BM: tl.constexpr,
+               BN: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+               SOFTCAP: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+               MAX_PAGES: tl.constexpr, VEC: tl.constexpr, UPCAST: tl.constexpr,
+               IEEE: tl.constexpr):
+    """One key block of the forward's online softmax: the running max b_m, sum b_l and output
+    accumulator b_acc after keys [n0, n0 + BN). MASKED: the visibility mask applied (the window
+    edges, the diagonal, keys past len_k); else every key of the block is visible to every row."""
+    o_n = n0 + tl.arange(0, BN)
+    m_n = o_n < len_k
+    if PAGED:
+        p_kt = k_ptr + paged_rows(i_b, o_n, len_k, i_kh, block_table_ptr, stride_kb,
+                                  stride_ks, stride_kh, VEC, PAGE, MAX_PAGES)[None, :] + \
+            o_d[:, None]
+    else:
+        p_kt = k_ptr + row_offsets(i_b, k_start + o_n, i_kh, stride_kb, stride_ks, stride_kh,
+                                   VEC)[None, :] + o_d[:, None]
+    b_kt = tl.load(p_kt, mask=m_d[:, None] & m_n[None, :], other=0.0)   # [BD, BN]
+    b_s, _ = log2_scores(mm(b_q, b_kt, tl.zeros([BM, BN], dtype=tl.float32), UPCAST, IEEE),
+                         qk_scale, cap_in, cap_out, SOFTCAP)
+    if MASKED:
+        b_s = tl.where(visible(o_m, o_n, len_q, len_k, CAUSAL, LEFT, RIGHT), b_s, float("-inf"))
+    b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+    b_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+    b_p = tl.exp2(b_s - b_safe[:, None])
+    b_alpha = tl.exp2(b_m - b_safe)
+    b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
+    if PAGED:
+        p_v = v_ptr + paged_rows(i_b, o_n, len_k, i_kh, block_table_ptr, stride_vb,
+                                 stride_vs, stride_vh, VEC, PAGE, MAX_PAGES)[:, None] + \
+            o_d[None, :]
+    else:
+        p_v = v_ptr + row_offsets(i_b, k_start + o_n, i_kh, stride_vb, stride_vs, stride_vh,
+                                  VEC)[:, None] + o_d[None, :]
+    b_v = tl.load(p_v, mask=m_n[:, None] & m_d[None, :], other=0.0)
+    b_acc = mm(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], UPCAST, IEEE)  # [BM, BN] @ [BN, BD]
+    return b_m_new, b_l, b_acc
 
 
 @triton.jit
@@ -293,35 +356,29 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_q_ptr, cu_se
     b_l = tl.zeros([BM], dtype=tl.float32)
     b_acc = tl.zeros([BM, BD], dtype=tl.float32)
     lo, hi = key_range(i_m * BM, (i_m + 1) * BM, len_q, len_k, BN, CAUSAL, LEFT, RIGHT)
-    for n0 in range(lo, hi, BN):
-        o_n = n0 + tl.arange(0, BN)
-        m_n = o_n < len_k
-        if PAGED:
-            p_kt = k_ptr + paged_rows(i_b, o_n, len_k, i_kh, block_table_ptr, stride_kb,
-                                      stride_ks, stride_kh, VEC, PAGE, MAX_PAGES)[None, :] + \
-                o_d[:, None]
-        else:
-            p_kt = k_ptr + row_offsets(i_b, k_start + o_n, i_kh, stride_kb, stride_ks, stride_kh,
-                                       VEC)[None, :] + o_d[:, None]
-        b_kt = tl.load(p_kt, mask=m_d[:, None] & m_n[None, :], other=0.0)   # [BD, BN]
-        b_s, b_gate = log2_scores(mm(b_q, b_kt, tl.zeros([BM, BN], dtype=tl.float32), UPCAST, IEEE),
-                             qk_scale, cap_in, cap_out, SOFTCAP)
-        b_s = tl.where(visible(o_m, o_n, len_q, len_k, CAUSAL, LEFT, RIGHT), b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-        b_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_p = tl.exp2(b_s - b_safe[:, None])
-        b_alpha = tl.exp2(b_m - b_safe)
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        if PAGED:
-            p_v = v_ptr + paged_rows(i_b, o_n, len_k, i_kh, block_table_ptr, stride_vb,
-                                     stride_vs, stride_vh, VEC, PAGE, MAX_PAGES)[:, None] + \
-                o_d[None, :]
-        else:
-            p_v = v_ptr + row_offsets(i_b, k_start + o_n, i_kh, stride_vb, stride_vs, stride_vh,
-                                      VEC)[:, None] + o_d[None, :]
-        b_v = tl.load(p_v, mask=m_n[:, None] & m_d[None, :], other=0.0)
-        b_acc = mm(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], UPCAST, IEEE)  # [BM, BN] @ [BN, BD]
-        b_m = b_m_new
+    full_lo, full_hi = unmasked_keys(i_m * BM, (i_m + 1) * BM, lo, hi, len_q, len_k, BN, CAUSAL,
+                                     LEFT, RIGHT)
+    # the blocks every query of the tile sees whole run without mask arithmetic; the window's
+    # left edge before them and the diagonal (and the last partial block) after them are masked
+    if LEFT >= 0:     # without a window full_lo is lo
+        for n0 in range(lo, full_lo, BN):
+            b_m, b_l, b_acc = _fwd_block(
+                b_q, b_m, b_l, b_acc, n0, o_m, o_d, m_d, k_ptr, v_ptr, block_table_ptr, i_b, i_kh,
+                k_start, len_q, len_k, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+                stride_vh, qk_scale, cap_in, cap_out, True, BM, BN, CAUSAL, LEFT, RIGHT, SOFTCAP,
+                PAGED, PAGE, MAX_PAGES, VEC, UPCAST, IEEE)
+    for n0 in range(full_lo, full_hi, BN):
+        b_m, b_l, b_acc = _fwd_block(
+            b_q, b_m, b_l, b_acc, n0, o_m, o_d, m_d, k_ptr, v_ptr, block_table_ptr, i_b, i_kh,
+            k_start, len_q, len_k, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+            stride_vh, qk_scale, cap_in, cap_out, False, BM, BN, CAUSAL, LEFT, RIGHT, SOFTCAP, PAGED,
+            PAGE, MAX_PAGES, VEC, UPCAST, IEEE)
+    for n0 in range(full_hi, hi, BN):
+        b_m, b_l, b_acc = _fwd_block(
+            b_q, b_m, b_l, b_acc, n0, o_m, o_d, m_d, k_ptr, v_ptr, block_table_ptr, i_b, i_kh,
+            k_start, len_q, len_k, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+            stride_vh, qk_scale, cap_in, cap_out, True, BM, BN, CAUSAL, LEFT, RIGHT, SOFTCAP, PAGED,
+            PAGE, MAX_PAGES, VEC, UPCAST, IEEE)
     seen = b_l > 0
     b_o = b_acc / tl.where(seen, b_l, 1.0)[:, None]
     o_rows = row_offsets(i_b, q_start + i_m * BM, i_h, stride_ob, stride_os, stride_oh, VEC)

@@ -81,7 +81,7 @@ FORWARD = {
              "a 128 budget for 4 CTAs spilled 8 bytes)"),
         128: (Tiles(128, 64, 8, 3, None, WIDE_TILE_REGISTERS), "128 query rows on 8 warps: each "
               "warpgroup owns one 64-row wgmma slab (no duplicated QKᵀ or softmax: 2/3 of the "
-              "64-row tile's tensor-core work, half its exponentials); 182 registers, 1 CTA per "
+              "64-row tile's tensor-core work, half its exponentials); 184 registers, 1 CTA per "
               "SM, 128 KiB of shared memory for 3 stages (2026-12-01, `fusedops kernels`)"),
         256: (Tiles(64, 32, 8, 2, WIDE_TILE_REGISTERS), "today's tiles, 32 keys per step to "
               "keep q (64 x 256) and the accumulator in registers: " + _FWD_DUP),

@@ -9,49 +9,23 @@ from __future__ import annotations
 
 import torch
 
-from collections.abc import Mapping
-from dataclasses import replace
-
-from ..core.checks import expect_contiguous, expect_dtype, expect_ndim, expect_shape
+from ..core.checks import expect_dtype, expect_ndim, expect_shape
 from ..core.desc import TensorDesc
-from ..core.dtypes import accumulator_dtype, dtype_name, element_size
+from ..core.dtypes import accumulator_dtype
 from ..core.options import Option, expect_bool
 from ..core.tupledict import TupleDict
 from ..errors import ValidationError
 from ..plan import Plan, indices, inputs, outputs, saved_buffer, status_word
+from ..plan.layouts import check_activation_layouts
 from .contract import (ACTIVATION_DTYPES, DEFAULT_CHUNK_SIZE, DEFAULT_DT_LIMIT, ScanProblem,
                        backward_floor, check_cu_seqlens_values, check_dt, check_gate,
                        check_heads, check_seq_idx, check_seq_idx_values, check_status,
-                       expect_chunk_size, expect_dt_limit, forward_floor, row_vector)
+                       expect_chunk_size, expect_dt_limit, forward_floor)
 
 _OPTIONAL = ("D", "z", "dt_bias", "initial_states")
 _PER_P = ("x", "z", "y", "dy", "dx", "dz")            # rows of p elements
 _PER_N = ("B", "C", "dB", "dC")                       # rows of n elements
 _PER_H = ("dt", "ddt")                                # rows of h elements
-
-
-def check_layouts(plan, descs, vectors: Mapping[str, int]) -> None:
-    """The activations (``vectors``: operand name -> ``row_vector`` of its rows) take views
-    whose other strides are multiples of 16 bytes when a row is a whole number of 16-byte
-    vectors (the operands the plan declares ``strided``; the base class checks them). Where it
-    is not (vector 1), a contiguous tensor's rows are not aligned either, so this plan takes
-    that operand contiguous only (its strided flag dropped for this plan). Every other operand
-    (parameters, states, index data) is contiguous."""
-    contiguous_only = {name for name, vector in vectors.items() if vector == 1}
-    if contiguous_only:
-        plan.operands = tuple(replace(o, strided=False) if o.name in contiguous_only else o
-                              for o in type(plan).operands)
-    strided = {o.name for o in plan.operands if o.strided}
-    for name, desc in descs.items():
-        if name in strided:
-            continue
-        if name in vectors and not desc.is_contiguous():
-            size = desc.shape[-1] * element_size(desc.dtype)
-            raise ValidationError(
-                f"{name}: expected a contiguous tensor (a view needs rows of a multiple of 16 "
-                f"bytes; {desc.shape[-1]} {dtype_name(desc.dtype)} elements make {size}), got "
-                f"shape {list(desc.shape)} with strides {list(desc.stride)}")
-        expect_contiguous(name, desc)
 
 
 def scan_vectors(problem) -> dict[str, int]:
@@ -217,7 +191,7 @@ class Mamba2ChunkScanForward(_ScanPlan):
             expect_shape("segment_states", descs["segment_states"],
                          (problem.max_segments, problem.heads, problem.head_dim, problem.state),
                          "[b·ceil(l / chunk_size), h, p, n]")
-        check_layouts(self, descs, scan_vectors(problem))
+        check_activation_layouts(self, descs, scan_vectors(problem))
         return problem
 
     def floor(self):
@@ -296,7 +270,7 @@ class Mamba2ChunkScanBackward(_ScanPlan):
         for name, grad in _GRAD_OF.items():
             if name in descs:
                 self._plan_tensor(grad, descs[name].shape, descs[name].dtype)
-        check_layouts(self, descs, scan_vectors(problem))
+        check_activation_layouts(self, descs, scan_vectors(problem))
         return problem
 
     def floor(self):

@@ -14,7 +14,7 @@ from ..core.options import Option, expect_bool, expect_int
 from ..core.stream import allocation_stream
 from ..core.tupledict import TupleDict
 from ..errors import ValidationError
-from ..mamba2.plans import check_layouts
+from ..plan.layouts import check_activation_layouts
 from ..plan import Plan, indices, inputs, outputs, status_word, updated
 from .contract import (ACTIVATION_DTYPES, DEFAULT_DT_LIMIT, RNG_DTYPE, DecodeProblem,
                        RollbackProblem, check_accepted_values, check_dt, check_gate, check_heads,
@@ -130,7 +130,7 @@ class Mamba2StateUpdate(Plan):
                                 "state_batch_indices" in descs, "snapshots" in descs, stochastic,
                                 checkpoint_period, self.device, has_status,
                                 None if B.dtype == x.dtype else B.dtype)
-        check_layouts(self, descs, {**dict.fromkeys(("x", "z", "y"), problem.vector),
+        check_activation_layouts(self, descs, {**dict.fromkeys(("x", "z", "y"), problem.vector),
                                     **dict.fromkeys(("B", "C"), problem.bc_vector),
                                     "dt": problem.dt_vector})
         return problem

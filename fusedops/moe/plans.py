@@ -4,19 +4,18 @@ non-gated experts expert(x) = W_down · relu(W_up · x)², plus a shared expert.
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 
-from ..core.checks import expect_contiguous, expect_dtype, expect_ndim, expect_shape
+from ..core.checks import expect_dtype, expect_ndim, expect_shape
 from ..core.index_checks import check_range
 from ..core.status import STATUS_DTYPE
-from ..core.dtypes import accumulator_dtype, dtype_name, element_size
+from ..core.dtypes import accumulator_dtype, dtype_name
 from ..core.options import (Option, expect_bool, expect_dtype_choice, expect_float, expect_int,
                             optional)
 from ..core.tupledict import TupleDict
 from ..errors import ValidationError
 from ..plan import Plan, indices, inputs, outputs, saved_buffer, status_word
+from ..plan.layouts import check_activation_layouts
 from .contract import (DTYPES, LOGIT_DTYPES, MAX_GROUPS, MoEProblem, RouterProblem,
                        backward_floor, forward_floor, router_backward_floor, router_forward_floor,
                        row_vector, weight_grad_dtypes)
@@ -30,26 +29,10 @@ def _weight_grad_dtype(name: str, value) -> torch.dtype:
     return expect_dtype_choice(name, value, DTYPES)
 
 
-def _check_layouts(plan, descs, vector: int, width: str) -> None:
-    """The activations (the operands declared ``strided``) take views whose rows are 16-byte
-    aligned when a row is a whole number of 16-byte vectors (``vector`` > 1, the contract's
-    ``row_vector``); otherwise a contiguous tensor's rows are not aligned either, so this plan
-    takes them contiguous only (its operands' strided flags dropped). Every other operand (the
-    weights, the routing data, their gradients) is contiguous."""
-    if vector == 1:
-        plan.operands = tuple(replace(o, strided=False) for o in type(plan).operands)
-    activations = {o.name for o in type(plan).operands if o.strided}
-    strided = {o.name for o in plan.operands if o.strided}
-    for name, desc in descs.items():
-        if name in strided:
-            continue
-        if name in activations and not desc.is_contiguous():
-            size = desc.shape[-1] * element_size(desc.dtype)
-            raise ValidationError(
-                f"{name}: expected a contiguous tensor (a view needs rows of a multiple of 16 "
-                f"bytes; {width} = {desc.shape[-1]} {dtype_name(desc.dtype)} elements make "
-                f"{size}), got shape {list(desc.shape)} with strides {list(desc.stride)}")
-        expect_contiguous(name, desc)
+def _activations(plan, vector: int) -> dict[str, int]:
+    """Every activation operand of ``plan`` (those it declares strided) -> the ``row_vector``
+    of its rows (one width per plan: H, or E for the router's logits)."""
+    return {o.name: vector for o in type(plan).operands if o.strided}
 
 
 _SCALE = Option("routed_scaling_factor", expect_float, 1.0)
@@ -170,7 +153,7 @@ class MoERouter(_RouterPlan):
         if "correction_bias" in descs:
             expect_dtype("correction_bias", descs["correction_bias"], (compute,))
             expect_shape("correction_bias", descs["correction_bias"], (E,), "[E]")
-        _check_layouts(self, descs, row_vector(E, logits_dtype), "E")
+        check_activation_layouts(self, descs, _activations(self, row_vector(E, logits_dtype)))
         self._plan_tensor("topk_weights", (t, top_k), compute)
         self._plan_tensor("topk_ids", (t, top_k), torch.int32)
         grouped = n_group > 1
@@ -244,7 +227,7 @@ class MoERouterBackward(_RouterPlan):
         compute = accumulator_dtype(logits_dtype)
         expect_dtype("d_topk_weights", descs["d_topk_weights"], (compute,))
         expect_shape("d_topk_weights", descs["d_topk_weights"], (t, top_k), "[t, k] like topk_ids")
-        _check_layouts(self, descs, row_vector(E, logits_dtype), "E")
+        check_activation_layouts(self, descs, _activations(self, row_vector(E, logits_dtype)))
         has_status = _has_status(descs)
         self._plan_tensor("d_logits", (t, E), logits_dtype)
         return RouterProblem(logits_dtype, t, E, top_k, 1, 1, norm_topk_prob,
@@ -397,7 +380,8 @@ class ReLU2MoEForward(_ExpertPlan):
 
     def _validate(self, descs, *, is_inference) -> MoEProblem:
         facts = self._validate_experts(descs)
-        _check_layouts(self, descs, row_vector(facts["hidden"], facts["dtype"]), "H")
+        check_activation_layouts(self, descs,
+                                 _activations(self, row_vector(facts["hidden"], facts["dtype"])))
         self._plan_tensor("out", (facts["tokens"], facts["hidden"]), facts["dtype"])
         return MoEProblem(**facts, is_inference=is_inference, accumulate=False,
                           weight_grad_dtype=torch.float32)
@@ -467,7 +451,7 @@ class ReLU2MoEBackward(_ExpertPlan):
         t, H = facts["tokens"], facts["hidden"]
         expect_dtype("d_out", descs["d_out"], (facts["dtype"],))
         expect_shape("d_out", descs["d_out"], (t, H), "[t, H] like x")
-        _check_layouts(self, descs, row_vector(H, facts["dtype"]), "H")
+        check_activation_layouts(self, descs, _activations(self, row_vector(H, facts["dtype"])))
         self._plan_tensor("d_x", (t, H), facts["dtype"])
         self._plan_tensor("d_topk_weights", (t, facts["top_k"]), accumulator_dtype(facts["dtype"]))
         for weight, grad in _WEIGHT_GRADS:

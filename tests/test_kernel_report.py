@@ -59,8 +59,9 @@ KNOWN = {
         "the CuTe gate holds whole rows in registers; at D = 12288 its 768-thread CTA leaves 85 "
         "registers per thread (a chunked row path is part of the gate performance work)",
     ("wgmma_only", "gqa_attention"):
-        "the backward's dq kernel (32-row tiles) and part of dk/dv, and the decode split kernel "
-        "(BM = T x h_q/h_kv rows), are below wgmma's 64 rows and compile to mma.sync",
+        "the dk/dv kernel's S and dP products (32 query rows per step), the d = 256 dq (16 x 32 "
+        "tiles) and the decode split kernel (BM = T x h_q/h_kv rows) are below wgmma's 64 rows "
+        "and compile to mma.sync",
     ("wgmma_only", "relu2_moe"):
         "the grouped GEMM's 16- and 32-row tiles (decode-sized token counts) compile to mma.sync",
     ("no_duplication", "gqa_attention"):
@@ -189,6 +190,32 @@ def test_mamba2_model_takes_the_compiled_occupancy(report):
                 if modelled != row["ctas_per_sm"]:
                     stale.append(f"{p.label} {key} {arch}: compiled {row['ctas_per_sm']} "
                                  f"({row['registers']} registers), modelled {modelled}")
+    assert not stale, stale
+
+
+def test_attention_model_takes_the_compiled_occupancy(report):
+    """As for Mamba2: the attention cost model's CTAs per SM (attention_cost.CTAS_PER_SM and its
+    packed and FP8 variants) are the compiled kernels', at every production shape."""
+    from fusedops.backends.triton.attention_cost import table_ctas
+    from fusedops.core.target import compiling_for
+    from fusedops.kernel_report import production_plans
+    rows = {}
+    for r in _rows(report, "gqa_attention"):
+        rows.setdefault((r["label"], r["plan"], r["arch"]), []).append(r)
+    stale = []
+    for p in production_plans(("triton",)):
+        if p.family != "gqa_attention":
+            continue
+        for arch in ARCHS:
+            if p.unsupported(arch):
+                continue
+            with compiling_for(arch):
+                for spec, row in zip(p.kernels(arch), rows[(p.label, p.plan, arch)], strict=True):
+                    modelled = table_ctas(spec.name, p.built.problem, arch)
+                    if modelled is not None and modelled != row["ctas_per_sm"]:
+                        stale.append(f"{p.label} {spec.name} {arch}: compiled "
+                                     f"{row['ctas_per_sm']} ({row['registers']} registers), "
+                                     f"modelled {modelled}")
     assert not stale, stale
 
 

@@ -1111,7 +1111,7 @@ def test_strides_must_keep_rows_aligned():
                  torch.empty(8, 2, dtype=torch.int32, device=DEVICE))
     wide = torch.zeros(8, 8, device=DEVICE)[:, :6]
     with pytest.raises(ValidationError, match=r"logits: expected a contiguous tensor \(a view needs "
-                                              r"rows of a multiple of 16 bytes; E = 6 float32 "
+                                              r"rows of a multiple of 16 bytes; 6 float32 "
                                               r"elements make 24\)"):
         MoERouter(wide, top_k=2)
     with pytest.raises(ValidationError, match=r"logits: expected a contiguous tensor, got strides"):

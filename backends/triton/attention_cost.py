@@ -43,22 +43,21 @@ SCORE_FLOPS_BWD = 5     # per score: scale, subtract lse, exp2, dP - delta, time
 # CTAs per SM of each kernel at its tile-table entry (arch -> head-dim class -> CTAs), as
 # ``fusedops kernels --backend triton --only attn`` / ``--only decode`` reports them (triton 3.9,
 # 2026-12-01; registers decide all but decode split's sm_80 entry, shared memory); the packed
-# variants where their registers differ (the packed dq: 133 registers, one CTA; the packed
-# forward at d = 128: 162 registers on sm_100, one CTA; the paged FP8
-# decode split on sm_100 takes 179 registers, 2 CTAs, counted here at the bf16 cache's 3: the
-# split programs share only q, a few KB per wave). The delta and
+# variants where their registers differ (the packed dq on sm_80: 140 registers, one CTA; the
+# packed forward at d = 128 on sm_100: 162 registers, one CTA; FP8_SPLIT_CTAS_PER_SM). The
+# delta and
 # combine kernels share no tile between programs: their waves change nothing.
 CTAS_PER_SM = {
     "attn_fwd_kernel": {"sm_90": {64: 3, 128: 1, 256: 1}, "sm_100": {64: 3, 128: 2, 256: 1},
                         "sm_80": {64: 3, 128: 1, 256: 1}},
-    "attn_bwd_dkdv_kernel": {"sm_90": {64: 2, 128: 1, 256: 1}, "sm_100": {64: 3, 128: 1, 256: 1},
+    "attn_bwd_dkdv_kernel": {"sm_90": {64: 2, 128: 1, 256: 1}, "sm_100": {64: 4, 128: 1, 256: 1},
                              "sm_80": {64: 4, 128: 1, 256: 1}},
     "attn_bwd_dq_kernel": {"sm_90": {64: 3, 128: 2, 256: 2}, "sm_100": {64: 3, 128: 2, 256: 2},
-                           "sm_80": {64: 4, 128: 2, 256: 2}},
+                           "sm_80": {64: 3, 128: 2, 256: 2}},
     "decode_append_kernel": {"sm_90": 16, "sm_100": 16, "sm_80": 16},
     "decode_split_kernel": {"sm_90": 3, "sm_100": 3, "sm_80": 4},
 }
-PACKED_CTAS_PER_SM = {("attn_bwd_dq_kernel", 128): 1, ("attn_fwd_kernel", 128): 1}
+PACKED_CTAS_PER_SM = {("attn_bwd_dq_kernel", 128, "sm_80"): 1, ("attn_fwd_kernel", 128, "sm_100"): 1}
 
 
 def _arch(arch: str) -> str:
@@ -77,20 +76,45 @@ def _training_ctas(kernel: str, problem, tiles, arch: str) -> int:
         entry = entry.dkdv if kernel == "attn_bwd_dkdv_kernel" else entry.dq
     if entry is None or (entry.bm, entry.bn, entry.warps) != (tiles.bm, tiles.bn, tiles.warps):
         return 1
-    if problem.packed and (kernel, head) in PACKED_CTAS_PER_SM:
-        return PACKED_CTAS_PER_SM[(kernel, head)]
+    if problem.packed and (kernel, head, arch) in PACKED_CTAS_PER_SM:
+        return PACKED_CTAS_PER_SM[(kernel, head, arch)]
     return CTAS_PER_SM[kernel].get(arch, {}).get(head, 1)
 
 
-def _decode_ctas(kernel: str, arch: str, tiles=None) -> int:
-    """CTAs per SM of a decode kernel (split: at the table entry's warps and stages, else 1)."""
+# the paged FP8 split on sm_100: 179 registers, two CTAs
+FP8_SPLIT_CTAS_PER_SM = {"sm_100": 2}
+
+
+def _decode_ctas(kernel: str, arch: str, tiles=None, fp8: bool = False) -> int:
+    """CTAs per SM of a decode kernel (split: at the table entry's warps and stages, else 1;
+    ``fp8``: an FP8 cache)."""
     arch = _arch(arch)
+    if fp8 and kernel == "decode_split_kernel" and arch in FP8_SPLIT_CTAS_PER_SM and \
+            tiles is not None and _decode_ctas(kernel, arch, tiles) > 1:
+        return FP8_SPLIT_CTAS_PER_SM[arch]
     if tiles is not None:
         entry = TILES.DECODE.get(arch, (None,))[0]
         if entry is None or (entry.warps, entry.stages, entry.maxnreg) != \
                 (tiles.warps, tiles.stages, tiles.maxnreg):
             return 1
     return CTAS_PER_SM[kernel].get(arch, 1)
+
+
+def table_ctas(kernel: str, problem, arch: str) -> int | None:
+    """The CTAs per SM the model cuts ``kernel``'s waves at for ``problem`` with the tile table's
+    entry for the target architecture ``arch`` (call under ``compiling_for(arch)``); None for a
+    kernel whose waves the model does not need."""
+    if kernel not in CTAS_PER_SM:
+        return None
+    a = _arch(arch)
+    if kernel.startswith("decode"):
+        split = kernel == "decode_split_kernel"
+        return _decode_ctas(kernel, a, TILES.decode_tiles(problem) if split else None,
+                            split and problem.cache_dtype == FP8)
+    if kernel == "attn_fwd_kernel":
+        return _training_ctas(kernel, problem, TILES.forward_tiles(problem), a)
+    tiles = TILES.backward_tiles(problem)
+    return _training_ctas(kernel, problem, tiles.dkdv if "dkdv" in kernel else tiles.dq, a)
 
 
 def _union(spans: list[tuple[int, int]]) -> int:
@@ -470,7 +494,7 @@ def split_cost(problem, tiles, bm: int, bd: int, split_len: int, arch: str) -> C
     dups = duplication(arch, tiles.warps, [(bm, bn, True), (bm, bd, False)], 1)
     total = min(decode_context(p) + p.tokens, p.capacity)
     heads = p.batch * p.heads_kv
-    waves = _waves(_decode_ctas("decode_split_kernel", arch, tiles), arch)
+    waves = _waves(_decode_ctas("decode_split_kernel", arch, tiles, p.cache_dtype == FP8), arch)
     steps = 0
     for split in range(p.num_splits):
         start = split * split_len

@@ -108,24 +108,27 @@ FORWARD = {
 
 BACKWARD = {
     "sm_90": {
-        64: (BackwardTiles(Tiles(32, 64, 4), Tiles(32, 64, 4)), "today's tiles: 32 query rows "
-             "per step (below wgmma's 64: the S and dP products and all of dq are mma.sync); the "
-             "key block's dk, dv accumulators and k, v stay in registers (216 registers)"),
-        128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(32, 64, 8, 2, DQ_REGISTERS, WIDE_TILE_REGISTERS)),
-              "today's tiles: dk/dv's [64 keys, 128] products are wgmma (N split over the two "
-              "warpgroups), S, dP and dq mma.sync at 32 rows; a 232-register budget for dk/dv, "
-              "128 for the dense dq (2 CTAs per SM: ptxas's own choice took 141 with strided "
-              "addressing) and 192 for the packed or softcapped dq (they spilled 8 and 16 bytes "
-              "at 128)"),
+        64: (BackwardTiles(Tiles(32, 64, 4), Tiles(64, 64, 4)), "dk/dv: 32 query rows per step "
+             "(below wgmma's 64: its S and dP products are mma.sync); the key block's dk, dv "
+             "accumulators and k, v stay in registers (216 registers). dq: 64 query rows on one "
+             "warpgroup, every product a wgmma (141 registers, 3 CTAs per SM; at 32 rows all of "
+             "it was mma.sync)"),
+        128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(64, 64, 4)),
+              "dk/dv: its [64 keys, 128] products are wgmma (N split over the two warpgroups), S "
+              "and dP mma.sync at 32 rows; a 232-register budget. dq: 64 query rows on one "
+              "warpgroup, every product a wgmma (20 HGMMA, 199 registers, 209 packed, 2 CTAs per "
+              "SM, 96 KiB of shared memory; at 32 rows on 8 warps all of it was mma.sync)"),
         256: (BackwardTiles(Tiles(16, 32, 8, 2, DKDV_REGISTERS), Tiles(16, 32, 8, 2, None, WIDE_TILE_REGISTERS)),
               "today's tiles: 16 x 32 keeps the 32 x 256 dk, dv accumulators in registers; all "
               "mma.sync"),
     },
     "sm_100": {
-        64: (BackwardTiles(Tiles(32, 64, 4), Tiles(32, 64, 4)), "today's tiles (as sm_90)"),
-        128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(32, 64, 8, 2, DQ_REGISTERS, WIDE_TILE_REGISTERS)),
-              "today's tiles (as sm_90: the dk/dv products tcgen05, the rest mma.sync); the "
-              "budgets keep ptxas's sm_100 heuristics from spilling"),
+        64: (BackwardTiles(Tiles(32, 64, 4), Tiles(64, 64, 4)), "as sm_90 (dq's products "
+             "tcgen05 at 64 rows)"),
+        128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(64, 64, 4)),
+              "as sm_90: the dk/dv products tcgen05, its S and dP mma.sync; dq at 64 rows all "
+              "tcgen05 (147 registers, 112 KiB of shared memory: 2 CTAs per SM); the dk/dv "
+              "budget keeps ptxas's sm_100 heuristics from spilling"),
         256: (BackwardTiles(Tiles(16, 32, 8, 2, DKDV_REGISTERS), Tiles(16, 32, 8, 2, None, WIDE_TILE_REGISTERS)),
               "today's tiles (as sm_90)"),
     },
@@ -134,7 +137,7 @@ BACKWARD = {
              "keys (at 64 keys on 4 warps it took 255 registers and spilled 56 bytes, and the "
              "[64, 64] dk layout made the 32-row S and dP products run twice: 1.5x the MMA work; "
              "8 warps spill nothing but run them 4x, 3x in all); 32 keys: 127 registers, 3 CTAs "
-             "per SM, no duplicated work, q and do read twice as often; dq as sm_90"),
+             "per SM, no duplicated work, q and do read twice as often; dq at 32 rows (mma.sync)"),
         128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(32, 64, 8, 2, DQ_REGISTERS, WIDE_TILE_REGISTERS)),
               "today's tiles: all mma.sync m16n8k16; no spill"),
         256: (BackwardTiles(Tiles(16, 32, 8, 2, DKDV_REGISTERS), Tiles(16, 32, 8, 2, None, WIDE_TILE_REGISTERS)),

@@ -18,6 +18,7 @@ from fusedops.attention.info import KERNEL_TOLERANCE
 from fusedops.core.status import Status, read_status
 from fusedops.errors import ValidationError
 from fusedops.testing import assert_close
+from fusedops.attention.oracle import visible as oracle_visible
 
 from helpers import BACKENDS as RUNNABLE, DEVICE
 
@@ -33,15 +34,8 @@ def rnd(*shape, seed=0, dtype=torch.float32):
 def visible(sq, sk, causal, window, first=0):
     """[sq, sk] bool: query i sees key j, bottom-right aligned (offset sk - sq), keys from
     ``first`` (a left padding) on."""
-    i, j = torch.arange(sq)[:, None] + sk - sq, torch.arange(sk)[None, :]
-    ok = (j >= first).expand(sq, sk).clone()
-    if causal:
-        ok &= j <= i
-    if window[0] >= 0:
-        ok &= j >= i - window[0]
-    if window[1] >= 0:
-        ok &= j <= i + window[1]
-    return ok
+    keys = torch.arange(sk)[None, :] >= first
+    return oracle_visible(sq, sk, causal, window, "cpu") & keys
 
 
 def attend(q, k, v, ok, scale, softcap):

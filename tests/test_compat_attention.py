@@ -20,6 +20,7 @@ from fusedops.errors import UnsupportedError, ValidationError
 from fusedops.plan import selection
 from fusedops.plan.cache import EAGER_PLANS
 from fusedops.testing import assert_close
+from fusedops.attention.oracle import visible as oracle_visible
 
 from helpers import BACKENDS as RUNNABLE, DEVICE
 
@@ -74,15 +75,8 @@ def rnd(*shape, seed=0):
 
 def mask(sq, sk, causal, window, first=0):
     """flash-attn's masks, bottom-right aligned: query i sees key j (from ``first`` on)."""
-    i, j = torch.arange(sq)[:, None] + sk - sq, torch.arange(sk)[None, :]
-    ok = (j >= first) & torch.ones(sq, sk, dtype=torch.bool)
-    if causal:
-        ok &= j <= i
-    if window[0] >= 0:
-        ok &= j >= i - window[0]
-    if window[1] >= 0:
-        ok &= j <= i + window[1]
-    return ok
+    keys = torch.arange(sk)[None, :] >= first
+    return oracle_visible(sq, sk, causal, window, "cpu") & keys
 
 
 def attention_ref(q, k, v, ok, softcap=0.0, scale=None):

@@ -90,9 +90,17 @@ def test_default_shape_s4_d5120(backend):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_rows_wider_than_one_block(backend):
-    """D = 12288 exceeds the widest row a Triton program holds: the chunked kernel paths."""
-    t = make_inputs(2, 2, 12288, torch.float32, seed=12)
+@pytest.mark.parametrize("d,held", [(12288, True), (24580, False)], ids=["held", "streamed"])
+def test_rows_wider_than_one_block(backend, d, held):
+    """fp32 rows of several chunks: D = 12288 is held in registers by the Triton forward and
+    backward (6 chunks of 2048); D = 24580 is wider than either holds, so both stream it (the
+    backward over D-chunk programs)."""
+    if backend == "triton":
+        from fusedops.backends.triton.engram import row_layout, tiles_for
+        problem = GateProblem(torch.float32, 2, 2, d, EPS, True, False, DEVICE)
+        layouts = [row_layout(problem, tiles_for(problem), k) for k in ("fwd", "bwd")]
+        assert [lay.held for lay in layouts] == [held, held] and layouts[0].chunks > 1, layouts
+    t = make_inputs(2, 2, d, torch.float32, seed=12)
     check_against_oracle(t, run_plans(t, backend), torch.float32)
 
 

@@ -1,16 +1,18 @@
 """Engram saved-state gate: Triton kernels and their launchers (fusedops.engram.contract).
 
-Forward: one program per token; the token's shared value stays in registers while the S streams
-are processed, each stream's x/key/weight row loaded once (D <= MAX_BLOCK_D) and reused for the
-three fp32 reductions and the output.
+Rows are covered in chunks that divide D where they can (``row_layout``): a held row's chunks
+are a tuple of registers unrolled at compile time; rows too wide to hold are streamed.
 
-Backward: one kernel over programs (s, token block, D chunk). Programs s < S recompute the gate
-derivative of each token of their block, write grad_x and the stream's grad_key, and accumulate
-sum_n(coef * x * k) for their D chunk in fp32 registers, stored as one partial row per block in
-the caller's workspace. Program s == S writes grad_v = sum_s gate_s * g_s (fp32, rounded once).
-The S + 1 programs of a block run side by side, so v and g are re-read from L2, not DRAM. A
-second kernel sums the partials over blocks in fixed order into grad_weight (``+=`` when
-accumulating): no float atomics, bitwise reproducible for a given plan.
+Forward: one program per token; the shared value's chunks stay in registers while the S streams
+are processed, each stream's x/key/weight chunks loaded together, the three fp32 sums reduced in
+one cross-warp exchange and the output written from the held x.
+
+Backward: programs (s, token block) for held rows, (s, token block, D chunk) for streamed ones.
+Programs s < S recompute the gate derivative of each token of their block, write grad_x and the
+stream's grad_key, and accumulate sum_n(coef * x * k) in fp32 registers, stored as one partial
+row per block in the caller's workspace. Program s == S writes grad_v = sum_s gate_s * g_s (fp32,
+rounded once). A second kernel sums the partials over blocks in fixed order into grad_weight
+(``+=`` when accumulating): no float atomics, bitwise reproducible for a given plan.
 """
 
 from __future__ import annotations
@@ -55,12 +57,42 @@ def _store_saved(p_saved, gate, dot, rx, rk):
 
 
 @triton.jit
+def _chunk(p, i_c: tl.constexpr, o_d, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    # chunk i_c of a row in its own dtype (held rows stay packed); only a chunk that reaches
+    # past D is masked
+    if (i_c + 1) * BLOCK_D <= D:
+        b = tl.load(p + i_c * BLOCK_D + o_d)
+    else:
+        b = tl.load(p + i_c * BLOCK_D + o_d, mask=i_c * BLOCK_D + o_d < D, other=0.0)
+    return b
+
+
+@triton.jit
+def _store_chunk(p, i_c: tl.constexpr, o_d, b, D: tl.constexpr, BLOCK_D: tl.constexpr):
+    if (i_c + 1) * BLOCK_D <= D:
+        tl.store(p + i_c * BLOCK_D + o_d, b.to(p.dtype.element_ty))
+    else:
+        tl.store(p + i_c * BLOCK_D + o_d, b.to(p.dtype.element_ty), mask=i_c * BLOCK_D + o_d < D)
+
+
+@triton.jit
+def _sums3(b_a, b_b, b_c):
+    # the three fp32 row sums in one reduction: one shared-memory exchange, not three
+    b_ab, b_cc = tl.split(tl.sum(tl.join(tl.join(b_a, b_b), tl.join(b_c, b_c)), axis=0))
+    a, b = tl.split(b_ab)
+    c, _ = tl.split(b_cc)
+    return a, b, c
+
+
+@triton.jit
 def engram_gate_fwd_kernel(x, kv, weight, mask, out, saved, eps,
                            stride_xn, stride_xs, stride_kvn, stride_outn, stride_outs,
                            S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
-                           NUM_CHUNKS: tl.constexpr, HAS_MASK: tl.constexpr,
+                           NUM_CHUNKS: tl.constexpr, HELD: tl.constexpr, HAS_MASK: tl.constexpr,
                            SQRT_D: tl.constexpr, DOT_MIN: tl.constexpr, VEC: tl.constexpr):
-    # strides come in units of VEC elements (16 bytes): every row starts 16-byte aligned
+    # strides come in units of VEC elements (16 bytes): every row starts 16-byte aligned.
+    # HELD: the row's NUM_CHUNKS chunks stay in registers (a tuple unrolled at compile time);
+    # otherwise the row is streamed twice, x and v re-read for the output.
     i_n = tl.program_id(0).to(tl.int64)
     o_d = tl.arange(0, BLOCK_D)
     p_x = x + i_n * (stride_xn * VEC)
@@ -68,20 +100,34 @@ def engram_gate_fwd_kernel(x, kv, weight, mask, out, saved, eps,
     p_out = out + i_n * (stride_outn * VEC)
     if HAS_MASK:
         keep = tl.load(mask + i_n) != 0
-    if NUM_CHUNKS == 1:
-        m_d = o_d < D
-        b_v = tl.load(p_kv + S * D + o_d, mask=m_d, other=0.0).to(tl.float32)
+    if HELD:
+        vs = ()
+        for i_c in tl.static_range(NUM_CHUNKS):
+            vs = vs + (_chunk(p_kv + S * D, i_c, o_d, D, BLOCK_D),)
         for i_s in tl.static_range(S):
-            b_x = tl.load(p_x + i_s * (stride_xs * VEC) + o_d, mask=m_d, other=0.0).to(tl.float32)
-            b_k = tl.load(p_kv + i_s * D + o_d, mask=m_d, other=0.0).to(tl.float32)
-            b_w = tl.load(weight + i_s * D + o_d, mask=m_d, other=0.0)
-            gate, dot, rx, rk = _gate_from_sums(tl.sum(b_x * b_x), tl.sum(b_k * b_k),
-                                                tl.sum(b_x * b_w * b_k), eps, D, SQRT_D, DOT_MIN)
-            b_o = b_x + gate * b_v
+            xs = ()
+            b_xx = tl.zeros([BLOCK_D], dtype=tl.float32)
+            b_kk = tl.zeros([BLOCK_D], dtype=tl.float32)
+            b_xwk = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for i_c in tl.static_range(NUM_CHUNKS):
+                b_xh = _chunk(p_x + i_s * (stride_xs * VEC), i_c, o_d, D, BLOCK_D)
+                b_k = _chunk(p_kv + i_s * D, i_c, o_d, D, BLOCK_D).to(tl.float32)
+                b_w = _chunk(weight + i_s * D, i_c, o_d, D, BLOCK_D)
+                xs = xs + (b_xh,)
+                b_x = b_xh.to(tl.float32)
+                b_xx += b_x * b_x
+                b_kk += b_k * b_k
+                b_xwk += b_x * b_w * b_k
+            sxx, skk, sxwk = _sums3(b_xx, b_kk, b_xwk)
+            gate, dot, rx, rk = _gate_from_sums(sxx, skk, sxwk, eps, D, SQRT_D, DOT_MIN)
             if HAS_MASK:
                 gate = tl.where(keep, gate, 0.0)
-                b_o = tl.where(keep, b_o, b_x)
-            tl.store(p_out + i_s * (stride_outs * VEC) + o_d, b_o.to(out.dtype.element_ty), mask=m_d)
+            for i_c in tl.static_range(NUM_CHUNKS):
+                b_x = xs[i_c].to(tl.float32)
+                b_o = b_x + gate * vs[i_c].to(tl.float32)
+                if HAS_MASK:
+                    b_o = tl.where(keep, b_o, b_x)
+                _store_chunk(p_out + i_s * (stride_outs * VEC), i_c, o_d, b_o, D, BLOCK_D)
             _store_saved(saved + (i_n * S + i_s) * 4, gate, dot, rx, rk)
     else:
         for i_s in tl.static_range(S):
@@ -97,8 +143,8 @@ def engram_gate_fwd_kernel(x, kv, weight, mask, out, saved, eps,
                 b_xx += b_x * b_x
                 b_kk += b_k * b_k
                 b_xwk += b_x * b_w * b_k
-            gate, dot, rx, rk = _gate_from_sums(tl.sum(b_xx), tl.sum(b_kk), tl.sum(b_xwk), eps,
-                                                D, SQRT_D, DOT_MIN)
+            sxx, skk, sxwk = _sums3(b_xx, b_kk, b_xwk)
+            gate, dot, rx, rk = _gate_from_sums(sxx, skk, sxwk, eps, D, SQRT_D, DOT_MIN)
             if HAS_MASK:
                 gate = tl.where(keep, gate, 0.0)
             for i_c in range(NUM_CHUNKS):
@@ -162,23 +208,11 @@ def engram_gate_bwd_kernel(x, kv, weight, saved, grad_out, grad_x, grad_kv, part
                     b_gv += b_gj * b_vj
                 dgate = tl.sum(b_gv)
                 b_g = tl.load(p_g + o_c, mask=m_c, other=0.0).to(tl.float32)
-            p_saved = saved + (i_n * S + i_s) * 4
-            gate = tl.load(p_saved)
-            dot = tl.load(p_saved + 1)
-            rx = tl.load(p_saved + 2)
-            rk = tl.load(p_saved + 3)
-            mag = tl.abs(dot)
-            slope = 0.5 / tl.sqrt_rn(tl.maximum(mag, DOT_MIN))
-            ddot = tl.where((mag >= DOT_MIN) & (gate != 0.0), dgate * gate * (1.0 - gate) * slope,
-                            0.0)
-            coef = ddot * rx * rk / SQRT_D
-            c_x = ddot * dot * rx * rx / D
-            c_k = ddot * dot * rk * rk / D
+            token, coef, c_x, c_k = _token_coefs(saved + (i_n * S + i_s) * 4, dgate, D, SQRT_D,
+                                                 DOT_MIN)
             b_x = tl.load(x + i_n * (stride_xn * VEC) + i_s * (stride_xs * VEC) + o_c, mask=m_c, other=0.0).to(tl.float32)
             b_k = tl.load(kv + i_n * (stride_kvn * VEC) + i_s * D + o_c, mask=m_c,
                           other=0.0).to(tl.float32)
-            # a masked token (gate 0) is isolated: its x, k and statistics are selected away
-            token = gate != 0.0
             b_gx = b_g + tl.where(token, coef * b_w * b_k - c_x * b_x, 0.0)
             b_gk = tl.where(token, coef * b_w * b_x - c_k * b_k, 0.0)
             tl.store(grad_x + i_n * (stride_gxn * VEC) + i_s * (stride_gxs * VEC) + o_c, b_gx.to(grad_x.dtype.element_ty),
@@ -187,6 +221,92 @@ def engram_gate_bwd_kernel(x, kv, weight, saved, grad_out, grad_x, grad_kv, part
                      b_gk.to(grad_kv.dtype.element_ty), mask=m_c)
             b_acc += tl.where(token, coef * b_x * b_k, 0.0)
         tl.store(partials + (i_b.to(tl.int64) * S + i_s) * D + o_c, b_acc, mask=m_c)
+
+
+@triton.jit
+def _token_coefs(p_saved, dgate, D: tl.constexpr, SQRT_D: tl.constexpr, DOT_MIN: tl.constexpr):
+    # (token, coef, c_x, c_k) of one (token, stream) from its saved statistics and dgate; a
+    # masked token (gate 0) is isolated: callers select its x, k and statistics away
+    gate = tl.load(p_saved)
+    dot = tl.load(p_saved + 1)
+    rx = tl.load(p_saved + 2)
+    rk = tl.load(p_saved + 3)
+    mag = tl.abs(dot)
+    slope = 0.5 / tl.sqrt_rn(tl.maximum(mag, DOT_MIN))
+    ddot = tl.where((mag >= DOT_MIN) & (gate != 0.0), dgate * gate * (1.0 - gate) * slope, 0.0)
+    return (gate != 0.0, ddot * rx * rk / SQRT_D, ddot * dot * rx * rx / D,
+            ddot * dot * rk * rk / D)
+
+
+@triton.jit
+def engram_gate_bwd_held_kernel(x, kv, weight, saved, grad_out, grad_x, grad_kv, partials,
+                                N, TOKENS_PER_BLOCK, stride_xn, stride_xs, stride_kvn, stride_gn,
+                                stride_gs, stride_gxn, stride_gxs, stride_gkvn,
+                                S: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr,
+                                NUM_CHUNKS: tl.constexpr, SQRT_D: tl.constexpr,
+                                DOT_MIN: tl.constexpr, VEC: tl.constexpr):
+    # the backward of rows a program holds whole in registers as NUM_CHUNKS chunks (tuples
+    # unrolled at compile time): programs (s, token block), every load of a token issued
+    # before its dgate reduction; strides in units of VEC elements, as in the forward
+    i_s = tl.program_id(0)
+    i_b = tl.program_id(1)
+    o_d = tl.arange(0, BLOCK_D)
+    n_start = i_b * TOKENS_PER_BLOCK
+    n_count = tl.minimum(n_start + TOKENS_PER_BLOCK, N) - n_start
+    n_start = n_start.to(tl.int64)
+    if i_s == S:
+        # grad_v = sum_s gate_s * g_s, in fp32, rounded once
+        for j in range(0, n_count):
+            i_n = n_start + j
+            p_g = grad_out + i_n * (stride_gn * VEC)
+            gates = ()
+            for j_s in tl.static_range(S):
+                gates = gates + (tl.load(saved + (i_n * S + j_s) * 4),)
+            for i_c in tl.static_range(NUM_CHUNKS):
+                b_gv = tl.zeros([BLOCK_D], dtype=tl.float32)
+                for j_s in tl.static_range(S):
+                    b_g = _chunk(p_g + j_s * (stride_gs * VEC), i_c, o_d, D, BLOCK_D)
+                    b_gv += tl.where(gates[j_s] != 0.0, gates[j_s] * b_g.to(tl.float32), 0.0)
+                _store_chunk(grad_kv + i_n * (stride_gkvn * VEC) + S * D, i_c, o_d, b_gv, D,
+                             BLOCK_D)
+    else:
+        accs = ()
+        for i_c in tl.static_range(NUM_CHUNKS):
+            accs = accs + (tl.zeros([BLOCK_D], dtype=tl.float32),)
+        for j in range(0, n_count):
+            i_n = n_start + j
+            p_g = grad_out + i_n * (stride_gn * VEC) + i_s * (stride_gs * VEC)
+            p_v = kv + i_n * (stride_kvn * VEC) + S * D
+            p_x = x + i_n * (stride_xn * VEC) + i_s * (stride_xs * VEC)
+            p_k = kv + i_n * (stride_kvn * VEC) + i_s * D
+            gs = ()
+            xs = ()
+            ks = ()
+            b_gv = tl.zeros([BLOCK_D], dtype=tl.float32)
+            for i_c in tl.static_range(NUM_CHUNKS):
+                b_g = _chunk(p_g, i_c, o_d, D, BLOCK_D)
+                xs = xs + (_chunk(p_x, i_c, o_d, D, BLOCK_D),)
+                ks = ks + (_chunk(p_k, i_c, o_d, D, BLOCK_D),)
+                gs = gs + (b_g,)
+                b_gv += b_g.to(tl.float32) * _chunk(p_v, i_c, o_d, D, BLOCK_D).to(tl.float32)
+            token, coef, c_x, c_k = _token_coefs(saved + (i_n * S + i_s) * 4, tl.sum(b_gv), D,
+                                                 SQRT_D, DOT_MIN)
+            sums = ()
+            for i_c in tl.static_range(NUM_CHUNKS):
+                b_x = xs[i_c].to(tl.float32)
+                b_k = ks[i_c].to(tl.float32)
+                b_w = _chunk(weight + i_s * D, i_c, o_d, D, BLOCK_D)
+                b_gx = gs[i_c].to(tl.float32) + tl.where(token, coef * b_w * b_k - c_x * b_x, 0.0)
+                b_gk = tl.where(token, coef * b_w * b_x - c_k * b_k, 0.0)
+                _store_chunk(grad_x + i_n * (stride_gxn * VEC) + i_s * (stride_gxs * VEC), i_c,
+                             o_d, b_gx, D, BLOCK_D)
+                _store_chunk(grad_kv + i_n * (stride_gkvn * VEC) + i_s * D, i_c, o_d, b_gk, D,
+                             BLOCK_D)
+                sums = sums + (accs[i_c] + tl.where(token, coef * b_x * b_k, 0.0),)
+            accs = sums
+        for i_c in tl.static_range(NUM_CHUNKS):
+            _store_chunk(partials + (i_b.to(tl.int64) * S + i_s) * D, i_c, o_d, accs[i_c], D,
+                         BLOCK_D)
 
 
 @triton.jit
@@ -213,17 +333,21 @@ class GateTiles:
     """max_block_d: the widest row a program holds in registers (wider rows are walked in
     chunks); target_programs: how many backward programs to aim for (grad_weight partial rows
     are about target_programs / ((S + 1) * chunks)); max_warps: warps per program at most
-    (about 16 elements per thread below it)."""
+    (about 16 elements per thread below it); held_elements: the most elements of one row a
+    forward thread holds in registers (one 16-byte vector per chunk), above which the forward
+    streams the row twice."""
 
     max_block_d: int = 8192
     target_programs: int = 640
     max_warps: int = 16
+    held_elements: int = 48
 
 
 TILES = {
     "sm_80": (GateTiles(8192, 540, 16), "108 SMs (A100): about five backward programs per SM"),
     "sm_90": (GateTiles(8192, 640, 16), "132 SMs (H100/H200): about five backward programs per SM; "
-              "16 warps hold an 8192-wide row at 16 elements per thread"),
+              "a forward thread holds up to 48 elements of a row, a backward one 24 (D = 5120 "
+              "bf16: 4 warps x 5 chunks forward, 3-4 CTAs/SM; 8 warps x 5 chunks backward, 3)"),
     "sm_100": (GateTiles(8192, 740, 16), "148 SMs (B200): about five backward programs per SM"),
 }
 
@@ -283,39 +407,76 @@ def _strides(problem, table) -> dict:
     return {arg: Stride(tensor, dim, vec) for arg, (tensor, dim) in table.items()}
 
 
+@dataclass(frozen=True)
+class RowLayout:
+    """How a program covers a row of D elements: ``chunks`` chunks of ``block`` elements (a
+    power of two) on ``warps`` warps; ``held``: the chunks stay in registers (one program per
+    row), else the row is streamed chunk by chunk (the backward splits it over programs)."""
+
+    block: int
+    chunks: int
+    warps: int
+    held: bool
+
+
+def row_layout(problem, tiles: GateTiles, kernel: str = "fwd") -> RowLayout:
+    """The held layout that pads the row least, with a 16- or 8-byte vector per thread per
+    chunk, at most ``held_elements`` (forward) or half of it (backward, which keeps the weight
+    and the grad_weight partial too) per thread; on a tie the wider vector, then fewer warps
+    (more CTAs per SM). Rows no held layout covers are streamed in block_d chunks."""
+    vec, d = vector_elements(problem), problem.hidden
+    limit = tiles.held_elements if kernel == "fwd" else tiles.held_elements // 2
+    best, best_key = None, None
+    for warps in (1, 2, 4, 8, 16, 32):
+        for per_thread in {vec, max(1, vec // 2)}:
+            block = per_thread * 32 * warps
+            chunks = triton.cdiv(d, block)
+            if warps > tiles.max_warps or chunks * per_thread > limit:
+                continue
+            key = (chunks * block - d, -per_thread, warps)
+            if best_key is None or key < best_key:
+                best, best_key = RowLayout(block, chunks, warps, True), key
+    if best is not None:
+        return best
+    bd = block_d(d, tiles, kernel)
+    return RowLayout(bd, triton.cdiv(d, bd), row_warps(bd, tiles), False)
+
+
 def forward_spec(problem, tiles: GateTiles | None = None) -> KernelSpec:
     tiles = tiles or tiles_for(problem)
     t = pointer_type(problem.dtype)
     args = (("x", t), ("kv", t), ("weight", "*fp32"), ("mask", "*i1" if problem.has_mask else None),
             ("out", t), ("saved", "*fp32"), ("eps", "fp32"),
             *((name, "i32") for name in FORWARD_STRIDES))
-    bd = block_d(problem.hidden, tiles)
-    constexprs = dict(_row_constexprs(problem, bd), HAS_MASK=problem.has_mask)
+    layout = row_layout(problem, tiles)
+    constexprs = dict(_row_constexprs(problem, layout.block), HELD=layout.held,
+                      HAS_MASK=problem.has_mask)
     return KernelSpec.make(engram_gate_fwd_kernel, args, constexprs, (problem.tokens,),
-                           num_warps=row_warps(bd, tiles),
-                           cost=forward_cost(problem, constexprs["NUM_CHUNKS"]))
+                           num_warps=layout.warps, cost=forward_cost(problem, layout))
 
 
-def forward_cost(problem, chunks: int) -> Cost:
-    """Per token: x, the S keys and v once (the chunked path reads x twice and v once per
+def forward_cost(problem, layout: RowLayout) -> Cost:
+    """Per token: x, the S keys and v once (a streamed row reads x twice and v once per
     stream), the mask; out and saved written. The weight (S·D fp32, read by every program) is
     counted once: it stays in L2."""
     n, s, d, e = problem.tokens, problem.streams, problem.hidden, element_size(problem.dtype)
-    x_reads, v_reads = (1, 1) if chunks == 1 else (2, s)
+    x_reads, v_reads = (1, 1) if layout.held or layout.chunks == 1 else (2, s)
     read = n * (x_reads * s + s + v_reads) * d * e + s * d * 4 + (n if problem.has_mask else 0)
     return Cost(FORWARD_FLOPS_PER_ELEMENT * n * s * d, read, n * s * d * e + n * s * 16)
 
 
-def max_backward_blocks(streams: int, hidden: int, tiles: GateTiles) -> int:
-    """The most token blocks (grad_weight partial rows) any token count gets."""
-    chunks = triton.cdiv(hidden, block_d(hidden, tiles, "bwd"))
-    return max(1, tiles.target_programs // ((streams + 1) * chunks))
+def max_backward_blocks(problem, tiles: GateTiles) -> int:
+    """The most token blocks (grad_weight partial rows) any token count gets: about
+    target_programs programs of (stream or grad_v, block, D chunk)."""
+    layout = row_layout(problem, tiles, "bwd")
+    chunks = 1 if layout.held else layout.chunks
+    return max(1, tiles.target_programs // ((problem.streams + 1) * chunks))
 
 
 def backward_blocks(problem, tiles: GateTiles | None = None) -> tuple[int, int]:
     """(tokens per block, number of blocks) of the backward kernel for ``problem.tokens``."""
     tiles = tiles or tiles_for(problem)
-    return token_blocks(problem.tokens, max_backward_blocks(problem.streams, problem.hidden, tiles))
+    return token_blocks(problem.tokens, max_backward_blocks(problem, tiles))
 
 
 def backward_spec(problem, tiles: GateTiles | None = None) -> KernelSpec:
@@ -324,21 +485,24 @@ def backward_spec(problem, tiles: GateTiles | None = None) -> KernelSpec:
     args = (("x", t), ("kv", t), ("weight", "*fp32"), ("saved", "*fp32"), ("grad_out", t),
             ("grad_x", t), ("grad_kv", t), ("partials", "*fp32"), ("N", "i32"),
             ("TOKENS_PER_BLOCK", "i32"), *((name, "i32") for name in BACKWARD_STRIDES))
-    bd = block_d(problem.hidden, tiles, "bwd")
-    chunks = triton.cdiv(problem.hidden, bd)
-    grid = (problem.streams + 1, backward_blocks(problem, tiles)[1], chunks)
-    return KernelSpec.make(engram_gate_bwd_kernel, args, _row_constexprs(problem, bd), grid,
-                           num_warps=row_warps(bd, tiles), cost=backward_cost(problem, chunks, tiles))
+    layout = row_layout(problem, tiles, "bwd")
+    blocks = backward_blocks(problem, tiles)[1]
+    if layout.held:
+        kernel, grid = engram_gate_bwd_held_kernel, (problem.streams + 1, blocks)
+    else:
+        kernel, grid = engram_gate_bwd_kernel, (problem.streams + 1, blocks, layout.chunks)
+    return KernelSpec.make(kernel, args, _row_constexprs(problem, layout.block), grid,
+                           num_warps=layout.warps, cost=backward_cost(problem, layout, tiles))
 
 
-def backward_cost(problem, chunks: int, tiles: GateTiles) -> Cost:
-    """Stream programs, per token and stream: g, v, x and k (a chunked row re-reads the whole g
-    and v rows per chunk for dgate) and 16 B of saved; the grad_v program: the S g rows and
+def backward_cost(problem, layout: RowLayout, tiles: GateTiles) -> Cost:
+    """Stream programs, per token and stream: g, v, x and k (a streamed row re-reads the whole
+    g and v rows per chunk for dgate) and 16 B of saved; the grad_v program: the S g rows and
     gates again. Written: grad_x, grad_k, grad_v and one fp32 partial row per block. The weight
     is counted once (L2)."""
     n, s, d, e = problem.tokens, problem.streams, problem.hidden, element_size(problem.dtype)
     blocks = backward_blocks(problem, tiles)[1]
-    stream_rows = 4 if chunks == 1 else 2 * chunks + 3
+    stream_rows = 4 if layout.held or layout.chunks == 1 else 2 * layout.chunks + 3
     read = n * s * (stream_rows * d * e + 16) + n * s * (d * e + 4) + s * d * 4
     written = n * (2 * s + 1) * d * e + blocks * s * d * 4
     return Cost(BACKWARD_FLOPS_PER_ELEMENT * n * s * d, read, written)
@@ -347,7 +511,7 @@ def backward_cost(problem, chunks: int, tiles: GateTiles) -> Cost:
 def reduce_spec(problem, tiles: GateTiles | None = None) -> KernelSpec:
     """grad_weight (+)= the sum of the partial rows; specialised on the most rows any N gives."""
     tiles = tiles or tiles_for(problem)
-    block_p = triton.next_power_of_2(max_backward_blocks(problem.streams, problem.hidden, tiles))
+    block_p = triton.next_power_of_2(max_backward_blocks(problem, tiles))
     block_c = max(16, REDUCE_TILE // block_p)
     sd = problem.streams * problem.hidden
     blocks = backward_blocks(problem, tiles)[1]

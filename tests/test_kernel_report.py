@@ -41,11 +41,11 @@ TRAFFIC_BOUNDS = {
     "GQAAttentionBackward": 2.25,
     ("GQAAttentionBackward", "attn hkv2 d128"): 32.00,
     "GQAAttentionDecode": 1.20,
-    # Mamba2: the fp32 passed states and C·B written and read back, the dB/dC and d(C·B) waves
-    # that do not fit L2, the state passing as its own pass; decode:
+    # Mamba2: C·B and the passed states written and read back, the dB/dC and d(C·B) waves
+    # that do not fit L2, the backward's state passing as its own pass; decode:
     # the group's B and C re-read by the head-dim blocks, the seeds of stochastic rounding
-    "Mamba2ChunkScanForward": 4.35,
-    "Mamba2ChunkScanBackward": 7.20,
+    "Mamba2ChunkScanForward": 2.50,
+    "Mamba2ChunkScanBackward": 6.65,
     "Mamba2StateUpdate": 1.10,
     "Mamba2StateRollback": 1.01,
 }

@@ -107,7 +107,8 @@ def segments(batch: int, length: int, chunk: int, cu_seqlens: torch.Tensor | Non
 
 def chunk_scan_forward(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=None,
                        dt_softplus=False, dt_limit=DEFAULT_DT_LIMIT, initial_states=None,
-                       cu_seqlens=None, compute_dtype=torch.float32, status=None, seq_idx=None):
+                       cu_seqlens=None, compute_dtype=torch.float32, status=None, seq_idx=None,
+                       state_dtype=None):
     """Returns ``(y, final_states, y_pre_gate, segment_start_states)``.
 
     y [b, l, h, p] in x's dtype (z-gated when z is given, rounded once); final_states
@@ -116,7 +117,10 @@ def chunk_scan_forward(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=
     cu_seqlens may hold anything: it is sanitised (``sanitise_cu_seqlens``; Status.CU_SEQLENS
     ORed into ``status`` when it was invalid), and tokens no sequence covers get y = 0.
     ``seq_idx`` [b, l] (not with cu_seqlens): the state restarts where the id changes along a
-    row (``sequence_runs``; Status.SEQ_IDX for negative or decreasing ids)."""
+    row (``sequence_runs``; Status.SEQ_IDX for negative or decreasing ids). ``state_dtype``:
+    the output reads the entering states rounded to it, as the kernels pass them (the gradient
+    flows through the rounding unchanged; the carried state, final_states and
+    segment_start_states stay in compute_dtype)."""
     b, l, h, p = x.shape
     g, n = B.shape[2], B.shape[3]
     r = h // g
@@ -202,7 +206,10 @@ def chunk_scan_forward(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=
     w_start = torch.exp(torch.clamp(Acum, max=0.0))
     if enter is not None:
         w_start = w_start * enter[..., None]
-    y = y + w_start[..., None] * torch.einsum("sqhn,shpn->sqhp", Cr, H0)
+    passed = H0
+    if state_dtype is not None and state_dtype != cd:
+        passed = H0 + (H0.to(state_dtype).to(cd) - H0).detach()
+    y = y + w_start[..., None] * torch.einsum("sqhn,shpn->sqhp", Cr, passed)
 
     out = torch.zeros(T + 1, h, p, dtype=cd, device=dev)
     out = out.index_put((torch.where(valid, tok, torch.full_like(tok, T)),), y)[:T]
@@ -219,7 +226,7 @@ def chunk_scan_forward(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=
 def chunk_scan_backward(x, dt, A, B, C, dy, chunk_size, D=None, z=None, dt_bias=None,
                         dt_softplus=False, dt_limit=DEFAULT_DT_LIMIT, initial_states=None,
                         cu_seqlens=None, dfinal_states=None, compute_dtype=torch.float32,
-                        status=None, seq_idx=None):
+                        status=None, seq_idx=None, state_dtype=None):
     """Gradients by autograd through ``chunk_scan_forward`` in ``compute_dtype``. Returns a dict
     with dx, ddt, dA, dB, dC and, for the optional inputs given, dD, dz, ddt_bias,
     dinitial_states (all in compute_dtype)."""
@@ -233,7 +240,7 @@ def chunk_scan_backward(x, dt, A, B, C, dy, chunk_size, D=None, z=None, dt_bias=
             D=leaves.get("D"), z=leaves.get("z"), dt_bias=leaves.get("dt_bias"),
             dt_softplus=dt_softplus, dt_limit=dt_limit,
             initial_states=leaves.get("initial_states"), cu_seqlens=cu_seqlens, compute_dtype=cd,
-            status=status, seq_idx=seq_idx)
+            status=status, seq_idx=seq_idx, state_dtype=state_dtype)
         outputs, grads = [y], [dy.to(cd)]
         if dfinal_states is not None:
             outputs.append(final)
@@ -251,7 +258,7 @@ def _options(problem, b) -> dict:
                 dt_softplus=problem.dt_softplus, dt_limit=problem.dt_limit,
                 initial_states=b.get("initial_states"), cu_seqlens=b.get("cu_seqlens"),
                 compute_dtype=accumulator_dtype(problem.dtype), status=b.get("status"),
-                seq_idx=b.get("seq_idx"))
+                seq_idx=b.get("seq_idx"), state_dtype=problem.state_dtype)
 
 
 def forward_program(problem):

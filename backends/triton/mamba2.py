@@ -53,11 +53,11 @@ def _counts(problem, t: Tiles | None = None) -> dict:
 
 # -- buffers ---------------------------------------------------------------------------------
 def saved_layout(problem) -> Layout:
-    """What the forward saves for the backward: the fp32 state entering every segment
-    (max_segments·h·p·n, unless recompute_states) and y before the z gate (b·l·h·p in x's dtype,
-    with z). The backward program declares the same layout."""
+    """What the forward saves for the backward: the state entering every segment in the plan's
+    state dtype (max_segments·h·p·n, unless recompute_states) and y before the z gate (b·l·h·p
+    in x's dtype, with z). The backward program declares the same layout."""
     return Layout([
-        ("states", torch.float32, 0 if problem.recompute_states else
+        ("states", problem.state_dtype, 0 if problem.recompute_states else
          problem.max_segments * problem.heads * problem.head_dim * problem.state),
         ("ypre", problem.dtype, problem.batch * problem.length * problem.heads * problem.head_dim
          if problem.has_z else 0),
@@ -76,7 +76,8 @@ def forward_workspace(problem) -> Layout:
         ("dts", torch.float32, S * H * Q),
         ("acum", torch.float32, S * H * Q),
         ("cb", torch.float32, S * problem.groups * Q * Q),
-        ("states", torch.float32, S * H * problem.head_dim * problem.state if problem.recompute_states else 0),
+        ("states", problem.state_dtype,
+         S * H * problem.head_dim * problem.state if problem.recompute_states else 0),
     ])
 
 
@@ -94,7 +95,7 @@ def backward_workspace(problem, t: Tiles | None = None) -> Layout:
         ("dts", torch.float32, S * H * Q),
         ("acum", torch.float32, S * H * Q),
         ("cb", torch.float32, S * G * Q * Q),
-        ("states", torch.float32, S * H * P * N if recompute else 0),
+        ("states", problem.state_dtype, S * H * P * N if recompute else 0),
         ("final", torch.float32, problem.sequences * H * P * N if recompute else 0),
         ("dypre", problem.dtype, problem.batch * problem.length * H * P if problem.has_z else 0),
         ("dstates", torch.float32, S * H * P * N),
@@ -249,39 +250,40 @@ def cb_spec(problem, t: Tiles | None = None) -> KernelSpec:
                  cost=model.cb_cost(problem, t))
 
 
-def segment_state_spec(problem, from_start: bool, t: Tiles | None = None) -> KernelSpec:
-    """Each segment's own end state (forward), or, ``from_start`` (backward, x = dy and B = C),
-    what the segment's dy sends back into its entering state."""
+def chunk_states_spec(problem, t: Tiles | None = None, entering: bool = False) -> KernelSpec:
+    """The state entering every segment (in the plan's state dtype; ``entering``: also into the
+    plan's segment_states, fp32) and final_states, one walk along every sequence."""
+    ty, t = _Types(problem), t or tiles(problem)
+    c = _counts(problem, t)
+    return _spec(fwd_kernels.ssd_chunk_states_kernel,
+                 (("x_ptr", ty.x), ("B_ptr", ty.x), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
+                  ("h0_ptr", _present(problem.has_initial_states, "*fp32")), *ty.seg, ty.runs,
+                  ("states_ptr", pointer_type(problem.state_dtype)),
+                  ("entering_ptr", _present(entering, "*fp32")), ("final_ptr", "*fp32"),
+                  *stride_args("x", "x"), *stride_args("B", "B"), ("L", "i32")),
+                 dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
+                      Q=problem.chunk, BP=t.BP, BN=t.BN, BK=t.BQ,
+                      HAS_H0=problem.has_initial_states, HAS_ENTERING=entering,
+                      VARLEN=_varlen(problem), **numerics(problem.dtype), **ty.seq,
+                      VX=problem.vector, VB=problem.bc_vector),
+                 (c["NNB"] * c["NPB"] * problem.sequences * problem.heads,),
+                 cost=model.chunk_states_cost(problem, t, entering))
+
+
+def segment_state_spec(problem, t: Tiles | None = None) -> KernelSpec:
+    """Backward (x = dy, B = C): what each segment's dy sends back into its entering state."""
     ty, t = _Types(problem), t or tiles(problem)
     c = _counts(problem, t)
     return _spec(fwd_kernels.ssd_segment_state_kernel,
-                 (("x_ptr", ty.x), ("B_ptr", ty.x), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
-                  *ty.seg, ty.runs, ("states_ptr", "*fp32"), *stride_args("x", "x"),
-                  *stride_args("B", "B"), *ty.tail),
+                 (("x_ptr", ty.x), ("B_ptr", ty.x), ("acum_ptr", "*fp32"), *ty.seg, ty.runs,
+                  ("states_ptr", "*fp32"), *stride_args("x", "x"), *stride_args("B", "B"),
+                  *ty.tail),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
-                      Q=problem.chunk, BP=t.BP, BN=t.BN, BK=t.BQ, FROM_START=from_start,
-                      **ty.common, **numerics(problem.dtype), **ty.seq, VX=problem.vector,
+                      Q=problem.chunk, BP=t.BP, BN=t.BN, BK=t.BQ, **ty.common,
+                      **numerics(problem.dtype), **ty.seq, VX=problem.vector,
                       VB=problem.bc_vector),
-                 (c["NNB"] * c["NPB"] * problem.max_segments * problem.heads,),
-                 warps=8 if from_start else 4,
-                 cost=model.segment_state_cost(problem, t, from_start))
-
-
-def state_passing_spec(problem, t: Tiles | None = None, entering: bool = False) -> KernelSpec:
-    """Along every sequence: the state entering each segment (``entering``: also into the
-    plan's segment_states, h·p·n·4 bytes more per segment), and the final state."""
-    ty, t = _Types(problem), t or tiles(problem)
-    c = _counts(problem, t)
-    return _spec(fwd_kernels.ssd_state_passing_kernel,
-                 (("states_ptr", "*fp32"), ("acum_ptr", "*fp32"),
-                  ("h0_ptr", _present(problem.has_initial_states, "*fp32")), ("final_ptr", "*fp32"),
-                  ("off_ptr", ty.cu), ty.runs, ("entering_ptr", _present(entering, "*fp32")),
-                  ("L", "i32")),
-                 dict(H=problem.heads, PN=problem.head_dim * problem.state, Q=problem.chunk,
-                      BLOCK=t.PASS, HAS_H0=problem.has_initial_states, VARLEN=_varlen(problem),
-                      HAS_ENTERING=entering, **ty.seq),
-                 (problem.sequences, problem.heads, c["NT"]),
-                 cost=model.state_passing_cost(problem, t))
+                 (c["NNB"] * c["NPB"] * problem.max_segments * problem.heads,), warps=8,
+                 cost=model.segment_state_cost(problem, t))
 
 
 def chunk_scan_spec(problem, t: Tiles | None = None) -> KernelSpec:
@@ -292,7 +294,8 @@ def chunk_scan_spec(problem, t: Tiles | None = None) -> KernelSpec:
     return _spec(fwd_kernels.ssd_chunk_scan_fwd_kernel,
                  (("x_ptr", ty.x), ("z_ptr", _present(problem.has_z, ty.x)), ("C_ptr", ty.x),
                   ("cb_ptr", "*fp32"), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
-                  ("states_ptr", "*fp32"), ("D_ptr", _present(problem.has_D, "*fp32")), *ty.seg,
+                  ("states_ptr", pointer_type(problem.state_dtype)),
+                  ("D_ptr", _present(problem.has_D, "*fp32")), *ty.seg,
                   ty.runs, ("y_ptr", ty.x), ("ypre_ptr", _present(problem.has_z, ty.x)),
                   *stride_args("x", "x"), *stride_args("z", "x"), *stride_args("C", "B"),
                   *stride_args("y", "x"), *ty.tail),
@@ -330,7 +333,8 @@ def state_passing_bwd_spec(problem, t: Tiles | None = None) -> KernelSpec:
     ty, t = _Types(problem), t or tiles(problem)
     c = _counts(problem, t)
     return _spec(bwd_kernels.ssd_state_passing_bwd_kernel,
-                 (("dstates_ptr", "*fp32"), ("states_ptr", "*fp32"), ("acum_ptr", "*fp32"),
+                 (("dstates_ptr", "*fp32"), ("states_ptr", pointer_type(problem.state_dtype)),
+                  ("acum_ptr", "*fp32"),
                   ("dfinal_ptr", _present(problem.has_dfinal_states, "*fp32")),
                   ("dh0_ptr", _present(problem.has_initial_states, "*fp32")), ("v_ptr", "*fp32"),
                   ("off_ptr", ty.cu), ty.runs, ("L", "i32")),
@@ -397,8 +401,8 @@ def dbc_spec(problem, grad_b: bool, t: Tiles | None = None) -> KernelSpec:
     return _spec(bwd_kernels.ssd_dbc_kernel,
                  (("x_ptr", ty.x), ("dy_ptr", ty.x), ("B_ptr", ty.x), ("C_ptr", ty.x),
                   ("dcb_ptr", "*fp32"), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
-                  ("states_ptr", "*fp32"), ("dstates_ptr", "*fp32"), *ty.seg, ty.runs,
-                  ("out_ptr", ty.x), ("uw_part_ptr", "*fp32"), *stride_args("x", "x"),
+                  ("states_ptr", pointer_type(problem.state_dtype)), ("dstates_ptr", "*fp32"),
+                  *ty.seg, ty.runs, ("out_ptr", ty.x), ("uw_part_ptr", "*fp32"), *stride_args("x", "x"),
                   *stride_args("dy", "x"), *stride_args("B", "B"), *stride_args("C", "B"),
                   *stride_args("out", "B"), *ty.tail),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
@@ -474,25 +478,20 @@ def _prologue(problem, t: Tiles) -> list[Stage]:
     return stages
 
 
-def _states_pass(problem, t: Tiles, states, final, entering: bool = False) -> list[Stage]:
-    """Each segment's own end state into ``states``, then the state passing along every
-    sequence, leaving there the state entering each segment (last state: ``final``; and in the
-    plan's segment_states with ``entering``)."""
+def _states_stage(problem, t: Tiles, states, final, entering: bool = False) -> Stage:
+    """The state entering each segment into ``states``, the last one into ``final`` (and into
+    the plan's segment_states with ``entering``)."""
     ws = workspace_piece
-    seg = _segment_args(problem)
-    return [
-        _stage(segment_state_spec(problem, False, t), dts_ptr=ws("dts"), acum_ptr=ws("acum"),
-               states_ptr=states, runs_ptr=ws("runs"), **strides("x", "x", "x", problem.vector),
-               **strides("B", "B", "B", problem.bc_vector), **seg),
-        _stage(state_passing_spec(problem, t, entering), states_ptr=states, acum_ptr=ws("acum"),
-               h0_ptr="initial_states", final_ptr=final, off_ptr=ws("offsets"),
-               runs_ptr=ws("runs"), entering_ptr="segment_states", L=problem.length),
-    ]
+    return _stage(chunk_states_spec(problem, t, entering), dts_ptr=ws("dts"), acum_ptr=ws("acum"),
+                  h0_ptr="initial_states", cu_ptr=ws("cu"), off_ptr=ws("offsets"),
+                  runs_ptr=ws("runs"), states_ptr=states, entering_ptr="segment_states",
+                  final_ptr=final, L=problem.length, **strides("x", "x", "x", problem.vector),
+                  **strides("B", "B", "B", problem.bc_vector))
 
 
 def forward_program(problem, config: ScanTiles | None = None) -> Program:
-    """Segment table (varlen) or runs (sequence ids), dt transform, C·B, segment states, state
-    passing (also into the plan's ``segment_states`` when it has them), output, with the tile
+    """Segment table (varlen) or runs (sequence ids), dt transform, C·B, the states along every
+    sequence (also into the plan's ``segment_states`` when it has them), output, with the tile
     table's entry for the plan's architecture (or ``config``)."""
     t = tiles(problem, config)
     ws = workspace_piece
@@ -500,7 +499,7 @@ def forward_program(problem, config: ScanTiles | None = None) -> Program:
     seg = _segment_args(problem)
     v, vb = problem.vector, problem.bc_vector
     stages = [*_prologue(problem, t),
-              *_states_pass(problem, t, states, "final_states", problem.has_segment_states),
+              _states_stage(problem, t, states, "final_states", problem.has_segment_states),
               _stage(chunk_scan_spec(problem, t), cb_ptr=ws("cb"), dts_ptr=ws("dts"),
                      acum_ptr=ws("acum"), states_ptr=states, D_ptr="D", z_ptr="z",
                      ypre_ptr=saved_piece("ypre"), runs_ptr=ws("runs"),
@@ -524,7 +523,7 @@ def backward_program(problem, config: ScanTiles | None = None) -> Program:
     stages = _prologue(problem, t)
     if problem.recompute_states:
         states = ws("states")
-        stages += _states_pass(problem, t, states, ws("final"))
+        stages.append(_states_stage(problem, t, states, ws("final")))
     else:
         states = saved_piece("states")
     dy, dy_strides = "dy", "dy"
@@ -540,9 +539,9 @@ def backward_program(problem, config: ScanTiles | None = None) -> Program:
     fixed = dict(dts_ptr=ws("dts"), acum_ptr=ws("acum"), **seg)
     runs = dict(runs_ptr=ws("runs"))
     stages += [
-        _stage(segment_state_spec(problem, True, t), x_ptr=dy, B_ptr="C", states_ptr=ws("dstates"),
-               **strides("x", "x", dy_strides, v), **strides("B", "B", "C", vb), **runs,
-               **fixed),
+        _stage(segment_state_spec(problem, t), x_ptr=dy, B_ptr="C", states_ptr=ws("dstates"),
+               acum_ptr=ws("acum"), **strides("x", "x", dy_strides, v),
+               **strides("B", "B", "C", vb), **runs, **seg),
         _stage(state_passing_bwd_spec(problem, t), dstates_ptr=ws("dstates"), states_ptr=states,
                acum_ptr=ws("acum"), dfinal_ptr="dfinal_states", dh0_ptr="dinitial_states",
                v_ptr=ws("v"), off_ptr=ws("offsets"), L=problem.length, **runs),

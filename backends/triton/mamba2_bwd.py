@@ -79,7 +79,7 @@ def ssd_state_passing_bwd_kernel(dstates_ptr, states_ptr, acum_ptr, dfinal_ptr, 
         decay = tl.exp(tl.minimum(tl.load(acum_ptr + (seg * H + i_h) * Q + Q - 1), 0.0))
         if HAS_SEQ:
             decay = tl.where(carries(runs_ptr, i_s, seg - first, L, Q), decay, 0.0)
-        b_h0 = tl.load(states_ptr + p, mask=m, other=0.0)
+        b_h0 = tl.load(states_ptr + p, mask=m, other=0.0).to(tl.float32)
         tl.store(v_ptr + (seg * H + i_h) * NT + i_t, decay * tl.sum(b_dh * b_h0, axis=0))
         b_dh = b_own + decay * b_dh
     if HAS_DH0:

@@ -4,8 +4,9 @@ backends/torch/mamba2.py). Workspace tensors, all fp32, indexed by segment σ:
     dts   [S, H, Q]   transformed dt (0 outside the segment)
     acum  [S, H, Q]   inclusive cumsum of dt·A inside the segment
     cb    [S, G, Q, Q] C_i·B_j (tiles with j-block <= i-block only)
-    states [S, H, P, N] the segment's own state contribution, turned in place into the state
-                       entering the segment by the state-passing kernel
+
+and the state entering every segment, states [S, H, P, N] in the plan's state dtype (x's dtype
+by default, or fp32), written by the one kernel that walks each sequence's segments.
 
 A segment lies in one batch row (``segment_bounds``: its row and [start, end) positions there);
 the activations are addressed through their strides, row·stride_b + position·stride_l +
@@ -253,41 +254,15 @@ def ssd_cb_kernel(C_ptr, B_ptr, cu_ptr, off_ptr, runs_ptr, cb_ptr, stride_C_b, s
 
 
 @triton.jit
-def ssd_segment_state_kernel(x_ptr, B_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, runs_ptr,
-                             states_ptr, stride_x_b, stride_x_l, stride_x_h, stride_B_b,
-                             stride_B_l, stride_B_g, L, NSEQ,
-                             H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                             Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                             BK: tl.constexpr, FROM_START: tl.constexpr, VARLEN: tl.constexpr,
-                             SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                             HAS_SEQ: tl.constexpr, VX: tl.constexpr, VB: tl.constexpr):
-    """states[σ, h] = sum_j w_j x_j ⊗ B_j over the segment's tokens, with
-    w_j = exp(Acum_last - Acum_j) dt_j: the segment's own contribution to its end state; or,
-    FROM_START (backward, x = dy and B = C), w_j = exp(Acum_j): what dy sends back into H0.
-    Sequence ids: only the tokens of the last token's run (of the run before the segment,
-    FROM_START) count. One program per (state tile, head-dim tile, segment·head), the tiles
-    fastest: the state tiles of a (segment, head) share its x rows in L2."""
-    NPB: tl.constexpr = (P + BP - 1) // BP
-    NNB: tl.constexpr = (N + BN - 1) // BN
-    pid = tl.program_id(0)
-    i_n, i_p, i_sh = pid % NNB, pid // NNB % NPB, pid // (NNB * NPB)
-    i_seg, i_h = i_sh // H, i_sh % H
-    i_g = i_h // (H // G)
-    row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
-    o_p = i_p * BP + tl.arange(0, BP)
-    o_n = i_n * BN + tl.arange(0, BN)
-    m_p, m_n = o_p < P, o_n < N
-    p_seg = i_sh.to(tl.int64) * Q
-    acum_last = tl.load(acum_ptr + p_seg + Q - 1)
-    p_x = x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX)
-    p_b = B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB)
-    if HAS_SEQ:
-        r_prev, r_last = segment_runs(runs_ptr, row, start, end, L)
-        if FROM_START:
-            r_keep = r_prev
-        else:
-            r_keep = r_last
-    b_acc = tl.zeros([BP, BN], dtype=tl.float32)
+def accumulate_state(b_acc, p_x, p_b, dts_ptr, acum_ptr, runs_ptr, p_seg, row, start, end, L,
+                     acum_last, r_keep, o_p, o_n, m_p, m_n, stride_x_l, stride_B_l,
+                     BK: tl.constexpr, FROM_START: tl.constexpr, UPCAST: tl.constexpr,
+                     IEEE: tl.constexpr, HAS_SEQ: tl.constexpr, VX: tl.constexpr,
+                     VB: tl.constexpr):
+    """b_acc [BP, BN] + sum_j w_j x_j ⊗ B_j over the segment's tokens [start, end) (x rows o_p
+    at p_x, B columns o_n at p_b), with w_j = exp(Acum_last - Acum_j) dt_j (its own contribution
+    to its end state) or, FROM_START, w_j = exp(Acum_j) (what x = dy, B = C send back into its
+    entering state). Sequence ids: only the tokens of run r_keep count."""
     for k0 in range(0, end - start, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = start + o_k < end
@@ -305,6 +280,41 @@ def ssd_segment_state_kernel(x_ptr, B_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, r
             b_w = tl.where(token_runs(runs_ptr, row, start, o_k, m_k, L) == r_keep, b_w, 0.0)
         b_b = (b_b * b_w[:, None]).to(b_xt.dtype)
         b_acc = mm(b_xt, b_b, b_acc, UPCAST, IEEE)                  # [BP, BK] @ [BK, BN]
+    return b_acc
+
+
+@triton.jit
+def ssd_segment_state_kernel(x_ptr, B_ptr, acum_ptr, cu_ptr, off_ptr, runs_ptr, states_ptr,
+                             stride_x_b, stride_x_l, stride_x_h, stride_B_b, stride_B_l,
+                             stride_B_g, L, NSEQ,
+                             H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                             Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                             BK: tl.constexpr, VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                             UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SEQ: tl.constexpr,
+                             VX: tl.constexpr, VB: tl.constexpr):
+    """Backward (x = dy, B = C): states[σ, h] = sum_j exp(Acum_j) dy_j ⊗ C_j over the segment's
+    tokens, what its dy sends back into its entering state (sequence ids: the tokens of the run
+    before the segment). One program per (state tile, head-dim tile, segment·head), the tiles
+    fastest: the state tiles of a (segment, head) share its dy rows in L2."""
+    NPB: tl.constexpr = (P + BP - 1) // BP
+    NNB: tl.constexpr = (N + BN - 1) // BN
+    pid = tl.program_id(0)
+    i_n, i_p, i_sh = pid % NNB, pid // NNB % NPB, pid // (NNB * NPB)
+    i_seg, i_h = i_sh // H, i_sh % H
+    i_g = i_h // (H // G)
+    row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    o_p = i_p * BP + tl.arange(0, BP)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_p, m_n = o_p < P, o_n < N
+    r_keep = 0
+    if HAS_SEQ:
+        r_keep, r_last = segment_runs(runs_ptr, row, start, end, L)
+    b_acc = accumulate_state(tl.zeros([BP, BN], dtype=tl.float32),
+                             x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX),
+                             B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB),
+                             acum_ptr, acum_ptr, runs_ptr, i_sh.to(tl.int64) * Q, row, start,
+                             end, L, 0.0, r_keep, o_p, o_n, m_p, m_n, stride_x_l, stride_B_l,
+                             BK, True, UPCAST, IEEE, HAS_SEQ, VX, VB)
     p = i_sh.to(tl.int64) * (P * N) + o_p[:, None] * N + o_n[None, :]
     tl.store(states_ptr + p, b_acc, mask=m_p[:, None] & m_n[None, :])
 
@@ -319,35 +329,69 @@ def carries(runs_ptr, i_s, k, L, Q: tl.constexpr):
 
 
 @triton.jit
-def ssd_state_passing_kernel(states_ptr, acum_ptr, h0_ptr, final_ptr, off_ptr, runs_ptr,
-                             entering_ptr, L, H: tl.constexpr, PN: tl.constexpr, Q: tl.constexpr,
-                             BLOCK: tl.constexpr, HAS_H0: tl.constexpr, VARLEN: tl.constexpr,
-                             HAS_SEQ: tl.constexpr, HAS_ENTERING: tl.constexpr):
-    """Along each sequence: states[σ] <- state entering σ (and entering[σ], the plan's
-    segment_states, when asked); the last state is the final one (sequence ids: a segment whose
-    last token starts a new run drops the entering state)."""
-    i_s, i_h, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def ssd_chunk_states_kernel(x_ptr, B_ptr, dts_ptr, acum_ptr, h0_ptr, cu_ptr, off_ptr, runs_ptr,
+                            states_ptr, entering_ptr, final_ptr, stride_x_b, stride_x_l,
+                            stride_x_h, stride_B_b, stride_B_l, stride_B_g, L,
+                            H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                            Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                            BK: tl.constexpr, HAS_H0: tl.constexpr, HAS_ENTERING: tl.constexpr,
+                            VARLEN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                            HAS_SEQ: tl.constexpr, VX: tl.constexpr, VB: tl.constexpr):
+    """The states along every sequence, in one pass: a program walks its sequence's segments
+    with a [BP, BN] tile of the state in fp32 registers (initial_states or zero), storing it as
+    the state entering each segment (states, in the plan's state dtype; entering: the plan's
+    segment_states, fp32) before adding the segment's own contribution,
+    H <- exp(Acum_last) H + sum_j exp(Acum_last - Acum_j) dt_j x_j ⊗ B_j (sequence ids: the
+    entering state carries only when the segment's last token is in the run before it, and
+    only its last run's tokens count); the last state is final_states. One program per (state
+    tile, head-dim tile, sequence·head), the tiles fastest: the tiles of a (sequence, head)
+    share its x rows in L2, the R heads of a group its B rows."""
+    NPB: tl.constexpr = (P + BP - 1) // BP
+    NNB: tl.constexpr = (N + BN - 1) // BN
+    pid = tl.program_id(0)
+    i_n, i_p, i_sh = pid % NNB, pid // NNB % NPB, pid // (NNB * NPB)
+    i_s, i_h = i_sh // H, i_sh % H
+    i_g = i_h // (H // G)
     first, last = sequence_segments(i_s, off_ptr, L, Q, VARLEN)
-    o = i_t * BLOCK + tl.arange(0, BLOCK)
-    m = o < PN
-    p_seq = (i_s.to(tl.int64) * H + i_h) * PN + o
-    if HAS_H0:
-        b_state = tl.load(h0_ptr + p_seq, mask=m, other=0.0)
+    if VARLEN:
+        row = (i_s * 0).to(tl.int64)
+        seq_start, seq_end = tl.load(cu_ptr + i_s), tl.load(cu_ptr + i_s + 1)
     else:
-        b_state = tl.zeros([BLOCK], dtype=tl.float32)
+        row = i_s.to(tl.int64)
+        seq_start, seq_end = i_s * 0, L
+    o_p = i_p * BP + tl.arange(0, BP)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_p, m_n = o_p < P, o_n < N
+    m_pn = m_p[:, None] & m_n[None, :]
+    o_pn = o_p[:, None] * N + o_n[None, :]
+    p_seq = i_sh.to(tl.int64) * (P * N) + o_pn
+    if HAS_H0:
+        b_state = tl.load(h0_ptr + p_seq, mask=m_pn, other=0.0)
+    else:
+        b_state = tl.zeros([BP, BN], dtype=tl.float32)
+    p_x = x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX)
+    p_b = B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB)
     first = first.to(tl.int64)
     for k in range(0, last - first):
         seg = first + k
-        p = (seg * H + i_h) * PN + o
-        b_own = tl.load(states_ptr + p, mask=m, other=0.0)
-        tl.store(states_ptr + p, b_state, mask=m)
+        start = seq_start + k * Q
+        end = tl.minimum(seq_end, start + Q)
+        p = (seg * H + i_h) * (P * N) + o_pn
+        tl.store(states_ptr + p, b_state.to(states_ptr.dtype.element_ty), mask=m_pn)
         if HAS_ENTERING:
-            tl.store(entering_ptr + p, b_state, mask=m)
-        decay = tl.exp(tl.minimum(tl.load(acum_ptr + (seg * H + i_h) * Q + Q - 1), 0.0))
+            tl.store(entering_ptr + p, b_state, mask=m_pn)
+        p_seg = (seg * H + i_h) * Q
+        acum_last = tl.load(acum_ptr + p_seg + Q - 1)
+        decay = tl.exp(tl.minimum(acum_last, 0.0))
+        r_keep = 0
         if HAS_SEQ:
-            decay = tl.where(carries(runs_ptr, i_s, k, L, Q), decay, 0.0)
-        b_state = decay * b_state + b_own
-    tl.store(final_ptr + p_seq, b_state, mask=m)
+            r_prev, r_keep = segment_runs(runs_ptr, row, start, end, L)
+            decay = tl.where(r_prev == r_keep, decay, 0.0)
+        b_state = accumulate_state(b_state * decay, p_x, p_b, dts_ptr, acum_ptr, runs_ptr, p_seg,
+                                   row, start, end, L, acum_last, r_keep, o_p, o_n, m_p, m_n,
+                                   stride_x_l, stride_B_l, BK, False, UPCAST, IEEE, HAS_SEQ, VX,
+                                   VB)
+    tl.store(final_ptr + p_seq, b_state, mask=m_pn)
 
 
 @triton.jit

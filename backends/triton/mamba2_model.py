@@ -90,6 +90,7 @@ class _Dims:
                                                   problem.state, problem.chunk)
         self.R = self.H // self.G
         self.e, self.edt = element_size(problem.dtype), element_size(problem.dt_dtype)
+        self.es = element_size(problem.state_dtype)
         self.NQB, self.NPB, self.NNB, self.NT = c["NQB"], c["NPB"], c["NNB"], c["NT"]
         self.BQ, self.BP, self.BN = t.BQ, t.BP, t.BN
         self.Pp, self.Np = self.NPB * t.BP, self.NNB * t.BN          # padded to the tiles
@@ -194,12 +195,11 @@ def cb_cost(problem, t: Tiles) -> Cost:
 
 
 @per_arch
-def segment_state_cost(problem, t: Tiles, from_start: bool) -> Cost:
-    """Each segment's own end state (the backward's dH0 terms ``from_start``: x = dy, B = C).
-    Order: a 1-D grid over (NNB, NPB, S·h), the state tile fastest, then the head-dim tile, the
+def segment_state_cost(problem, t: Tiles) -> Cost:
+    """The backward's dH0 terms of every segment (x = dy, B = C). Order: a 1-D grid over (NNB, NPB, S·h), the state tile fastest, then the head-dim tile, the
     (segment, head) slowest: a (segment, head)'s tiles run side by side, the R heads of a group
     NNB·NPB programs apart. Wave: 132 × 6 = 792 programs on sm_90 (the backward's 8-warp kernel
-    132 × 5), about 3 segments' heads; every wave fits in the L2. Reuse: B rows (the segment's
+    132 × 4 or 5), about 3 segments' heads; every wave fits in the L2. Reuse: B rows (the segment's
     token blocks over the tile's BN state columns) are shared by the R heads of the group in
     one wave (once; groups a wave cuts in two count them in both); x rows k over the BP
     head-dim rows by the NNB state tiles next to each other (once, where (S·h, NPB, NNB) order
@@ -208,8 +208,7 @@ def segment_state_cost(problem, t: Tiles, from_start: bool) -> Cost:
     Every program writes its fp32 [BP, BN] tile (state-sized). MMA: [BP, BQ] @ [BQ, BN] per
     block; CUDA: the decay weights and the scaling of B."""
     d = _Dims(problem, t)
-    kernel = "ssd_segment_state_kernel" + (" (dy, C)" if from_start else "")
-    launch = _Launch(problem, t, kernel, (d.NNB, d.NPB, d.S * d.H))
+    launch = _Launch(problem, t, "ssd_segment_state_kernel", (d.NNB, d.NPB, d.S * d.H))
     w, V = launch.waves, launch.V
     jn, ip, sh = w.coords
     s, h = sh // d.H, sh % d.H
@@ -222,11 +221,7 @@ def segment_state_cost(problem, t: Tiles, from_start: bool) -> Cost:
     w.load("B", prog, key((sk, d.S), (k, d.NQB), (g[prog], d.G), (jn[prog], d.NNB)),
            v * bn[prog] * d.e)
     w.load("acum", prog, key((sk, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
-    if not from_start:
-        w.load("dts", prog, key((sk, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
-    every = every_program(w)
-    w.load("acum last", every, key((s, d.S), (h, d.H)), 4)
-    w.store(every, bp * bn * 4)
+    w.store(every_program(w), bp * bn * 4)
     read, written, _, _ = w.count()
     blocks = d.each(lambda s: s.rb) * d.H
     mma = blocks * 2 * d.BQ * d.Pp * d.Np
@@ -246,43 +241,59 @@ def _sequences(problem, d: _Dims):
     return torch.cumsum(counts, 0) - counts, counts
 
 
-def _passing(problem, t: Tiles, kernel: str, backward: bool) -> Waves:
-    """The state passing's programs (grid (sequences, h, NT), the sequence fastest) and their
-    walk over the sequence's segments: each segment's PASS elements of the state (and, backwards,
-    of H0) read alone, its last acum shared by the NT programs of the (segment, head), the
-    entering state (dH1) written in place."""
-    d = _Dims(problem, t)
-    launch = _Launch(problem, t, kernel, (d.seqs, d.H, d.NT))
-    w = launch.waves
-    i_s, h, it = w.coords
-    first, count = _sequences(problem, d)
-    width = launch.rows(d.P * d.N, t.PASS, it)
-    prog, k = w.loop(int(count.max()), lambda p, k: k < count[i_s[p]])
-    seg = first[i_s[prog]] + k
-    w.alone(prog, width[prog] * 4 * (2 if backward else 1))
-    w.load("acum last", prog, key((seg, d.S), (h[prog], d.H)), 4)
-    w.store(prog, width[prog] * 4 + (4 if backward else 0))
-    every = every_program(w)
-    if backward:
-        w.alone(every, width * 4 * problem.has_dfinal_states)
-        w.store(every, width * 4 * problem.has_initial_states)
-    else:
-        w.alone(every, width * 4 * problem.has_initial_states)
-        w.store(every, width * 4)
-    return w
-
-
 @per_arch
-def state_passing_cost(problem, t: Tiles) -> Cost:
-    """Along each sequence, per (sequence, head, PASS elements) program (grid (sequences, h,
-    NT), the sequence fastest; 16 CTAs per SM: a wave of 2112 on sm_90 holds every program of
-    about 8 state pieces): each used segment's own state read and the entering state written in
-    its place (state-sized each, values passed between kernels: they count), its last acum
-    (4 bytes, shared by the NT pieces: once per wave); initial_states read and final_states
-    written once. FLOPs: decay·state + own per element and segment."""
+def chunk_states_cost(problem, t: Tiles, entering: bool) -> Cost:
+    """The states along every sequence. Order: a 1-D grid over (NNB, NPB, sequences·h), the
+    state tile fastest; each program walks its sequence's segments, so the model counts one
+    virtual program per (program, segment step), the programs of a wave (132 × 3 = 396 on
+    sm_90: 512 programs at b = 2, h = 128 run in waves of 396 and 116) advancing together: a
+    virtual wave is one segment step of the programs of one wave. Reuse within a step: x rows (the segment's tokens over the
+    BP head-dim rows) are shared by the NNB state tiles next to each other, B rows by the R heads
+    of the group, acum and dts (BQ·4 per block, unmasked) and the last acum by the tiles of the
+    (segment, head); every step's working set fits in the L2 (under 10 MB on sm_90 at the
+    production shape), so x is read once and B once per wave its group's heads fall in. Every step writes the entering [BP, BN] tile
+    in the state dtype (and fp32 into segment_states with ``entering``); initial_states read and
+    final_states written once. MMA: [BP, BQ] @ [BQ, BN] per block; CUDA: the decay weights, the
+    scaling of B and the decayed carry."""
     d = _Dims(problem, t)
-    read, written, _, _ = _passing(problem, t, "ssd_state_passing_kernel", False).count()
-    return Cost(2 * d.used * d.H * d.P * d.N + d.used * d.H * d.NT, read + d.table, written)
+    arch = target_arch(problem.device)
+    kernel = "ssd_chunk_states_kernel"
+    wave = machine(arch).sms * ctas_per_sm(kernel, problem, t, arch)
+    first, count = _sequences(problem, d)
+    tiles_ = d.NNB * d.NPB
+    programs = tiles_ * d.seqs * d.H
+    steps = max(1, int(count.max()))
+
+    launch = _Launch(problem, t, kernel, (wave, steps, -(-programs // wave)))
+    w, V = launch.waves, launch.V
+    slot, step, rnd = w.coords
+    pid = rnd * wave + slot
+    jn, ip, sh = pid % d.NNB, pid // d.NNB % d.NPB, (pid // tiles_).clamp(max=d.seqs * d.H - 1)
+    i_s, h = sh // d.H, sh % d.H
+    g = h // d.R
+    # slots past the last program and steps past a sequence's segments move nothing but keep
+    # every virtual wave one step of one wave
+    valid = (pid < programs) & (step < count[i_s])
+    seg = (first[i_s] + step).clamp(max=d.S - 1)
+    bp, bn = launch.rows(d.P, d.BP, ip), launch.rows(d.N, d.BN, jn)
+    prog, k = w.loop(d.NQB, lambda p, k: valid[p] & (V[seg[p], k] > 0))
+    sk, hk, v = seg[prog], h[prog], V[seg[prog], k]
+    w.load("x", prog, key((sk, d.S), (k, d.NQB), (hk, d.H), (ip[prog], d.NPB)),
+           v * bp[prog] * d.e)
+    w.load("B", prog, key((sk, d.S), (k, d.NQB), (g[prog], d.G), (jn[prog], d.NNB)),
+           v * bn[prog] * d.e)
+    w.load("acum", prog, key((sk, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
+    w.load("dts", prog, key((sk, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
+    every = every_program(w)
+    w.load("acum last", every, key((seg, d.S), (h, d.H)), 4 * valid)
+    w.alone(every, bp * bn * 4 * (valid & (step == 0) & problem.has_initial_states))
+    w.store(every, valid * (bp * bn * (d.es + 4 * entering)
+                            + bp * bn * 4 * (step == count[i_s] - 1)))
+    read, written, _, _ = w.count()
+    blocks = d.each(lambda s: s.rb) * d.H
+    mma = blocks * 2 * d.BQ * d.Pp * d.Np
+    cuda = blocks * d.NPB * d.NNB * d.BQ * (d.BN + 4) + 2 * d.used * d.H * d.P * d.N
+    return Cost(mma + cuda, read + d.table, written, mma, d.BP)
 
 
 @per_arch
@@ -310,7 +321,7 @@ def chunk_scan_cost(problem, t: Tiles) -> Cost:
     vi = V[s, i]
     w.load("acum", every, key((s, d.S), (h, d.H), (i, d.NQB)), d.BQ * 4)
     w.load("C", every, key((s, d.S), (i, d.NQB), (g, d.G)), vi * d.N * d.e)
-    w.load("state", every, key((s, d.S), (h, d.H), (ip, d.NPB)), bp * d.N * 4)
+    w.load("state", every, key((s, d.S), (h, d.H), (ip, d.NPB)), bp * d.N * d.es)
     prog, k = w.loop(d.NQB, lambda p, k: k <= i[p])
     sk, hk = s[prog], h[prog]
     w.load("C·B", prog, key((sk, d.S), (g[prog], d.G), (i[prog], d.NQB), (k, d.NQB)),
@@ -345,12 +356,25 @@ def gate_bwd_cost(problem, t: Tiles) -> Cost:
 def state_passing_bwd_cost(problem, t: Tiles) -> Cost:
     """Backwards along each sequence, per (sequence, head, PASS elements) program (grid
     (sequences, h, NT), the sequence fastest; 12 CTAs per SM): each used segment's own dH0 term
-    and its entering state H0 read, its dH1 written in place (state-sized each: values passed
-    between kernels), its last acum (shared by the NT pieces: once per wave), one <dH1, H0>
+    (fp32) and its entering state H0 (state dtype) read, its dH1 written in place (fp32; values
+    passed between kernels), its last acum (shared by the NT pieces: once per wave), one <dH1, H0>
     partial per program and segment written; dfinal_states read and dinitial_states written once
     where given. FLOPs: the decayed sum and the dot product, 4 per element and segment."""
     d = _Dims(problem, t)
-    read, written, _, _ = _passing(problem, t, "ssd_state_passing_bwd_kernel", True).count()
+    launch = _Launch(problem, t, "ssd_state_passing_bwd_kernel", (d.seqs, d.H, d.NT))
+    w = launch.waves
+    i_s, h, it = w.coords
+    first, count = _sequences(problem, d)
+    width = launch.rows(d.P * d.N, t.PASS, it)
+    prog, k = w.loop(int(count.max()), lambda p, k: k < count[i_s[p]])
+    seg = first[i_s[prog]] + k
+    w.alone(prog, width[prog] * (4 + d.es))
+    w.load("acum last", prog, key((seg, d.S), (h[prog], d.H)), 4)
+    w.store(prog, width[prog] * 4 + 4)
+    every = every_program(w)
+    w.alone(every, width * 4 * problem.has_dfinal_states)
+    w.store(every, width * 4 * problem.has_initial_states)
+    read, written, _, _ = w.count()
     return Cost(4 * d.used * d.H * d.P * d.N, read + d.table, written)
 
 
@@ -513,7 +537,7 @@ def dbc_cost(problem, t: Tiles, grad_b: bool) -> Cost:
     w.load("x" if grad_b else "dy", prog, key((sh, d.S), (rp, d.NQB), (h, d.H)),
            V[sh, rp] * d.P * d.e)
     w.load("dH1" if grad_b else "H0", prog, key((sh, d.S), (h, d.H), (jn[prog], d.NNB)),
-           d.P * bn[prog] * 4)
+           d.P * bn[prog] * (4 if grad_b else d.es))
     w.store(prog, d.BQ * 4)
     w.store(every, V[s, r] * bn * d.e)
     read, written, _, _ = w.count()

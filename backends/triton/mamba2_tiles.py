@@ -18,7 +18,7 @@ class ScanTiles:
 
     BQ: tokens per row block (rows and columns of a segment's Q x Q blocks; the M of the output,
     C·B, dx and gradient products); BP: head-dim tile; BN: state tile; BLOCK_H: heads per dt
-    program; PASS: state elements per state-passing program."""
+    program; PASS: state elements per program of the backward state passing."""
 
     BQ: int = 64
     BP: int = 64
@@ -88,18 +88,17 @@ def counts(problem, t: Tiles) -> dict:
 # -- waves and L2 --------------------------------------------------------------------------------
 # CTAs per SM of each kernel with the tile table's entry, as ``fusedops kernels --backend triton
 # --only "scan "`` reports them at h128 p64 n128 Q256 (triton 3.9, 2026-12-01; registers decide all
-# but C·B's on sm_90/sm_100 and the forward segment state's on sm_100: shared memory), and the
+# but C·B's on sm_90/sm_100: shared memory), and the
 # other production shapes where their registers give another (CTAS_VARIANTS, keyed by the shape's
 # ``_variant``); tests/test_kernel_report.py checks both against the compiled kernels. The
 # kernels not listed share no tile between programs (dt transform, gate, ddt, parameter
 # reduction): waves change nothing.
 CTAS_PER_SM = {
     "ssd_cb_kernel": {"sm_80": 4, "sm_90": 6, "sm_100": 6},
-    "ssd_segment_state_kernel": {"sm_80": 4, "sm_90": 6, "sm_100": 6},
-    "ssd_segment_state_kernel (dy, C)": {"sm_80": 4, "sm_90": 4, "sm_100": 6},
-    "ssd_state_passing_kernel": {"sm_80": 16, "sm_90": 16, "sm_100": 16},
+    "ssd_chunk_states_kernel": {"sm_80": 2, "sm_90": 3, "sm_100": 4},
+    "ssd_segment_state_kernel": {"sm_80": 4, "sm_90": 4, "sm_100": 6},
     "ssd_chunk_scan_fwd_kernel": {"sm_80": 3, "sm_90": 3, "sm_100": 3},
-    "ssd_state_passing_bwd_kernel": {"sm_80": 12, "sm_90": 12, "sm_100": 12},
+    "ssd_state_passing_bwd_kernel": {"sm_80": 10, "sm_90": 9, "sm_100": 9},
     "ssd_chunk_scan_bwd_dx_kernel": {"sm_80": 2, "sm_90": 2, "sm_100": 3},
     "ssd_dcb_kernel": {"sm_80": 2, "sm_90": 2, "sm_100": 2},
     "ssd_dacs_intra_kernel": {"sm_80": 2, "sm_90": 2, "sm_100": 2},
@@ -108,17 +107,21 @@ CTAS_PER_SM = {
 }
 _Q128, _PACKED, _P80 = ("Q < 256",), ("packed",), ("p > 64", "Q < 256")
 CTAS_VARIANTS = {
-    ("ssd_chunk_scan_fwd_kernel", "sm_100", _Q128): 4,
     ("ssd_chunk_scan_fwd_kernel", "sm_100", _P80): 4,
-    ("ssd_segment_state_kernel (dy, C)", "sm_90", _Q128): 5,
-    ("ssd_segment_state_kernel (dy, C)", "sm_90", _PACKED): 5,
-    ("ssd_segment_state_kernel (dy, C)", "sm_90", _P80): 5,
-    ("ssd_segment_state_kernel (dy, C)", "sm_100", _PACKED): 5,
+    ("ssd_segment_state_kernel", "sm_90", _Q128): 5,
+    ("ssd_segment_state_kernel", "sm_90", _PACKED): 5,
+    ("ssd_segment_state_kernel", "sm_90", _P80): 5,
+    ("ssd_segment_state_kernel", "sm_100", _PACKED): 5,
     ("ssd_chunk_scan_bwd_dx_kernel", "sm_100", _Q128): 2,
     ("ssd_chunk_scan_bwd_dx_kernel", "sm_100", _P80): 2,
     ("ssd_dcb_kernel", "sm_90", _PACKED): 3,
     ("ssd_dbc_kernel (dC)", "sm_100", _PACKED): 3,
     ("ssd_dbc_kernel (dB)", "sm_80", _P80): 1,
+    ("ssd_dbc_kernel (dC)", "sm_100", _Q128): 3,
+    ("ssd_state_passing_bwd_kernel", "sm_90", _PACKED): 10,
+    ("ssd_state_passing_bwd_kernel", "sm_90", _P80): 10,
+    ("ssd_state_passing_bwd_kernel", "sm_100", _PACKED): 10,
+    ("ssd_state_passing_bwd_kernel", "sm_100", _P80): 10,
 }
 
 
@@ -130,11 +133,10 @@ def _variant(problem) -> tuple[str, ...]:
 
 
 def occupancy_key(spec) -> str | None:
-    """The CTAS_PER_SM key of a scan KernelSpec (the backward's segment-state kernel is
-    "(dy, C)", the dB and dC kernels "(dB)" and "(dC)"), or None for a kernel the waves do not
-    need."""
+    """The CTAS_PER_SM key of a scan KernelSpec (the dB and dC kernels "(dB)" and "(dC)"), or
+    None for a kernel the waves do not need."""
     c = dict(spec.constexprs)
-    key = spec.name + (" (dy, C)" if c.get("FROM_START") else "")
+    key = spec.name
     if "GRAD_B" in c:
         key += " (dB)" if c["GRAD_B"] else " (dC)"
     return key if key in CTAS_PER_SM else None

@@ -191,6 +191,11 @@ class ScanProblem:
     has_status: bool = False    # a status word is given: the kernels report CU_SEQLENS into it
     has_seq_idx: bool = False   # seq_idx [b, l]: the state restarts where the id changes
     has_segment_states: bool = False   # the forward also writes the state entering each segment
+    state_dtype: torch.dtype | None = None   # the passed states' dtype; None: x's dtype
+
+    def __post_init__(self) -> None:
+        if self.state_dtype is None:
+            object.__setattr__(self, "state_dtype", self.dtype)
 
     @property
     def vector(self) -> int:
@@ -222,8 +227,9 @@ class ScanProblem:
 
     @property
     def states_bytes(self) -> int:
-        """fp32 state at the start of every segment: max_segments·h·p·n·4 bytes."""
-        return self.max_segments * self.heads * self.head_dim * self.state * 4
+        """The state entering every segment in state_dtype: max_segments·h·p·n·e_state bytes."""
+        return (self.max_segments * self.heads * self.head_dim * self.state
+                * element_size(self.state_dtype))
 
 
 # -- the floor: the least any implementation moves and computes (docs/mamba2.md) ----------------

@@ -7,12 +7,14 @@ saved state and workspace.
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 
 from ..core.checks import expect_dtype, expect_ndim, expect_shape
 from ..core.desc import TensorDesc
 from ..core.dtypes import accumulator_dtype
-from ..core.options import Option, expect_bool
+from ..core.options import Option, expect_bool, expect_dtype_choice, optional
 from ..core.tupledict import TupleDict
 from ..errors import ValidationError
 from ..plan import Plan, indices, inputs, outputs, saved_buffer, status_word
@@ -37,7 +39,22 @@ _GRAD_OF = {"x": "dx", "dt": "ddt", "A": "dA", "B": "dB", "C": "dC", "D": "dD", 
 _SCAN_OPTIONS = (Option("chunk_size", expect_chunk_size, DEFAULT_CHUNK_SIZE),
                  Option("dt_softplus", expect_bool, False),
                  Option("dt_limit", expect_dt_limit, DEFAULT_DT_LIMIT),
-                 Option("recompute_states", expect_bool, False))
+                 Option("recompute_states", expect_bool, False),
+                 Option("state_dtype", optional(partial(expect_dtype_choice, choices=ACTIVATION_DTYPES)),
+                        None))
+
+
+def resolve_state_dtype(x_dtype: torch.dtype, state_dtype: torch.dtype | None) -> torch.dtype:
+    """The passed states' dtype: ``state_dtype``, which must be x's dtype or its accumulator
+    dtype (fp32 for bf16/fp16 x); None: x's dtype."""
+    allowed = tuple(dict.fromkeys((x_dtype, accumulator_dtype(x_dtype))))
+    if state_dtype is None:
+        return x_dtype
+    if state_dtype not in allowed:
+        names = " or ".join(str(d).removeprefix("torch.") for d in allowed)
+        raise ValidationError(f"state_dtype: expected None, {names} for x of dtype "
+                              f"{str(x_dtype).removeprefix('torch.')}, got {state_dtype}")
+    return state_dtype
 
 
 class _ScanPlan(Plan):
@@ -109,7 +126,7 @@ class _ScanPlan(Plan):
     @property
     def saved_states_bytes(self) -> int:
         """Bytes the saved segment-start states take (0 with recompute_states=True):
-        max_segments·h·p·n·4. With recompute_states=True the backward recomputes them instead."""
+        max_segments·h·p·n times state_dtype's size. With recompute_states=True the backward recomputes them instead."""
         return 0 if self.problem.recompute_states else self.problem.states_bytes
 
 
@@ -139,6 +156,10 @@ class Mamba2ChunkScanForward(_ScanPlan):
             holds a negative id reports Status.SEQ_IDX.
         recompute_states: do not save the segment-start states (saved_states_bytes); the
             backward recomputes them.
+        state_dtype: the dtype the state entering every segment is passed and saved in: None
+            (x's dtype, as mamba_ssm passes them) or fp32 for bf16/fp16 x. The state carried
+            along a sequence stays fp32 (final_states, segment_states are exact); only the
+            copies the output and the backward read are rounded (docs/mamba2.md, Numerics).
         segment_states: an optional output [b·ceil(l / chunk_size), h, p, n] fp32 (not with
             cu_seqlens), declared here: the state entering every segment, row by row (mamba_ssm's
             chunk states, from which its varlen states are computed).
@@ -166,19 +187,21 @@ class Mamba2ChunkScanForward(_ScanPlan):
                  dt_bias=None, dt_softplus: bool = False, dt_limit=DEFAULT_DT_LIMIT,
                  initial_states=None, cu_seqlens=None, seq_idx=None,
                  recompute_states: bool = False, segment_states=None, status=None,
-                 backend: str = "auto") -> None:
+                 state_dtype: torch.dtype | None = None, backend: str = "auto") -> None:
         super().__init__(dict(x=x, dt=dt, A=A, B=B, C=C, D=D, z=z, dt_bias=dt_bias,
                               initial_states=initial_states, cu_seqlens=cu_seqlens,
                               seq_idx=seq_idx, segment_states=segment_states, status=status),
                          dict(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
-                              recompute_states=recompute_states), backend)
+                              recompute_states=recompute_states, state_dtype=state_dtype), backend)
 
-    def _validate(self, descs, *, chunk_size, dt_softplus, dt_limit, recompute_states) -> ScanProblem:
+    def _validate(self, descs, *, chunk_size, dt_softplus, dt_limit, recompute_states,
+                  state_dtype) -> ScanProblem:
         facts = self._validate_scan({k: v for k, v in descs.items() if k != "segment_states"})
         problem = ScanProblem(**facts, chunk=chunk_size, dt_softplus=dt_softplus,
                               dt_limit=dt_limit, recompute_states=recompute_states,
                               accumulate=False, has_dfinal_states=False,
-                              has_segment_states="segment_states" in descs)
+                              has_segment_states="segment_states" in descs,
+                              state_dtype=resolve_state_dtype(facts["dtype"], state_dtype))
         self._plan_tensor("y", (problem.batch, problem.length, problem.heads, problem.head_dim),
                           problem.dtype)
         self._plan_tensor("final_states", (problem.sequences, problem.heads, problem.head_dim,
@@ -215,7 +238,7 @@ class Mamba2ChunkScanBackward(_ScanPlan):
     """Backward plan of the Mamba2 chunked scan.
 
     Takes the forward's inputs and options (the same chunk_size, dt transform, cu_seqlens or
-    seq_idx, recompute_states and backend), dy [b, l, h, p] and optionally dfinal_states [nseq, h, p, n]
+    seq_idx, recompute_states, state_dtype and backend), dy [b, l, h, p] and optionally dfinal_states [nseq, h, p, n]
     fp32, and the forward's ``saved`` buffer (``saved_size`` bytes, not verified on the device).
     Writes dx, ddt (w.r.t. the raw dt, dt's dtype), dA [h] fp32, dB and dC (summed over the
     heads of each group in fp32, rounded once) and, for the optional inputs the plan was built
@@ -245,15 +268,16 @@ class Mamba2ChunkScanBackward(_ScanPlan):
                  dt_bias=None, dt_softplus: bool = False, dt_limit=DEFAULT_DT_LIMIT,
                  initial_states=None, cu_seqlens=None, seq_idx=None, dfinal_states=None,
                  recompute_states: bool = False, accumulate: bool = False, status=None,
-                 backend: str = "auto") -> None:
+                 state_dtype: torch.dtype | None = None, backend: str = "auto") -> None:
         super().__init__(dict(x=x, dt=dt, A=A, B=B, C=C, dy=dy, D=D, z=z, dt_bias=dt_bias,
                               initial_states=initial_states, cu_seqlens=cu_seqlens,
                               seq_idx=seq_idx, dfinal_states=dfinal_states, status=status),
                          dict(chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
-                              recompute_states=recompute_states, accumulate=accumulate), backend)
+                              recompute_states=recompute_states, accumulate=accumulate,
+                              state_dtype=state_dtype), backend)
 
     def _validate(self, descs, *, chunk_size, dt_softplus, dt_limit, recompute_states,
-                  accumulate) -> ScanProblem:
+                  accumulate, state_dtype) -> ScanProblem:
         scan = {k: v for k, v in descs.items() if k not in ("dy", "dfinal_states")}
         facts = self._validate_scan(scan)
         x = descs["x"]
@@ -261,7 +285,8 @@ class Mamba2ChunkScanBackward(_ScanPlan):
         expect_shape("dy", descs["dy"], tuple(x.shape), "[b, l, h, p] like x")
         problem = ScanProblem(**facts, chunk=chunk_size, dt_softplus=dt_softplus,
                               dt_limit=dt_limit, recompute_states=recompute_states,
-                              accumulate=accumulate, has_dfinal_states="dfinal_states" in descs)
+                              accumulate=accumulate, has_dfinal_states="dfinal_states" in descs,
+                              state_dtype=resolve_state_dtype(facts["dtype"], state_dtype))
         if "dfinal_states" in descs:
             df = descs["dfinal_states"]
             expect_dtype("dfinal_states", df, (problem.param_dtype,))
@@ -301,7 +326,7 @@ def mamba2_chunk_scan_forward(x, dt, A, B, C, chunk_size: int = DEFAULT_CHUNK_SI
                               dt_limit=DEFAULT_DT_LIMIT, initial_states=None, cu_seqlens=None,
                               seq_idx=None, recompute_states: bool = False,
                               return_segment_states: bool = False, status=None,
-                              backend: str = "auto", current_stream=None,
+                              state_dtype: torch.dtype | None = None, backend: str = "auto", current_stream=None,
                               check_inputs: bool | None = None) -> TupleDict:
     """Eager forward: allocates y, final_states, saved and the workspace; returns
     TupleDict(y, final_states, saved[, segment_states]) (``return_segment_states``: the state
@@ -329,14 +354,14 @@ def mamba2_chunk_scan_forward(x, dt, A, B, C, chunk_size: int = DEFAULT_CHUNK_SI
              status=status),
         backend=backend, current_stream=current_stream, check_inputs=check_inputs,
         chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
-        recompute_states=recompute_states)
+        recompute_states=recompute_states, state_dtype=state_dtype)
 
 
 def mamba2_chunk_scan_backward(x, dt, A, B, C, dy, saved, chunk_size: int = DEFAULT_CHUNK_SIZE, *,
                                D=None, z=None, dt_bias=None, dt_softplus: bool = False,
                                dt_limit=DEFAULT_DT_LIMIT, initial_states=None, cu_seqlens=None,
                                seq_idx=None, dfinal_states=None, recompute_states: bool = False,
-                               status=None,
+                               status=None, state_dtype: torch.dtype | None = None,
                                backend: str = "auto", current_stream=None,
                                check_inputs: bool | None = None) -> TupleDict:
     """Eager backward: allocates the gradients and workspace; returns TupleDict(dx, ddt, dA, dB,
@@ -348,5 +373,5 @@ def mamba2_chunk_scan_backward(x, dt, A, B, C, dy, saved, chunk_size: int = DEFA
              dfinal_states=dfinal_states, status=status),
         backend=backend, current_stream=current_stream, check_inputs=check_inputs,
         chunk_size=chunk_size, dt_softplus=dt_softplus, dt_limit=dt_limit,
-        recompute_states=recompute_states)
+        recompute_states=recompute_states, state_dtype=state_dtype)
 

@@ -42,10 +42,10 @@ TRAFFIC_BOUNDS = {
     ("GQAAttentionBackward", "attn hkv2 d128"): 32.00,
     "GQAAttentionDecode": 1.20,
     # Mamba2: C·B and the passed states written and read back, the dB/dC and d(C·B) waves
-    # that do not fit L2, the backward's state passing as its own pass; decode:
+    # that do not fit L2; decode:
     # the group's B and C re-read by the head-dim blocks, the seeds of stochastic rounding
     "Mamba2ChunkScanForward": 2.50,
-    "Mamba2ChunkScanBackward": 6.65,
+    "Mamba2ChunkScanBackward": 6.15,
     "Mamba2StateUpdate": 1.10,
     "Mamba2StateRollback": 1.01,
 }

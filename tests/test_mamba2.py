@@ -837,9 +837,9 @@ def test_tile_table_follows_the_target_arch():
             assert kernels.tiles(fwd.problem) == kernels.tiles(fwd.problem, entry)
             assert kernels.forward_candidates(fwd.problem)[0] == entry
             assert kernels.backward_candidates(bwd.problem)[0] == entry
-    other = kernels.ScanTiles(BQ=32, BP=32, BN=128, BLOCK_H=8, PASS=512)
+    other = kernels.ScanTiles(BQ=32, BP=32, BN=128, BLOCK_H=8)
     t = kernels.tiles(fwd.problem, other)
-    assert (t.BQ, t.BP, t.BN, t.BLOCK_H, t.PASS) == (32, 32, 128, 8, 512)
+    assert (t.BQ, t.BP, t.BN, t.BLOCK_H) == (32, 32, 128, 8)
     scan = [k for k in kernels.forward_program(fwd.problem, config=other).kernels
             if k.name == "ssd_chunk_scan_fwd_kernel"]
     assert scan[0].grid == (2 * 8 * 64 * 128, 1, 1)   # p / BP x Q / BQ programs per (segment, head)
@@ -984,8 +984,8 @@ def test_tuning_tensors_are_valid_packed_offsets():
 
 @pytest.mark.parametrize("backend", [b for b in SCAN_KERNEL_BACKENDS if b == "triton"])
 def test_every_autotune_candidate_computes_the_scan(backend):
-    """Each candidate's forward and backward programs (another state tile, head-dim tile,
-    state-passing length) give the reference's results."""
+    """Each candidate's forward and backward programs (another state tile, head-dim tile)
+    give the reference's results."""
     from fusedops.backends.triton import mamba2 as kernels
     case = samples.make(1, 70, 2, 64, 1, 128, torch.float32, seed=3, device=DEVICE, chunk=64,
                         D="h", dt_bias=True, initial_states=True, dfinal=True)
@@ -994,7 +994,7 @@ def test_every_autotune_candidate_computes_the_scan(backend):
     fwd_t = {k: t[k] for k in samples._FORWARD_TENSORS}
     probe = Mamba2ChunkScanForward(**fwd_t, **case.options, backend=backend)
     configs = kernels.forward_candidates(probe.problem)
-    assert len({kernels.tiles(probe.problem, c) for c in configs}) == len(configs) == 4
+    assert len({kernels.tiles(probe.problem, c) for c in configs}) == len(configs) == 3
     for config in configs:
         fwd = Mamba2ChunkScanForward(**fwd_t, **case.options, backend=backend)
         fwd._program = kernels.forward_program(fwd.problem, config=config)

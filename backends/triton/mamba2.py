@@ -270,22 +270,6 @@ def chunk_states_spec(problem, t: Tiles | None = None, entering: bool = False) -
                  cost=model.chunk_states_cost(problem, t, entering))
 
 
-def segment_state_spec(problem, t: Tiles | None = None) -> KernelSpec:
-    """Backward (x = dy, B = C): what each segment's dy sends back into its entering state."""
-    ty, t = _Types(problem), t or tiles(problem)
-    c = _counts(problem, t)
-    return _spec(fwd_kernels.ssd_segment_state_kernel,
-                 (("x_ptr", ty.x), ("B_ptr", ty.x), ("acum_ptr", "*fp32"), *ty.seg, ty.runs,
-                  ("states_ptr", "*fp32"), *stride_args("x", "x"), *stride_args("B", "B"),
-                  *ty.tail),
-                 dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
-                      Q=problem.chunk, BP=t.BP, BN=t.BN, BK=t.BQ, **ty.common,
-                      **numerics(problem.dtype), **ty.seq, VX=problem.vector,
-                      VB=problem.bc_vector),
-                 (c["NNB"] * c["NPB"] * problem.max_segments * problem.heads,), warps=8,
-                 cost=model.segment_state_cost(problem, t))
-
-
 def chunk_scan_spec(problem, t: Tiles | None = None) -> KernelSpec:
     """The output: the entering state's term, the causal intra-segment product, D and the gate
     (y before the gate saved for the backward)."""
@@ -327,22 +311,25 @@ def gate_spec(problem, t: Tiles | None = None) -> KernelSpec:
                  cost=model.gate_bwd_cost(problem, t))
 
 
-def state_passing_bwd_spec(problem, t: Tiles | None = None) -> KernelSpec:
-    """Backwards along every sequence: each segment's end-state gradient, the <dH1, H0> terms
-    and dinitial_states."""
+def chunk_states_bwd_spec(problem, t: Tiles | None = None) -> KernelSpec:
+    """Backwards along every sequence, one walk: each segment's end-state gradient, the
+    <dH1, H0> partials (one per state tile) and dinitial_states."""
     ty, t = _Types(problem), t or tiles(problem)
     c = _counts(problem, t)
-    return _spec(bwd_kernels.ssd_state_passing_bwd_kernel,
-                 (("dstates_ptr", "*fp32"), ("states_ptr", pointer_type(problem.state_dtype)),
-                  ("acum_ptr", "*fp32"),
+    return _spec(bwd_kernels.ssd_chunk_states_bwd_kernel,
+                 (("dy_ptr", ty.x), ("C_ptr", ty.x),
+                  ("states_ptr", pointer_type(problem.state_dtype)), ("acum_ptr", "*fp32"),
                   ("dfinal_ptr", _present(problem.has_dfinal_states, "*fp32")),
-                  ("dh0_ptr", _present(problem.has_initial_states, "*fp32")), ("v_ptr", "*fp32"),
-                  ("off_ptr", ty.cu), ty.runs, ("L", "i32")),
-                 dict(H=problem.heads, PN=problem.head_dim * problem.state, Q=problem.chunk,
-                      BLOCK=t.PASS, NT=c["NT"], HAS_DFINAL=problem.has_dfinal_states,
-                      HAS_DH0=problem.has_initial_states, VARLEN=_varlen(problem), **ty.seq),
-                 (problem.sequences, problem.heads, c["NT"]),
-                 cost=model.state_passing_bwd_cost(problem, t))
+                  ("dh0_ptr", _present(problem.has_initial_states, "*fp32")), *ty.seg, ty.runs,
+                  ("dstates_ptr", "*fp32"), ("v_ptr", "*fp32"), *stride_args("dy", "x"),
+                  *stride_args("C", "B"), ("L", "i32")),
+                 dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
+                      Q=problem.chunk, BP=t.BP, BN=t.BN, BK=t.BQ,
+                      HAS_DFINAL=problem.has_dfinal_states, HAS_DH0=problem.has_initial_states,
+                      VARLEN=_varlen(problem), **numerics(problem.dtype), **ty.seq,
+                      VX=problem.vector, VB=problem.bc_vector),
+                 (c["NNB"] * c["NPB"] * problem.sequences * problem.heads,),
+                 cost=model.chunk_states_cost(problem, t, False, True))
 
 
 def dx_spec(problem, t: Tiles | None = None) -> KernelSpec:
@@ -513,7 +500,7 @@ def forward_program(problem, config: ScanTiles | None = None) -> Program:
 
 def backward_program(problem, config: ScanTiles | None = None) -> Program:
     """The forward's prologue recomputed (and its states with recompute_states), the gate,
-    the state gradients forward and backwards along each sequence, dx, d(C·B), the straddling
+    the state gradients backwards along each sequence, dx, d(C·B), the straddling
     pairs of the log-decay gradient, dB, dC, ddt and the fixed-order parameter reduction (tiles:
     the table's entry, or ``config``)."""
     t = tiles(problem, config)
@@ -539,12 +526,11 @@ def backward_program(problem, config: ScanTiles | None = None) -> Program:
     fixed = dict(dts_ptr=ws("dts"), acum_ptr=ws("acum"), **seg)
     runs = dict(runs_ptr=ws("runs"))
     stages += [
-        _stage(segment_state_spec(problem, t), x_ptr=dy, B_ptr="C", states_ptr=ws("dstates"),
-               acum_ptr=ws("acum"), **strides("x", "x", dy_strides, v),
-               **strides("B", "B", "C", vb), **runs, **seg),
-        _stage(state_passing_bwd_spec(problem, t), dstates_ptr=ws("dstates"), states_ptr=states,
+        _stage(chunk_states_bwd_spec(problem, t), dy_ptr=dy, C_ptr="C", states_ptr=states,
                acum_ptr=ws("acum"), dfinal_ptr="dfinal_states", dh0_ptr="dinitial_states",
-               v_ptr=ws("v"), off_ptr=ws("offsets"), L=problem.length, **runs),
+               cu_ptr=ws("cu"), off_ptr=ws("offsets"), dstates_ptr=ws("dstates"), v_ptr=ws("v"),
+               L=problem.length, **strides("dy", "x", dy_strides, v),
+               **strides("C", "B", "C", vb), **runs),
         _stage(dx_spec(problem, t), dy_ptr=dy, cb_ptr=ws("cb"), dstates_ptr=ws("dstates"), D_ptr="D",
                ddt_part_ptr=ws("ddt_part"), dD_part_ptr=ws("dD_part"), **x_strides, **grad_strides,
                **strides("B", "B", "B", vb), **strides("dx", "x", "dx", v), **runs, **fixed),

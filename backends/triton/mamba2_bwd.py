@@ -21,7 +21,8 @@ token's run, H0 only the run before the segment, dH1 passes H0 only when the seg
 import triton
 import triton.language as tl
 
-from .mamba2_fwd import carries, segment_bounds, segment_runs, sequence_segments, token_runs
+from .mamba2_fwd import (accumulate_state, segment_bounds, segment_runs, sequence_segments,
+                          token_runs)
 from .ssm_math import softplus
 from .tiles import mm
 
@@ -54,36 +55,72 @@ def ssd_gate_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, stride_dy_b,
 
 
 @triton.jit
-def ssd_state_passing_bwd_kernel(dstates_ptr, states_ptr, acum_ptr, dfinal_ptr, dh0_ptr, v_ptr,
-                                 off_ptr, runs_ptr, L, H: tl.constexpr, PN: tl.constexpr,
-                                 Q: tl.constexpr, BLOCK: tl.constexpr, NT: tl.constexpr,
-                                 HAS_DFINAL: tl.constexpr, HAS_DH0: tl.constexpr,
-                                 VARLEN: tl.constexpr, HAS_SEQ: tl.constexpr):
-    """Backwards along each sequence: dstates[σ] <- dH1 of σ; v[σ, h, tile] = exp(Acum_last)
-    <dH1, H0> over the tile; the last dH0 is dinitial_states."""
-    i_s, i_h, i_t = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def ssd_chunk_states_bwd_kernel(dy_ptr, C_ptr, states_ptr, acum_ptr, dfinal_ptr, dh0_ptr, cu_ptr,
+                                off_ptr, runs_ptr, dstates_ptr, v_ptr, stride_dy_b, stride_dy_l,
+                                stride_dy_h, stride_C_b, stride_C_l, stride_C_g, L,
+                                H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                                Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                                BK: tl.constexpr, HAS_DFINAL: tl.constexpr, HAS_DH0: tl.constexpr,
+                                VARLEN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                                HAS_SEQ: tl.constexpr, VX: tl.constexpr, VB: tl.constexpr):
+    """The state gradients backwards along every sequence, in one pass: a program walks its
+    sequence's segments from the last with a [BP, BN] tile of dH in fp32 registers
+    (dfinal_states or zero), storing it as the segment's end-state gradient dH1 (dstates) with
+    its <dH1, H0> partial (v[σ, h, tile] = exp(Acum_last) sum over the tile, H0 the entering
+    state the forward saved), then dH0 = exp(Acum_last) dH1 + sum_i exp(Acum_i) dy_i ⊗ C_i
+    (sequence ids: dH1 passes only when the segment carries, and only the tokens of the run
+    before the segment count); the first segment's dH0 is dinitial_states. One program per
+    (state tile, head-dim tile, sequence·head), the tiles fastest: the tiles of a (sequence,
+    head) share its dy rows in L2, the R heads of a group its C rows."""
+    NPB: tl.constexpr = (P + BP - 1) // BP
+    NNB: tl.constexpr = (N + BN - 1) // BN
+    pid = tl.program_id(0)
+    i_n, i_p, i_sh = pid % NNB, pid // NNB % NPB, pid // (NNB * NPB)
+    i_t = pid % (NNB * NPB)
+    i_s, i_h = i_sh // H, i_sh % H
+    i_g = i_h // (H // G)
     first, last = sequence_segments(i_s, off_ptr, L, Q, VARLEN)
-    o = i_t * BLOCK + tl.arange(0, BLOCK)
-    m = o < PN
-    p_seq = (i_s.to(tl.int64) * H + i_h) * PN + o
-    if HAS_DFINAL:
-        b_dh = tl.load(dfinal_ptr + p_seq, mask=m, other=0.0)
+    if VARLEN:
+        row = (i_s * 0).to(tl.int64)
+        seq_start, seq_end = tl.load(cu_ptr + i_s), tl.load(cu_ptr + i_s + 1)
     else:
-        b_dh = tl.zeros([BLOCK], dtype=tl.float32)
-    last = last.to(tl.int64)
-    for k in range(0, last - first):
-        seg = last - 1 - k
-        p = (seg * H + i_h) * PN + o
-        b_own = tl.load(dstates_ptr + p, mask=m, other=0.0)
-        tl.store(dstates_ptr + p, b_dh, mask=m)
-        decay = tl.exp(tl.minimum(tl.load(acum_ptr + (seg * H + i_h) * Q + Q - 1), 0.0))
+        row = i_s.to(tl.int64)
+        seq_start, seq_end = i_s * 0, L
+    o_p = i_p * BP + tl.arange(0, BP)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_p, m_n = o_p < P, o_n < N
+    m_pn = m_p[:, None] & m_n[None, :]
+    o_pn = o_p[:, None] * N + o_n[None, :]
+    p_seq = i_sh.to(tl.int64) * (P * N) + o_pn
+    if HAS_DFINAL:
+        b_dh = tl.load(dfinal_ptr + p_seq, mask=m_pn, other=0.0)
+    else:
+        b_dh = tl.zeros([BP, BN], dtype=tl.float32)
+    p_dy = dy_ptr + row * (stride_dy_b * VX) + i_h * (stride_dy_h * VX)
+    p_c = C_ptr + row * (stride_C_b * VB) + i_g * (stride_C_g * VB)
+    first = first.to(tl.int64)
+    count = last - first
+    for k in range(0, count):
+        kk = count - 1 - k
+        seg = first + kk
+        start = seq_start + kk * Q
+        end = tl.minimum(seq_end, start + Q)
+        p = (seg * H + i_h) * (P * N) + o_pn
+        tl.store(dstates_ptr + p, b_dh, mask=m_pn)
+        p_seg = (seg * H + i_h) * Q
+        decay = tl.exp(tl.minimum(tl.load(acum_ptr + p_seg + Q - 1), 0.0))
+        r_prev = 0
         if HAS_SEQ:
-            decay = tl.where(carries(runs_ptr, i_s, seg - first, L, Q), decay, 0.0)
-        b_h0 = tl.load(states_ptr + p, mask=m, other=0.0).to(tl.float32)
-        tl.store(v_ptr + (seg * H + i_h) * NT + i_t, decay * tl.sum(b_dh * b_h0, axis=0))
-        b_dh = b_own + decay * b_dh
+            r_prev, r_last = segment_runs(runs_ptr, row, start, end, L)
+            decay = tl.where(r_prev == r_last, decay, 0.0)
+        b_h0 = tl.load(states_ptr + p, mask=m_pn, other=0.0).to(tl.float32)
+        tl.store(v_ptr + (seg * H + i_h) * (NPB * NNB) + i_t,
+                 decay * tl.sum(tl.sum(b_dh * b_h0, axis=1), axis=0))
+        b_dh = accumulate_state(b_dh * decay, p_dy, p_c, acum_ptr, acum_ptr, runs_ptr, p_seg, row,
+                                start, end, L, 0.0, r_prev, o_p, o_n, m_p, m_n, stride_dy_l,
+                                stride_C_l, BK, True, UPCAST, IEEE, HAS_SEQ, VX, VB)
     if HAS_DH0:
-        tl.store(dh0_ptr + p_seq, b_dh, mask=m)
+        tl.store(dh0_ptr + p_seq, b_dh, mask=m_pn)
 
 
 @triton.jit

@@ -284,51 +284,6 @@ def accumulate_state(b_acc, p_x, p_b, dts_ptr, acum_ptr, runs_ptr, p_seg, row, s
 
 
 @triton.jit
-def ssd_segment_state_kernel(x_ptr, B_ptr, acum_ptr, cu_ptr, off_ptr, runs_ptr, states_ptr,
-                             stride_x_b, stride_x_l, stride_x_h, stride_B_b, stride_B_l,
-                             stride_B_g, L, NSEQ,
-                             H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                             Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                             BK: tl.constexpr, VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                             UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SEQ: tl.constexpr,
-                             VX: tl.constexpr, VB: tl.constexpr):
-    """Backward (x = dy, B = C): states[σ, h] = sum_j exp(Acum_j) dy_j ⊗ C_j over the segment's
-    tokens, what its dy sends back into its entering state (sequence ids: the tokens of the run
-    before the segment). One program per (state tile, head-dim tile, segment·head), the tiles
-    fastest: the state tiles of a (segment, head) share its dy rows in L2."""
-    NPB: tl.constexpr = (P + BP - 1) // BP
-    NNB: tl.constexpr = (N + BN - 1) // BN
-    pid = tl.program_id(0)
-    i_n, i_p, i_sh = pid % NNB, pid // NNB % NPB, pid // (NNB * NPB)
-    i_seg, i_h = i_sh // H, i_sh % H
-    i_g = i_h // (H // G)
-    row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
-    o_p = i_p * BP + tl.arange(0, BP)
-    o_n = i_n * BN + tl.arange(0, BN)
-    m_p, m_n = o_p < P, o_n < N
-    r_keep = 0
-    if HAS_SEQ:
-        r_keep, r_last = segment_runs(runs_ptr, row, start, end, L)
-    b_acc = accumulate_state(tl.zeros([BP, BN], dtype=tl.float32),
-                             x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX),
-                             B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB),
-                             acum_ptr, acum_ptr, runs_ptr, i_sh.to(tl.int64) * Q, row, start,
-                             end, L, 0.0, r_keep, o_p, o_n, m_p, m_n, stride_x_l, stride_B_l,
-                             BK, True, UPCAST, IEEE, HAS_SEQ, VX, VB)
-    p = i_sh.to(tl.int64) * (P * N) + o_p[:, None] * N + o_n[None, :]
-    tl.store(states_ptr + p, b_acc, mask=m_p[:, None] & m_n[None, :])
-
-
-@triton.jit
-def carries(runs_ptr, i_s, k, L, Q: tl.constexpr):
-    """Sequence ids: whether the state entering segment k of row i_s carries into its end
-    state (the segment's last token is in the run before it)."""
-    start = k * Q
-    r_prev, r_last = segment_runs(runs_ptr, i_s.to(tl.int64), start, tl.minimum(L, start + Q), L)
-    return r_prev == r_last
-
-
-@triton.jit
 def ssd_chunk_states_kernel(x_ptr, B_ptr, dts_ptr, acum_ptr, h0_ptr, cu_ptr, off_ptr, runs_ptr,
                             states_ptr, entering_ptr, final_ptr, stride_x_b, stride_x_l,
                             stride_x_h, stride_B_b, stride_B_l, stride_B_g, L,

@@ -28,7 +28,7 @@ work on the CUDA cores (exp and log count one each). Not modelled: the runs of s
 Notation in the docstrings: T = b·l tokens, S = max_segments (the grid's segments; "used": the
 segments holding tokens), h, g, R = h/g, p, n, Q; e = bytes of x's dtype, e_dt of dt's; per
 segment of L tokens, v(k) = tokens of row block k, rb = row blocks holding tokens, tri =
-rb(rb+1)/2; NQB = Q/BQ, NPB = ceil(p/BP), NNB = ceil(n/BN), NT = ceil(p·n/PASS); "x-sized" =
+rb(rb+1)/2; NQB = Q/BQ, NPB = ceil(p/BP), NNB = ceil(n/BN), NT = NPB·NNB; "x-sized" =
 T·h·p·e, "state-sized" = S·h·p·n·4.
 """
 
@@ -194,41 +194,6 @@ def cb_cost(problem, t: Tiles) -> Cost:
     return Cost(mma, read + d.table, written, mma, d.BQ)
 
 
-@per_arch
-def segment_state_cost(problem, t: Tiles) -> Cost:
-    """The backward's dH0 terms of every segment (x = dy, B = C). Order: a 1-D grid over (NNB, NPB, S·h), the state tile fastest, then the head-dim tile, the
-    (segment, head) slowest: a (segment, head)'s tiles run side by side, the R heads of a group
-    NNB·NPB programs apart. Wave: 132 × 6 = 792 programs on sm_90 (the backward's 8-warp kernel
-    132 × 4 or 5), about 3 segments' heads; every wave fits in the L2. Reuse: B rows (the segment's
-    token blocks over the tile's BN state columns) are shared by the R heads of the group in
-    one wave (once; groups a wave cuts in two count them in both); x rows k over the BP
-    head-dim rows by the NNB state tiles next to each other (once, where (S·h, NPB, NNB) order
-    read them NNB times, S·h programs apart); acum and dts (BQ·4 per block, unmasked) and the
-    last acum once per (segment, head).
-    Every program writes its fp32 [BP, BN] tile (state-sized). MMA: [BP, BQ] @ [BQ, BN] per
-    block; CUDA: the decay weights and the scaling of B."""
-    d = _Dims(problem, t)
-    launch = _Launch(problem, t, "ssd_segment_state_kernel", (d.NNB, d.NPB, d.S * d.H))
-    w, V = launch.waves, launch.V
-    jn, ip, sh = w.coords
-    s, h = sh // d.H, sh % d.H
-    g = h // d.R
-    bp, bn = launch.rows(d.P, d.BP, ip), launch.rows(d.N, d.BN, jn)
-    prog, k = w.loop(d.NQB, lambda p, k: V[s[p], k] > 0)
-    sk, hk, v = s[prog], h[prog], V[s[prog], k]
-    w.load("x", prog, key((sk, d.S), (k, d.NQB), (hk, d.H), (ip[prog], d.NPB)),
-           v * bp[prog] * d.e)
-    w.load("B", prog, key((sk, d.S), (k, d.NQB), (g[prog], d.G), (jn[prog], d.NNB)),
-           v * bn[prog] * d.e)
-    w.load("acum", prog, key((sk, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
-    w.store(every_program(w), bp * bn * 4)
-    read, written, _, _ = w.count()
-    blocks = d.each(lambda s: s.rb) * d.H
-    mma = blocks * 2 * d.BQ * d.Pp * d.Np
-    cuda = blocks * d.NPB * d.NNB * d.BQ * (d.BN + 4)
-    return Cost(mma + cuda, read + d.table, written, mma, d.BP)
-
-
 def _sequences(problem, d: _Dims):
     """(first segment, segments) of every sequence, in sequence order (``segment_tokens``)."""
     Q = problem.chunk
@@ -242,8 +207,9 @@ def _sequences(problem, d: _Dims):
 
 
 @per_arch
-def chunk_states_cost(problem, t: Tiles, entering: bool) -> Cost:
-    """The states along every sequence. Order: a 1-D grid over (NNB, NPB, sequences·h), the
+def chunk_states_cost(problem, t: Tiles, entering: bool, backward: bool = False) -> Cost:
+    """The states along every sequence (``backward``: their gradients, walked from the last
+    segment, with dy for x and C for B). Order: a 1-D grid over (NNB, NPB, sequences·h), the
     state tile fastest; each program walks its sequence's segments, so the model counts one
     virtual program per (program, segment step), the programs of a wave (132 × 3 = 396 on
     sm_90: 512 programs at b = 2, h = 128 run in waves of 396 and 116) advancing together: a
@@ -253,11 +219,13 @@ def chunk_states_cost(problem, t: Tiles, entering: bool) -> Cost:
     (segment, head); every step's working set fits in the L2 (under 10 MB on sm_90 at the
     production shape), so x is read once and B once per wave its group's heads fall in. Every step writes the entering [BP, BN] tile
     in the state dtype (and fp32 into segment_states with ``entering``); initial_states read and
-    final_states written once. MMA: [BP, BQ] @ [BQ, BN] per block; CUDA: the decay weights, the
-    scaling of B and the decayed carry."""
+    final_states written once. Backward: no dts; every step reads its entering state tile (the
+    state dtype, its program's alone) and writes the fp32 dH1 tile and one <dH1, H0> partial;
+    dfinal_states read and dinitial_states written once. MMA: [BP, BQ] @ [BQ, BN] per block;
+    CUDA: the decay weights, the scaling of B (C), the decayed carry (and the partial)."""
     d = _Dims(problem, t)
     arch = target_arch(problem.device)
-    kernel = "ssd_chunk_states_kernel"
+    kernel = "ssd_chunk_states_bwd_kernel" if backward else "ssd_chunk_states_kernel"
     wave = machine(arch).sms * ctas_per_sm(kernel, problem, t, arch)
     first, count = _sequences(problem, d)
     tiles_ = d.NNB * d.NPB
@@ -278,21 +246,28 @@ def chunk_states_cost(problem, t: Tiles, entering: bool) -> Cost:
     bp, bn = launch.rows(d.P, d.BP, ip), launch.rows(d.N, d.BN, jn)
     prog, k = w.loop(d.NQB, lambda p, k: valid[p] & (V[seg[p], k] > 0))
     sk, hk, v = seg[prog], h[prog], V[seg[prog], k]
-    w.load("x", prog, key((sk, d.S), (k, d.NQB), (hk, d.H), (ip[prog], d.NPB)),
-           v * bp[prog] * d.e)
-    w.load("B", prog, key((sk, d.S), (k, d.NQB), (g[prog], d.G), (jn[prog], d.NNB)),
-           v * bn[prog] * d.e)
+    w.load("dy" if backward else "x", prog,
+           key((sk, d.S), (k, d.NQB), (hk, d.H), (ip[prog], d.NPB)), v * bp[prog] * d.e)
+    w.load("C" if backward else "B", prog,
+           key((sk, d.S), (k, d.NQB), (g[prog], d.G), (jn[prog], d.NNB)), v * bn[prog] * d.e)
     w.load("acum", prog, key((sk, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
-    w.load("dts", prog, key((sk, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
+    if not backward:
+        w.load("dts", prog, key((sk, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
     every = every_program(w)
     w.load("acum last", every, key((seg, d.S), (h, d.H)), 4 * valid)
-    w.alone(every, bp * bn * 4 * (valid & (step == 0) & problem.has_initial_states))
-    w.store(every, valid * (bp * bn * (d.es + 4 * entering)
-                            + bp * bn * 4 * (step == count[i_s] - 1)))
+    tile = bp * bn
+    first_step, last_step = step == 0, step == count[i_s] - 1
+    if backward:
+        w.alone(every, valid * (tile * d.es + tile * 4 * (first_step & problem.has_dfinal_states)))
+        w.store(every, valid * (tile * 4 + 4 + tile * 4 * (last_step & problem.has_initial_states)))
+    else:
+        w.alone(every, tile * 4 * (valid & first_step & problem.has_initial_states))
+        w.store(every, valid * (tile * (d.es + 4 * entering) + tile * 4 * last_step))
     read, written, _, _ = w.count()
     blocks = d.each(lambda s: s.rb) * d.H
     mma = blocks * 2 * d.BQ * d.Pp * d.Np
-    cuda = blocks * d.NPB * d.NNB * d.BQ * (d.BN + 4) + 2 * d.used * d.H * d.P * d.N
+    cuda = (blocks * d.NPB * d.NNB * d.BQ * (d.BN + 4)
+            + (4 if backward else 2) * d.used * d.H * d.P * d.N)
     return Cost(mma + cuda, read + d.table, written, mma, d.BP)
 
 
@@ -350,32 +325,6 @@ def gate_bwd_cost(problem, t: Tiles) -> Cost:
     numel = problem.batch * problem.length * problem.heads * problem.head_dim
     e = element_size(problem.dtype)
     return Cost(12 * numel, 3 * numel * e, 2 * numel * e)
-
-
-@per_arch
-def state_passing_bwd_cost(problem, t: Tiles) -> Cost:
-    """Backwards along each sequence, per (sequence, head, PASS elements) program (grid
-    (sequences, h, NT), the sequence fastest; 12 CTAs per SM): each used segment's own dH0 term
-    (fp32) and its entering state H0 (state dtype) read, its dH1 written in place (fp32; values
-    passed between kernels), its last acum (shared by the NT pieces: once per wave), one <dH1, H0>
-    partial per program and segment written; dfinal_states read and dinitial_states written once
-    where given. FLOPs: the decayed sum and the dot product, 4 per element and segment."""
-    d = _Dims(problem, t)
-    launch = _Launch(problem, t, "ssd_state_passing_bwd_kernel", (d.seqs, d.H, d.NT))
-    w = launch.waves
-    i_s, h, it = w.coords
-    first, count = _sequences(problem, d)
-    width = launch.rows(d.P * d.N, t.PASS, it)
-    prog, k = w.loop(int(count.max()), lambda p, k: k < count[i_s[p]])
-    seg = first[i_s[prog]] + k
-    w.alone(prog, width[prog] * (4 + d.es))
-    w.load("acum last", prog, key((seg, d.S), (h[prog], d.H)), 4)
-    w.store(prog, width[prog] * 4 + 4)
-    every = every_program(w)
-    w.alone(every, width * 4 * problem.has_dfinal_states)
-    w.store(every, width * 4 * problem.has_initial_states)
-    read, written, _, _ = w.count()
-    return Cost(4 * d.used * d.H * d.P * d.N, read + d.table, written)
 
 
 @per_arch

@@ -18,13 +18,12 @@ class ScanTiles:
 
     BQ: tokens per row block (rows and columns of a segment's Q x Q blocks; the M of the output,
     C·B, dx and gradient products); BP: head-dim tile; BN: state tile; BLOCK_H: heads per dt
-    program; PASS: state elements per program of the backward state passing."""
+    program."""
 
     BQ: int = 64
     BP: int = 64
     BN: int = 64
     BLOCK_H: int = 16
-    PASS: int = 1024
 
 
 @dataclass(frozen=True)
@@ -35,19 +34,18 @@ class Tiles:
     BP: int
     BN: int
     BLOCK_H: int
-    PASS: int
     SEARCH: int      # binary-search steps to find a segment's sequence (varlen)
 
 
 TILES = {
-    "sm_80": (ScanTiles(64, 64, 64, 16, 1024),
+    "sm_80": (ScanTiles(64, 64, 64, 16),
               "A100 (108 SMs, 164 KiB shared memory, mma.sync m16n8k16): today's tiles; the "
               "output kernel's 40.5 KiB of shared memory at two stages allows 4 CTAs per SM; no "
               "measurement yet says better"),
-    "sm_90": (ScanTiles(64, 64, 64, 16, 1024),
+    "sm_90": (ScanTiles(64, 64, 64, 16),
               "H100/H200 (132 SMs, 228 KiB, wgmma): BQ = BP = 64 rows is one m64 wgmma per "
               "warpgroup, the smallest tile with no mma.sync; today's tiles, no measurement yet"),
-    "sm_100": (ScanTiles(64, 64, 64, 16, 1024),
+    "sm_100": (ScanTiles(64, 64, 64, 16),
                "B200 (148 SMs, 228 KiB, tcgen05): today's tiles (Triton lowers the 64-row dots "
                "to tcgen05 with a 64-row M); no measurement yet"),
 }
@@ -60,29 +58,28 @@ def _pow2_between(value: int, lo: int, hi: int) -> int:
 def tiles(problem, config: ScanTiles | None = None) -> Tiles:
     """The table entry for the plan's architecture (or ``config``) fitted to the problem:
     token, head-dim and state tiles at most the chunk, p and n (16 at least: the MMA's K),
-    heads per dt program, state elements per state-passing program, the varlen search depth."""
+    heads per dt program, the varlen search depth."""
     c = config or TILES[target_arch(problem.device)][0]
     search = max(1, math.ceil(math.log2(problem.sequences + 1))) if problem.num_sequences else 1
     return Tiles(BQ=min(problem.chunk, c.BQ), BP=_pow2_between(problem.head_dim, 16, c.BP),
                  BN=_pow2_between(problem.state, 16, c.BN),
-                 BLOCK_H=_pow2_between(problem.heads, 1, c.BLOCK_H),
-                 PASS=_pow2_between(problem.head_dim * problem.state, 16, c.PASS), SEARCH=search)
+                 BLOCK_H=_pow2_between(problem.heads, 1, c.BLOCK_H), SEARCH=search)
 
 
 def candidates(problem) -> list[ScanTiles]:
     """Autotune candidates: the table's entry first; the whole state per program (BN = 128: x
-    read once by the segment-state kernels, half the programs); 32-row head-dim tiles (twice
-    the output programs); shorter state-passing programs (more of them along a sequence)."""
+    read once by the states kernels, half their programs); 32-row head-dim tiles (twice the
+    output programs)."""
     base = TILES[target_arch(problem.device)][0]
-    out = [base, replace(base, BN=128), replace(base, BP=32), replace(base, PASS=512)]
+    out = [base, replace(base, BN=128), replace(base, BP=32)]
     return list(dict.fromkeys(out))
 
 
 def counts(problem, t: Tiles) -> dict:
-    """Row blocks per segment, head-dim and state tiles, state-passing programs per head."""
-    return dict(NQB=problem.chunk // t.BQ, NPB=triton.cdiv(problem.head_dim, t.BP),
-                NNB=triton.cdiv(problem.state, t.BN),
-                NT=triton.cdiv(problem.head_dim * problem.state, t.PASS))
+    """Row blocks per segment, head-dim and state tiles, state tiles per head (NT = NPB·NNB:
+    the <dH1, H0> partials of a segment and head)."""
+    npb, nnb = triton.cdiv(problem.head_dim, t.BP), triton.cdiv(problem.state, t.BN)
+    return dict(NQB=problem.chunk // t.BQ, NPB=npb, NNB=nnb, NT=npb * nnb)
 
 
 # -- waves and L2 --------------------------------------------------------------------------------
@@ -96,9 +93,8 @@ def counts(problem, t: Tiles) -> dict:
 CTAS_PER_SM = {
     "ssd_cb_kernel": {"sm_80": 4, "sm_90": 6, "sm_100": 6},
     "ssd_chunk_states_kernel": {"sm_80": 2, "sm_90": 3, "sm_100": 4},
-    "ssd_segment_state_kernel": {"sm_80": 4, "sm_90": 4, "sm_100": 6},
+    "ssd_chunk_states_bwd_kernel": {"sm_80": 3, "sm_90": 3, "sm_100": 4},
     "ssd_chunk_scan_fwd_kernel": {"sm_80": 3, "sm_90": 3, "sm_100": 3},
-    "ssd_state_passing_bwd_kernel": {"sm_80": 10, "sm_90": 9, "sm_100": 9},
     "ssd_chunk_scan_bwd_dx_kernel": {"sm_80": 2, "sm_90": 2, "sm_100": 3},
     "ssd_dcb_kernel": {"sm_80": 2, "sm_90": 2, "sm_100": 2},
     "ssd_dacs_intra_kernel": {"sm_80": 2, "sm_90": 2, "sm_100": 2},
@@ -108,20 +104,15 @@ CTAS_PER_SM = {
 _Q128, _PACKED, _P80 = ("Q < 256",), ("packed",), ("p > 64", "Q < 256")
 CTAS_VARIANTS = {
     ("ssd_chunk_scan_fwd_kernel", "sm_100", _P80): 4,
-    ("ssd_segment_state_kernel", "sm_90", _Q128): 5,
-    ("ssd_segment_state_kernel", "sm_90", _PACKED): 5,
-    ("ssd_segment_state_kernel", "sm_90", _P80): 5,
-    ("ssd_segment_state_kernel", "sm_100", _PACKED): 5,
     ("ssd_chunk_scan_bwd_dx_kernel", "sm_100", _Q128): 2,
     ("ssd_chunk_scan_bwd_dx_kernel", "sm_100", _P80): 2,
     ("ssd_dcb_kernel", "sm_90", _PACKED): 3,
     ("ssd_dbc_kernel (dC)", "sm_100", _PACKED): 3,
     ("ssd_dbc_kernel (dB)", "sm_80", _P80): 1,
     ("ssd_dbc_kernel (dC)", "sm_100", _Q128): 3,
-    ("ssd_state_passing_bwd_kernel", "sm_90", _PACKED): 10,
-    ("ssd_state_passing_bwd_kernel", "sm_90", _P80): 10,
-    ("ssd_state_passing_bwd_kernel", "sm_100", _PACKED): 10,
-    ("ssd_state_passing_bwd_kernel", "sm_100", _P80): 10,
+    ("ssd_chunk_states_bwd_kernel", "sm_90", _PACKED): 4,
+    ("ssd_chunk_states_bwd_kernel", "sm_90", _P80): 2,
+    ("ssd_chunk_states_bwd_kernel", "sm_100", _P80): 3,
 }
 
 

@@ -13,7 +13,7 @@ import torch
 
 from ..core.checks import expect_dtype, expect_ndim, expect_shape
 from ..core.desc import TensorDesc
-from ..core.dtypes import accumulator_dtype
+from ..core.dtypes import accumulator_dtype, dtype_name
 from ..core.options import Option, expect_bool, expect_dtype_choice, optional
 from ..core.tupledict import TupleDict
 from ..errors import ValidationError
@@ -51,9 +51,9 @@ def resolve_state_dtype(x_dtype: torch.dtype, state_dtype: torch.dtype | None) -
     if state_dtype is None:
         return x_dtype
     if state_dtype not in allowed:
-        names = " or ".join(str(d).removeprefix("torch.") for d in allowed)
+        names = " or ".join(dtype_name(d) for d in allowed)
         raise ValidationError(f"state_dtype: expected None, {names} for x of dtype "
-                              f"{str(x_dtype).removeprefix('torch.')}, got {state_dtype}")
+                              f"{dtype_name(x_dtype)}, got {state_dtype}")
     return state_dtype
 
 

@@ -1,0 +1,111 @@
+"""The gradients of the torch backend's Mamba2 chunked scan, piece by piece (backends/torch/
+mamba2.py composes them in ``chunk_scan_backward``).
+
+Each function takes the gradient of one piece's output and returns the gradients of its inputs,
+in the compute dtype, with the forward's shapes: S segments of Q slots, h = g·r heads (head i in
+group i // r), head dim p, state size n. Conventions: exp(min(e, 0)) passes the gradient where
+e <= 0 (torch.clamp's rule), the dt_limit clamp passes it at its bounds, softplus' derivative is
+1 above the threshold (20) and sigmoid below.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from fusedops.mamba2.contract import SOFTPLUS_THRESHOLD
+
+__all__ = ["boundary_weights_backward", "gate_backward", "pairs_backward",
+           "pass_states_backward", "segment_output_state_backward", "segment_states_backward",
+           "skip_backward", "transform_dt_backward"]
+
+
+def gate_backward(dy: torch.Tensor, y_pre: torch.Tensor, z: torch.Tensor):
+    """(d y_pre, dz) [b, l, h, p] of y = y_pre·silu(z), given dy (in the compute dtype)."""
+    zf = z.to(dy.dtype)
+    dz = torch.ops.aten.silu_backward(dy * y_pre, zf)       # times silu'(z), torch's kernel
+    return F.silu(zf).mul_(dy), dz
+
+
+def skip_backward(dy: torch.Tensor, x: torch.Tensor, D: torch.Tensor):
+    """(dx [b, l, h, p], dD [h] or [h, p]) of the skip term D·x, given its dy."""
+    xf, Df = x.to(dy.dtype), D.to(dy.dtype)
+    if D.dim() == 1:
+        return dy * Df[:, None], (dy * xf).sum((0, 1, 3))
+    return dy * Df, (dy * xf).sum((0, 1))
+
+
+def segment_output_state_backward(terms, passed: torch.Tensor, dys: torch.Tensor):
+    """(d passed [S, h, p, n], dC [S, g, Q, n], d w_start [S, h, Q]) of the entering state's
+    term of y, y_i += w_start_i C_i·passed, given dys [S, h, Q, p] (0 in empty slots)."""
+    through = dys @ passed                                  # [S, h, Q, n]: dy_i·passed
+    d_w_start = (through * terms.Ch).sum(-1)
+    dC = terms.by_group(through.mul_(terms.w_start[..., None])).sum(2)
+    d_passed = (dys * terms.w_start[..., None]).transpose(-1, -2) @ terms.Ch
+    return d_passed, dC, d_w_start
+
+
+def pass_states_backward(d_entering: torch.Tensor, step: torch.Tensor, layout, dfinal=None):
+    """(d own [S, h, p, n], d initial_states [nseq, h, p, n]) of ``pass_states``: the
+    sequences' segments walked back from the last, given the gradients of the entering states
+    and of the final states (None: zero)."""
+    S = d_entering.shape[0]
+    grad = (d_entering.new_zeros(layout.nseq, *d_entering.shape[1:]) if dfinal is None
+            else dfinal.to(d_entering.dtype))           # of the state after the current step
+    d_own = d_entering.new_zeros(S + 1, *d_entering.shape[1:])          # row S: discarded
+    for pos in reversed(range(layout.positions)):
+        active = pos < layout.count
+        k = torch.where(active, layout.first + pos, torch.full_like(layout.first, S))
+        d_own.index_put_((k,), grad)
+        k = k.clamp(max=S - 1)
+        before = step[k][..., None, None] * grad + d_entering[k]
+        grad = torch.where(active[:, None, None, None], before, grad)
+    return d_own[:S], grad
+
+
+def segment_states_backward(terms, d_own: torch.Tensor):
+    """(d xdt [S, h, Q, p], dB [S, g, Q, n], d w_end [S, h, Q]) of ``segment_states``,
+    own = sum_j w_end_j xdt_j ⊗ B_j, given d own [S, h, p, n]."""
+    dB = terms.by_group((terms.xdt * terms.w_end[..., None]) @ d_own).sum(2)
+    spread = terms.Bh @ d_own.transpose(-1, -2)             # [S, h, Q, p]: d own · B_j
+    d_w_end = (terms.xdt * spread).sum(-1)
+    return spread.mul_(terms.w_end[..., None]), dB, d_w_end
+
+
+def pairs_backward(terms, dys: torch.Tensor, pair: torch.Tensor):
+    """(d xdt [S, h, Q, p], d(C·B) [S, g, Q, Q], d acum [S, h, Q]) of the pairs' term of y,
+    y_i = sum_j decay_ij cb_ij xdt_j (cb 0 outside ``pair`` [S, Q, Q]), given dys [S, h, Q, p].
+    Spends terms.weights, terms.decay and terms.cb: their memory holds the gradients."""
+    d_xdt = terms.weights.transpose(-1, -2) @ dys
+    d_weights = torch.matmul(dys, terms.xdt.transpose(-1, -2), out=terms.weights)
+    d_cb_heads = terms.by_group(d_weights.mul_(terms.decay))           # [S, g, r, Q, Q]
+    # the exponent acum_i - acum_j of each pair: d exponent = d weights · weights, 0 if clamped
+    d_exponent = torch.mul(d_cb_heads, terms.cb[:, :, None], out=terms.by_group(terms.decay))
+    d_exponent = d_exponent.flatten(1, 2).masked_fill_(terms.clamped, 0.0)
+    d_cb = torch.sum(d_cb_heads, 2, out=terms.cb).masked_fill_(~pair[:, None], 0.0)
+    return d_xdt, d_cb, d_exponent.sum(-1) - d_exponent.sum(-2)
+
+
+def boundary_weights_backward(terms, d_w_start, d_w_end, d_step) -> torch.Tensor:
+    """d acum [S, h, Q] through w_start = exp(min(acum_i, 0)), w_end = exp(min(acum_last -
+    acum_j, 0)) and step = exp(min(acum_last, 0)) (their seq_idx masks included), given their
+    gradients ([S, h, Q], [S, h, Q], [S, h])."""
+    acum = terms.acum
+    last = acum[..., -1]
+    d_end = d_w_end * terms.w_end * (last[..., None] - acum <= 0)
+    d_acum = d_w_start * terms.w_start * (acum <= 0) - d_end
+    d_acum[..., -1] += d_end.sum(-1) + d_step * terms.step * (last <= 0)
+    return d_acum
+
+
+def transform_dt_backward(d_dt, dt, dt_bias, dt_softplus: bool, dt_limit, compute_dtype):
+    """(ddt [b, l, h], ddt_bias [h] or None) of ``transform_dt`` (bias, softplus, clamp), given
+    the gradient of the transformed dt."""
+    u = dt.to(compute_dtype)
+    if dt_bias is not None:
+        u = u + dt_bias.to(compute_dtype)
+    v = F.softplus(u, beta=1.0, threshold=SOFTPLUS_THRESHOLD) if dt_softplus else u
+    d = torch.where((v >= dt_limit[0]) & (v <= dt_limit[1]), d_dt, 0.0)
+    if dt_softplus:
+        d = d * torch.where(u > SOFTPLUS_THRESHOLD, 1.0, torch.sigmoid(u))
+    return d, (d.sum((0, 1)) if dt_bias is not None else None)

@@ -11,7 +11,7 @@ backend's the backward plan's execute (it recomputes what it needs from the inpu
 most bytes the CPU allocator held at once, over a forward followed by its backward, above what
 was held before (torch.profiler's allocation events).
 
-    OMP_NUM_THREADS=1 python bench/mamba2_scan_cpu.py [--batch 1] [--length 2048] [--heads 16]
+    OMP_NUM_THREADS=1 python bench/mamba2_scan_cpu.py [--batch 2] [--length 2048] [--heads 16]
         [--head-dim 64] [--state 64] [--groups 8] [--chunk 256] [--rounds 7]
 """
 
@@ -70,7 +70,7 @@ def timed_ms(fn) -> float:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--batch", type=int, default=2)
     p.add_argument("--length", type=int, default=2048)
     p.add_argument("--heads", type=int, default=16)
     p.add_argument("--head-dim", type=int, default=64)

@@ -23,8 +23,8 @@ r_last the run of the segment's last token, the pair (i, j) counts only when r_i
 entering state only for r_i = r_prev, a token's part of H1 only for r_j = r_last, and H0 carries
 into H1 only when r_last = r_prev (the masks mamba_ssm's kernels apply to its chunks).
 
-The forward's pieces (``segment_layout``, ``segment_terms``, ``segment_states``,
-``pass_states``, ``segment_output``) are autograd-differentiable. The backward
+The forward's pieces (``segment_layout``, ``segment_terms``, ``pair_tiles``,
+``segment_states``, ``pass_states``, ``segment_output``) are autograd-differentiable. The backward
 (``mamba2_backward``) recomputes them and differentiates the segmented algorithm by hand, in the
 compute dtype, with the spec's conventions: the dt_limit clamp passes the gradient at its
 bounds, softplus has threshold 20 (derivative 1 above it), a clamped exponent passes the
@@ -46,9 +46,9 @@ from fusedops.mamba2.contract import DEFAULT_DT_LIMIT, SOFTPLUS_THRESHOLD, max_s
 from . import mamba2_backward as grad
 from .common import direct_program, report, unsupported_reason
 
-__all__ = ["SegmentLayout", "SegmentTerms", "backward_program", "chunk_scan_backward",
+__all__ = ["PairTiles", "SegmentLayout", "SegmentTerms", "backward_program", "chunk_scan_backward",
            "chunk_scan_forward", "forward_program", "gather_heads", "pass_states",
-           "rounded_states", "sanitise_cu_seqlens", "scatter_heads", "segment_layout",
+           "pair_tiles", "rounded_states", "sanitise_cu_seqlens", "scatter_heads", "segment_layout",
            "segment_output", "segment_states", "segment_terms", "segments", "sequence_runs",
            "transform_dt", "unsupported_reason"]
 
@@ -200,17 +200,13 @@ class SegmentTerms(NamedTuple):
     acum: torch.Tensor       # [S, h, Q] cumulative dt·A along the segment
     xs: torch.Tensor         # [S, h, Q, p] x (0 in empty slots)
     xdt: torch.Tensor        # [S, h, Q, p] dt·x
-    Bs: torch.Tensor         # [S, g, Q, n]
-    Cs: torch.Tensor         # [S, g, Q, n]
     Bh: torch.Tensor         # [S, h, Q, n] B of each head's group
     Ch: torch.Tensor         # [S, h, Q, n] C of each head's group
-    decay: torch.Tensor      # [S, h, Q, Q] exp(min(acum_i - acum_j, 0)), every (i, j)
-    cb: torch.Tensor         # [S, g, Q, Q] C_i·B_j on the pairs that count, else 0
-    weights: torch.Tensor    # [S, h, Q, Q] decay · cb
+    Bs: torch.Tensor         # [S, g, Q, n] B of each group (a view of Bh)
+    Cs: torch.Tensor         # [S, g, Q, n] C of each group (a view of Ch)
     w_start: torch.Tensor    # [S, h, Q] exp(min(acum_i, 0)): how much of H0 reaches y_i
     w_end: torch.Tensor      # [S, h, Q] exp(min(acum_last - acum_j, 0)): x_j's share of H1
     step: torch.Tensor       # [S, h] exp(min(acum_last, 0)): how much of H0 carries into H1
-    clamped: torch.Tensor | None   # [S, h, Q, Q] bool: acum_i - acum_j > 0 (when asked)
 
     def by_group(self, t: torch.Tensor) -> torch.Tensor:
         """[S, h, ...] -> [S, g, r, ...] (a view)."""
@@ -218,42 +214,47 @@ class SegmentTerms(NamedTuple):
         return t.view(t.shape[0], g, t.shape[1] // g, *t.shape[2:])
 
 
-def pair_decay(acum: torch.Tensor, with_clamped: bool = False):
-    """(decay, clamped): exp(min(acum_i - acum_j, 0)) [S, h, Q, Q] of every pair of slots (the
-    pairs that do not count are masked in C·B, so no exponent is -inf: exp is slow there on
-    x86); with ``with_clamped`` also where the exponent was positive (its gradient is 0 there),
-    else None."""
-    diff = acum[..., :, None] - acum[..., None, :]
-    clamped = diff > 0 if with_clamped else None
-    return diff.clamp_(max=0.0).exp_(), clamped
-
-
-def segment_terms(x, dt, A, B, C, layout: SegmentLayout, compute_dtype=torch.float32,
-                  with_clamped: bool = False) -> SegmentTerms:
+def segment_terms(x, dt, A, B, C, layout: SegmentLayout,
+                  compute_dtype=torch.float32) -> SegmentTerms:
     """The SegmentTerms of x [b, l, h, p], the transformed dt [b, l, h] (``transform_dt``), A
     [h] and B, C [b, l, g, n]."""
     cd = compute_dtype
     h, g = x.shape[2], B.shape[2]
-    S, Q = layout.row.shape
     present = layout.valid.to(cd)[:, None]                              # [S, 1, Q]
     dts = gather_heads(dt, layout).to(cd).mul_(present)
     xs = gather_heads(x, layout).to(cd).mul_(present[..., None])
-    xdt = xs * dts[..., None]
-    Bs, Cs = gather_heads(B, layout).to(cd), gather_heads(C, layout).to(cd)
     group = torch.arange(h, device=x.device) // (h // g)
     Bh, Ch = gather_heads(B, layout, group).to(cd), gather_heads(C, layout, group).to(cd)
     acum = torch.cumsum(dts * A.to(cd)[:, None], dim=-1)
-    decay, clamped = pair_decay(acum, with_clamped)
-    cb = (Cs @ Bs.transpose(-1, -2)).masked_fill_(~layout.pair[:, None], 0.0)
-    weights = (decay.view(S, g, h // g, Q, Q) * cb[:, :, None]).view(S, h, Q, Q)
     last = acum[..., -1]                                                # [S, h]
     w_start = torch.exp(torch.clamp(acum, max=0.0))
     w_end = torch.exp(torch.clamp(last[..., None] - acum, max=0.0))
     step = torch.exp(torch.clamp(last, max=0.0))
     if layout.enter is not None:
         w_start, w_end, step = w_start * layout.enter, w_end * layout.ends, step * layout.carry
-    return SegmentTerms(dts, acum, xs, xdt, Bs, Cs, Bh, Ch, decay, cb, weights, w_start, w_end,
-                        step, clamped)
+    first_heads = slice(None, None, h // g)
+    return SegmentTerms(dts, acum, xs, xs * dts[..., None], Bh, Ch, Bh[:, first_heads],
+                        Ch[:, first_heads], w_start, w_end, step)
+
+
+class PairTiles(NamedTuple):
+    """The [segments, heads, Q, Q] tiles of the pairs' term of y (the largest tensors)."""
+
+    decay: torch.Tensor      # [S, h, Q, Q] exp(min(acum_i - acum_j, 0)), every (i, j)
+    cb: torch.Tensor         # [S, g, Q, Q] C_i·B_j on the pairs that count, else 0
+    weights: torch.Tensor    # [S, h, Q, Q] decay · cb
+    clamped: torch.Tensor | None   # [S, h, Q, Q] bool: acum_i - acum_j > 0 (when asked)
+
+
+def pair_tiles(terms: SegmentTerms, layout: SegmentLayout, with_clamped: bool = False):
+    """The PairTiles of a segment's terms; ``clamped`` only ``with_clamped`` (else None). The
+    pairs that do not count are masked in C·B, not with -inf exponents (exp is slow there on
+    x86), and the exponent is clamped to <= 0 (its gradient is 0 where it was positive)."""
+    diff = terms.acum[..., :, None] - terms.acum[..., None, :]
+    clamped = diff > 0 if with_clamped else None
+    decay = diff.clamp_(max=0.0).exp_()
+    cb = (terms.Cs @ terms.Bs.transpose(-1, -2)).masked_fill_(~layout.pair[:, None], 0.0)
+    return PairTiles(decay, cb, (terms.by_group(decay) * cb[:, :, None]).flatten(1, 2), clamped)
 
 
 def segment_states(terms: SegmentTerms) -> torch.Tensor:
@@ -288,11 +289,11 @@ def rounded_states(entering: torch.Tensor, state_dtype) -> torch.Tensor:
     return entering + (entering.to(state_dtype).to(entering.dtype) - entering).detach()
 
 
-def segment_output(terms: SegmentTerms, passed: torch.Tensor) -> torch.Tensor:
+def segment_output(terms: SegmentTerms, pairs: PairTiles, passed: torch.Tensor) -> torch.Tensor:
     """y of every slot before D and the gate [S, h, Q, p]: the pairs' sum plus w_start_i C_i·H0
     (``passed``: the entering states as read, ``rounded_states``)."""
     from_state = terms.Ch @ passed.transpose(-1, -2)                    # [S, h, Q, p]
-    return (terms.weights @ terms.xdt).addcmul_(terms.w_start[..., None], from_state)
+    return (pairs.weights @ terms.xdt).addcmul_(terms.w_start[..., None], from_state)
 
 
 def chunk_scan_forward(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=None,
@@ -317,7 +318,8 @@ def chunk_scan_forward(x, dt, A, B, C, chunk_size: int, D=None, z=None, dt_bias=
     terms = segment_terms(x, transform_dt(dt, dt_bias, dt_softplus, dt_limit, cd), A, B, C,
                           layout, cd)
     entering, final = pass_states(segment_states(terms), terms.step, layout, initial_states)
-    y_pre = scatter_heads(segment_output(terms, rounded_states(entering, state_dtype)), layout)
+    y_pre = scatter_heads(segment_output(terms, pair_tiles(terms, layout),
+                                         rounded_states(entering, state_dtype)), layout)
     y_pre, y = gated_output(y_pre, x, D, z, layout.covered)
     return y.to(x.dtype), final, y_pre, entering
 
@@ -348,39 +350,34 @@ def chunk_scan_backward(x, dt, A, B, C, dy, chunk_size, D=None, z=None, dt_bias=
     cd = compute_dtype
     layout = segment_layout(b, l, chunk_size, cu_seqlens, seq_idx, status, x.device, cd)
     terms = segment_terms(x, transform_dt(dt, dt_bias, dt_softplus, dt_limit, cd), A, B, C,
-                          layout, cd, with_clamped=True)
+                          layout, cd)
+    pairs = pair_tiles(terms, layout, with_clamped=True)
     entering, _ = pass_states(segment_states(terms), terms.step, layout, initial_states)
     passed = rounded_states(entering, state_dtype)
     dy = dy.to(cd)
     if layout.covered is not None:
         dy = torch.where(layout.covered, dy, torch.zeros((), dtype=cd, device=dy.device))
-    dz = dD = dx_skip = None
-    if z is not None:                     # y before the gate, for dz (before pairs_backward)
-        y_pre, _ = gated_output(scatter_heads(segment_output(terms, passed), layout), x, D,
-                                None, None)
+    dz = dD = None
+    if z is not None:                     # y before the gate, for dz (before the pairs' tiles go)
+        y_pre, _ = gated_output(scatter_heads(segment_output(terms, pairs, passed), layout), x,
+                                D, None, None)
         dy, dz = grad.gate_backward(dy, y_pre, z)
-    if D is not None:
-        dx_skip, dD = grad.skip_backward(dy, x, D)
+        del y_pre
     dys = gather_heads(dy, layout).mul_(layout.valid.to(cd)[:, None, :, None])  # [S, h, Q, p]
+    del dy
+    d_xdt, d_cb, d_acum = grad.pairs_backward(terms, pairs, dys, layout.pair)
+    del pairs                             # spent (d_cb holds C·B's memory): free the tiles
+    d_xdt, dBs, dCs, d_acum, d_initial = grad.state_gradients(
+        terms, layout, entering, passed, dys, dfinal_states, d_xdt, d_cb, d_acum)
 
-    d_passed, dCs, d_w_start = grad.segment_output_state_backward(terms, passed, dys)
-    d_own, d_initial = grad.pass_states_backward(d_passed, terms.step, layout, dfinal_states)
-    d_step = (d_own * entering).sum((-1, -2))                           # [S, h]
-    d_xdt, dBs, d_w_end = grad.segment_states_backward(terms, d_own)
-    d_xdt_pairs, d_cb, d_acum = grad.pairs_backward(terms, dys, layout.pair)   # spends weights
-    d_xdt += d_xdt_pairs
-    dCs += d_cb @ terms.Bs
-    dBs += d_cb.transpose(-1, -2) @ terms.Cs
-    d_acum += grad.boundary_weights_backward(terms, d_w_start, d_w_end, d_step)
     d_a = d_acum.flip(-1).cumsum(-1).flip(-1)                           # acum = cumsum(dt·A)
     d_dts = (d_xdt * terms.xs).sum(-1).addcmul_(d_a, A.to(cd)[:, None])
-
-    dx = scatter_heads(d_xdt.mul_(terms.dts[..., None]), layout)        # x·dt: dx = d xdt·dt
-    if dx_skip is not None:
-        dx += dx_skip
+    d_xs = d_xdt.mul_(terms.dts[..., None])                             # xdt = x·dt
+    if D is not None:
+        d_xs, dD = grad.skip_backward(d_xs, dys, terms.xs, D)
     ddt, ddt_bias = grad.transform_dt_backward(scatter_heads(d_dts, layout), dt, dt_bias,
                                                dt_softplus, dt_limit, cd)
-    grads = dict(dx=dx, ddt=ddt, dA=(d_a * terms.dts).sum((0, 2)),
+    grads = dict(dx=scatter_heads(d_xs, layout), ddt=ddt, dA=(d_a * terms.dts).sum((0, 2)),
                  dB=scatter_heads(dBs, layout), dC=scatter_heads(dCs, layout), dD=dD, dz=dz,
                  ddt_bias=ddt_bias,
                  dinitial_states=d_initial if initial_states is not None else None)

@@ -16,23 +16,43 @@ import torch.nn.functional as F
 from fusedops.mamba2.contract import SOFTPLUS_THRESHOLD
 
 __all__ = ["boundary_weights_backward", "gate_backward", "pairs_backward",
-           "pass_states_backward", "segment_output_state_backward", "segment_states_backward",
-           "skip_backward", "transform_dt_backward"]
+           "pass_states_backward", "segment_output_state_backward", "state_gradients",
+           "segment_states_backward", "skip_backward", "transform_dt_backward"]
 
 
 def gate_backward(dy: torch.Tensor, y_pre: torch.Tensor, z: torch.Tensor):
-    """(d y_pre, dz) [b, l, h, p] of y = y_pre·silu(z), given dy (in the compute dtype)."""
+    """(d y_pre, dz) [b, l, h, p] of y = y_pre·silu(z), given dy (in the compute dtype).
+    Overwrites y_pre."""
     zf = z.to(dy.dtype)
-    dz = torch.ops.aten.silu_backward(dy * y_pre, zf)       # times silu'(z), torch's kernel
+    dz = torch.ops.aten.silu_backward(y_pre.mul_(dy), zf)   # times silu'(z), torch's kernel
     return F.silu(zf).mul_(dy), dz
 
 
-def skip_backward(dy: torch.Tensor, x: torch.Tensor, D: torch.Tensor):
-    """(dx [b, l, h, p], dD [h] or [h, p]) of the skip term D·x, given its dy."""
-    xf, Df = x.to(dy.dtype), D.to(dy.dtype)
+def skip_backward(d_xs: torch.Tensor, dys: torch.Tensor, xs: torch.Tensor, D: torch.Tensor):
+    """(d xs + D·dy, dD [h] or [h, p]) of the skip term D·x per slot [S, h, Q, p] (d xs
+    updated in place), given dys and xs (0 in empty slots)."""
+    Df = D.to(dys.dtype)
     if D.dim() == 1:
-        return dy * Df[:, None], (dy * xf).sum((0, 1, 3))
-    return dy * Df, (dy * xf).sum((0, 1))
+        return d_xs.addcmul_(dys, Df[:, None, None]), (dys * xs).sum((0, 2, 3))
+    return d_xs.addcmul_(dys, Df[:, None]), (dys * xs).sum((0, 2))
+
+
+def state_gradients(terms, layout, entering, passed, dys, dfinal, d_xdt, d_cb, d_acum):
+    """(d xdt [S, h, Q, p], dB [S, g, Q, n], dC [S, g, Q, n], d acum [S, h, Q], d initial_states
+    [nseq, h, p, n]): the pairs' gradients (``pairs_backward``: d xdt, d(C·B), d acum, updated
+    in place) completed with the states' paths (the entering states' term of y, the state
+    passing, the segments' own states and their boundary weights), given dys [S, h, Q, p] (0
+    in empty slots) and dfinal (None: zero). ``entering``: the states entering the segments;
+    ``passed``: as the output read them."""
+    d_passed, dC, d_w_start = segment_output_state_backward(terms, passed, dys)
+    d_own, d_initial = pass_states_backward(d_passed, terms.step, layout, dfinal)
+    d_step = (d_own * entering).sum((-1, -2))                           # [S, h]
+    d_xdt_own, dB, d_w_end = segment_states_backward(terms, d_own)
+    d_xdt += d_xdt_own
+    dC += d_cb @ terms.Bs
+    dB += d_cb.transpose(-1, -2) @ terms.Cs
+    d_acum += boundary_weights_backward(terms, d_w_start, d_w_end, d_step)
+    return d_xdt, dB, dC, d_acum, d_initial
 
 
 def segment_output_state_backward(terms, passed: torch.Tensor, dys: torch.Tensor):
@@ -72,17 +92,17 @@ def segment_states_backward(terms, d_own: torch.Tensor):
     return spread.mul_(terms.w_end[..., None]), dB, d_w_end
 
 
-def pairs_backward(terms, dys: torch.Tensor, pair: torch.Tensor):
+def pairs_backward(terms, pairs, dys: torch.Tensor, pair: torch.Tensor):
     """(d xdt [S, h, Q, p], d(C·B) [S, g, Q, Q], d acum [S, h, Q]) of the pairs' term of y,
     y_i = sum_j decay_ij cb_ij xdt_j (cb 0 outside ``pair`` [S, Q, Q]), given dys [S, h, Q, p].
-    Spends terms.weights, terms.decay and terms.cb: their memory holds the gradients."""
-    d_xdt = terms.weights.transpose(-1, -2) @ dys
-    d_weights = torch.matmul(dys, terms.xdt.transpose(-1, -2), out=terms.weights)
-    d_cb_heads = terms.by_group(d_weights.mul_(terms.decay))           # [S, g, r, Q, Q]
+    Spends the PairTiles ``pairs``: their memory holds the gradients."""
+    d_xdt = pairs.weights.transpose(-1, -2) @ dys
+    d_weights = torch.matmul(dys, terms.xdt.transpose(-1, -2), out=pairs.weights)
+    d_cb_heads = terms.by_group(d_weights.mul_(pairs.decay))           # [S, g, r, Q, Q]
     # the exponent acum_i - acum_j of each pair: d exponent = d weights · weights, 0 if clamped
-    d_exponent = torch.mul(d_cb_heads, terms.cb[:, :, None], out=terms.by_group(terms.decay))
-    d_exponent = d_exponent.flatten(1, 2).masked_fill_(terms.clamped, 0.0)
-    d_cb = torch.sum(d_cb_heads, 2, out=terms.cb).masked_fill_(~pair[:, None], 0.0)
+    d_exponent = torch.mul(d_cb_heads, pairs.cb[:, :, None], out=terms.by_group(pairs.decay))
+    d_exponent = d_exponent.flatten(1, 2).masked_fill_(pairs.clamped, 0.0)
+    d_cb = torch.sum(d_cb_heads, 2, out=pairs.cb).masked_fill_(~pair[:, None], 0.0)
     return d_xdt, d_cb, d_exponent.sum(-1) - d_exponent.sum(-2)
 
 

@@ -365,12 +365,11 @@ def chunk_scan_backward(x, dt, A, B, C, dy, chunk_size, D=None, z=None, dt_bias=
         del y_pre
     dys = gather_heads(dy, layout).mul_(layout.valid.to(cd)[:, None, :, None])  # [S, h, Q, p]
     del dy
-    d_xdt, d_cb, d_acum = grad.pairs_backward(terms, pairs, dys, layout.pair)
+    d_xdt, d_cb, d_a = grad.pairs_backward(terms, pairs, dys, layout.pair)
     del pairs                             # spent (d_cb holds C·B's memory): free the tiles
-    d_xdt, dBs, dCs, d_acum, d_initial = grad.state_gradients(
-        terms, layout, entering, passed, dys, dfinal_states, d_xdt, d_cb, d_acum)
+    d_xdt, dBs, dCs, d_a, d_initial = grad.state_gradients(
+        terms, layout, entering, passed, dys, dfinal_states, d_xdt, d_cb, d_a)
 
-    d_a = d_acum.flip(-1).cumsum(-1).flip(-1)                           # acum = cumsum(dt·A)
     d_dts = (d_xdt * terms.xs).sum(-1).addcmul_(d_a, A.to(cd)[:, None])
     d_xs = d_xdt.mul_(terms.dts[..., None])                             # xdt = x·dt
     if D is not None:

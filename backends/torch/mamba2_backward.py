@@ -1,11 +1,15 @@
 """The gradients of the torch backend's Mamba2 chunked scan, piece by piece (backends/torch/
 mamba2.py composes them in ``chunk_scan_backward``).
 
-Each function takes the gradient of one piece's output and returns the gradients of its inputs,
-in the compute dtype, with the forward's shapes: S segments of Q slots, h = g·r heads (head i in
-group i // r), head dim p, state size n. Conventions: exp(min(e, 0)) passes the gradient where
-e <= 0 (torch.clamp's rule), the dt_limit clamp passes it at its bounds, softplus' derivative is
-1 above the threshold (20) and sigmoid below.
+Each function takes the gradient of one piece's output and returns the gradients of its inputs
+(``state_gradients`` adds the states' paths to the pairs' gradients), in the compute dtype,
+with the forward's shapes: S segments of Q slots, h = g·r heads (head i in group i // r), head
+dim p, state size n. Every exponent is a sum of a_k = dt_k·A along a segment; the gradient of
+a_k is summed over the terms whose exponent holds it (the pairs that straddle k, the boundary
+weights that span it), never as a difference of cumulative sums, which would cancel large
+opposite terms in fp32. Conventions: exp(min(e, 0)) passes the gradient where e <= 0
+(torch.clamp's rule), the dt_limit clamp passes it at its bounds, softplus' derivative is 1
+above the threshold (20) and sigmoid below.
 """
 
 from __future__ import annotations
@@ -16,8 +20,8 @@ import torch.nn.functional as F
 from fusedops.mamba2.contract import SOFTPLUS_THRESHOLD
 
 __all__ = ["boundary_weights_backward", "gate_backward", "pairs_backward",
-           "pass_states_backward", "segment_output_state_backward", "state_gradients",
-           "segment_states_backward", "skip_backward", "transform_dt_backward"]
+           "pass_states_backward", "segment_output_state_backward", "segment_states_backward",
+           "skip_backward", "state_gradients", "straddling_sums", "transform_dt_backward"]
 
 
 def gate_backward(dy: torch.Tensor, y_pre: torch.Tensor, z: torch.Tensor):
@@ -37,10 +41,10 @@ def skip_backward(d_xs: torch.Tensor, dys: torch.Tensor, xs: torch.Tensor, D: to
     return d_xs.addcmul_(dys, Df[:, None]), (dys * xs).sum((0, 2))
 
 
-def state_gradients(terms, layout, entering, passed, dys, dfinal, d_xdt, d_cb, d_acum):
-    """(d xdt [S, h, Q, p], dB [S, g, Q, n], dC [S, g, Q, n], d acum [S, h, Q], d initial_states
-    [nseq, h, p, n]): the pairs' gradients (``pairs_backward``: d xdt, d(C·B), d acum, updated
-    in place) completed with the states' paths (the entering states' term of y, the state
+def state_gradients(terms, layout, entering, passed, dys, dfinal, d_xdt, d_cb, d_a):
+    """(d xdt [S, h, Q, p], dB [S, g, Q, n], dC [S, g, Q, n], d a [S, h, Q] (a = dt·A),
+    d initial_states [nseq, h, p, n]): the pairs' gradients (``pairs_backward``: d xdt,
+    d(C·B), d a, updated in place) completed with the states' paths (the entering states' term of y, the state
     passing, the segments' own states and their boundary weights), given dys [S, h, Q, p] (0
     in empty slots) and dfinal (None: zero). ``entering``: the states entering the segments;
     ``passed``: as the output read them."""
@@ -51,8 +55,8 @@ def state_gradients(terms, layout, entering, passed, dys, dfinal, d_xdt, d_cb, d
     d_xdt += d_xdt_own
     dC += d_cb @ terms.Bs
     dB += d_cb.transpose(-1, -2) @ terms.Cs
-    d_acum += boundary_weights_backward(terms, d_w_start, d_w_end, d_step)
-    return d_xdt, dB, dC, d_acum, d_initial
+    d_a += boundary_weights_backward(terms, d_w_start, d_w_end, d_step)
+    return d_xdt, dB, dC, d_a, d_initial
 
 
 def segment_output_state_backward(terms, passed: torch.Tensor, dys: torch.Tensor):
@@ -93,29 +97,41 @@ def segment_states_backward(terms, d_own: torch.Tensor):
 
 
 def pairs_backward(terms, pairs, dys: torch.Tensor, pair: torch.Tensor):
-    """(d xdt [S, h, Q, p], d(C·B) [S, g, Q, Q], d acum [S, h, Q]) of the pairs' term of y,
+    """(d xdt [S, h, Q, p], d(C·B) [S, g, Q, Q], d a [S, h, Q]) of the pairs' term of y,
     y_i = sum_j decay_ij cb_ij xdt_j (cb 0 outside ``pair`` [S, Q, Q]), given dys [S, h, Q, p].
     Spends the PairTiles ``pairs``: their memory holds the gradients."""
     d_xdt = pairs.weights.transpose(-1, -2) @ dys
     d_weights = torch.matmul(dys, terms.xdt.transpose(-1, -2), out=pairs.weights)
     d_cb_heads = terms.by_group(d_weights.mul_(pairs.decay))           # [S, g, r, Q, Q]
-    # the exponent acum_i - acum_j of each pair: d exponent = d weights · weights, 0 if clamped
+    # the exponent acum_i - acum_j of each pair: d exponent = d weights · decay · cb, 0 if clamped
     d_exponent = torch.mul(d_cb_heads, pairs.cb[:, :, None], out=terms.by_group(pairs.decay))
     d_exponent = d_exponent.flatten(1, 2).masked_fill_(pairs.clamped, 0.0)
     d_cb = torch.sum(d_cb_heads, 2, out=pairs.cb).masked_fill_(~pair[:, None], 0.0)
-    return d_xdt, d_cb, d_exponent.sum(-1) - d_exponent.sum(-2)
+    return d_xdt, d_cb, straddling_sums(d_exponent)
+
+
+def straddling_sums(d_exponent: torch.Tensor) -> torch.Tensor:
+    """d a [S, h, Q] (a_k = dt_k·A, acum = cumsum a) from d exponent [S, h, Q, Q] of the pairs'
+    exponents acum_i - acum_j: a_k is in the exponent of the pairs that straddle it (j < k <= i),
+    so d a_k = sum_{i >= k} sum_{j < k} d exponent_ij, summed as such (no large opposite sums
+    cancelling, as d acum_i = rows - columns would). Overwrites d_exponent."""
+    before = d_exponent.cumsum_(-1).tril_(-1)               # [i, m]: sum_{j <= m} (m < i)
+    return F.pad(before.sum(-2)[..., :-1], (1, 0))          # d a_{m+1} = sum_{i > m} [i, m]
 
 
 def boundary_weights_backward(terms, d_w_start, d_w_end, d_step) -> torch.Tensor:
-    """d acum [S, h, Q] through w_start = exp(min(acum_i, 0)), w_end = exp(min(acum_last -
-    acum_j, 0)) and step = exp(min(acum_last, 0)) (their seq_idx masks included), given their
-    gradients ([S, h, Q], [S, h, Q], [S, h])."""
+    """d a [S, h, Q] (a_k = dt_k·A) through w_start_i = exp(min(acum_i, 0)) (a_k in it for
+    k <= i), w_end_j = exp(min(acum_last - acum_j, 0)) (for k > j) and step = exp(min(acum_last,
+    0)) (every k), their seq_idx masks included, given their gradients ([S, h, Q], [S, h, Q],
+    [S, h])."""
     acum = terms.acum
     last = acum[..., -1]
+    d_start = d_w_start * terms.w_start * (acum <= 0)
     d_end = d_w_end * terms.w_end * (last[..., None] - acum <= 0)
-    d_acum = d_w_start * terms.w_start * (acum <= 0) - d_end
-    d_acum[..., -1] += d_end.sum(-1) + d_step * terms.step * (last <= 0)
-    return d_acum
+    d_last = d_step * terms.step * (last <= 0)
+    from_start = d_start.flip(-1).cumsum(-1).flip(-1)                   # sum over i >= k
+    from_end = F.pad(d_end.cumsum(-1)[..., :-1], (1, 0))                # sum over j < k
+    return from_start + from_end + d_last[..., None]
 
 
 def transform_dt_backward(d_dt, dt, dt_bias, dt_softplus: bool, dt_limit, compute_dtype):

@@ -219,7 +219,7 @@ def bench_case(report, label, case, f, device, reps, first: bool):
 
 
 def gemm_rows(report, models, t, device, dtype, reps):
-    """The routed up GEMM alone (x gathered in its prologue, relu² and u in its epilogue) against
+    """The routed up GEMM alone (x gathered in its prologue, u written by its epilogue) against
     grouped_mm on pre-gathered rows and against the dense matmul rate."""
     model, m = next(iter(models.items()))
     case = inputs(m, t, device, dtype, seed=1)

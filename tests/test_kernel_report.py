@@ -25,15 +25,16 @@ TRAFFIC_BOUNDS = {
     # as DRAM reads (they come from L2 only while those programs stay within a few tokens)
     "EngramGateSavedForward": 1.00,
     "EngramGateSavedBackward": 1.35,
-    # MoE: the fp32 per-assignment rows between the down GEMM and the combine, waves of the
-    # up and dgrad GEMMs whose working set just exceeds L2, weight gradients re-reading u
+    # MoE: the per-assignment rows between the routed down (dgrad-up) GEMM and the sum over
+    # the k experts, x and d_out gathered once per expert of a token, the shared expert's
+    # weights re-read by its row groups
     "MoERouter": 1.00,
     "MoERouterBackward": 1.30,
-    "ReLU2MoEForward": 4.10,
-    ("ReLU2MoEForward", "moe nano t64"): 1.05,
-    ("ReLU2MoEForward", "moe super t8192"): 3.65,
-    "ReLU2MoEBackward": 2.80,
-    ("ReLU2MoEBackward", "moe super t8192"): 2.25,
+    "ReLU2MoEForward": 1.46,
+    ("ReLU2MoEForward", "moe nano t64"): 1.01,
+    ("ReLU2MoEForward", "moe super t8192"): 1.32,
+    "ReLU2MoEBackward": 1.25,
+    ("ReLU2MoEBackward", "moe super t8192"): 1.22,
     # attention: K/V re-read by query heads of a KV group in later waves; the hkv2 backward's
     # dk/dv waves do not fit L2 on Hopper (every program's q/do loads count)
     "GQAAttentionForward": 1.40,

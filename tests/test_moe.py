@@ -372,9 +372,11 @@ def test_device_dispatch_layout(backend):
 @pytest.mark.parametrize("shared,is_inference", [(0, True), (8, False)])
 def test_absent_operands_are_compiled_out(shared, is_inference):
     """The Triton programs pass no placeholder for an operand a launch does not have: the shared
-    expert's buffers without one, u in an inference forward, the dispatch of the dense shared
-    GEMMs, the routing weights of unweighted GEMMs are constexpr None; every tensor a stage
-    binds is one the plan declares (or a piece of its workspace or saved buffer)."""
+    expert's buffers without one, the dispatch of the dense shared GEMMs, the routing weights
+    of unweighted GEMMs, u outside the dgrad-down epilogue, the rows and ids outside a
+    combining epilogue are constexpr None; every tensor a stage binds is one the plan declares
+    (or a piece of its workspace or saved buffer). With a shared expert its down GEMM sums the
+    rows (no combine kernel); without one the combine kernel does."""
     pytest.importorskip("triton")
     case = experts_case(8, 16, 4, 24, 2, shared=shared, device="cpu")
     descs = {n: TensorDesc.from_tensor(v) for n, v in case.items()}
@@ -398,10 +400,14 @@ def test_absent_operands_are_compiled_out(shared, is_inference):
                 for arg in ("sorted_ptr", "offsets_ptr", "counts_ptr"):
                     assert (arg in constexprs) == (not routed) and (constexprs.get(arg, 0) is None) == (not routed)
                 assert ("weight_ptr" in constexprs) == (not weighted)
-                if constexprs["EPILOGUE"] == 0:
-                    assert ("u_ptr" in constexprs) == is_inference
-            if stage.name == "moe_combine_kernel":
-                assert ("shared_ptr" in constexprs) == (not shared)
+                assert ("u_ptr" in constexprs) == (constexprs["EPILOGUE"] != 2)
+                combining = constexprs["EPILOGUE"] == 3
+                assert combining == (stage.bind["out_ptr"] in ("out", "d_x")) and \
+                    (not combining or not routed)
+                for arg in ("rows_ptr", "ids_ptr", "stride_out"):
+                    assert (arg in constexprs) == (not combining)
+        combines = [s for s in program.stages if s.name == "moe_combine_kernel"]
+        assert len(combines) == (0 if shared else 1)
         assert any(s.name == "moe_gemm_kernel" and not dict(s.kernel.constexprs)["ROUTED"]
                    for s in program.stages) == bool(shared)
 
@@ -448,38 +454,55 @@ def _moe_problem(t, H, E, I, k, *, shared=0, accumulate=False):
                       torch.device("cpu"))
 
 
-def test_cost_model_counts_a_waves_shared_tiles_once():
-    """docs/performance.md, "How traffic is counted", on the dense GEMM (GROUP_M = 8 row tiles
-    through every column tile, 132 programs a wave on sm_90): 8 × 16 = 128 programs are one
-    wave, so x and W count once; 16 row tiles make 256 programs, and the second wave re-reads
-    the 4 row tiles the first began and every column tile (counted again); with K so large that
-    the wave's tiles pass the 50 MB L2, every program's loads count (x once per column tile, W
-    once per row tile)."""
+def test_reuse_distance_counts_a_reread_within_the_l2_once():
+    """docs/performance.md, "How traffic is counted": a tile loaded again by a program at most
+    G programs after the previous load hits (G = half the L2 over the mean bytes a program
+    moves); further apart, or a first load, it counts; a program's own bytes and stores always
+    count; a program loading a tile twice counts it once."""
+    pytest.importorskip("triton")
+    from fusedops.backends.triton.wave_model import reuse_traffic
+    P, l2 = 10, 2 * 10 * 100.0                  # 100 bytes a program: G = 0.5·2000 / 100 = 10
+    prog = torch.arange(P)
+    zero = torch.zeros(P, dtype=torch.float64)
+    stores = torch.full((P,), 50.0, dtype=torch.float64)
+    every_5th = [(prog, prog % 5, torch.full((P,), 50.0))]      # key k by programs k, k + 5
+    assert reuse_traffic(P, every_5th, zero, stores, l2) == (5 * 50.0, 500.0)
+    assert reuse_traffic(P, every_5th, zero, stores, l2 / 4) == (10 * 50.0, 500.0)  # G = 2.5
+    twice = [(torch.cat([prog, prog]), torch.zeros(2 * P, dtype=torch.int64),
+              torch.full((2 * P,), 25.0))]
+    assert reuse_traffic(P, twice, zero, stores, 1.0) == (25.0 * P, 500.0)     # once per program
+    alone = torch.full((P,), 7.0, dtype=torch.float64)
+    assert reuse_traffic(P, every_5th, alone, stores, l2)[0] == 5 * 50.0 + 70.0
+
+
+def test_cost_model_follows_the_grid_order():
+    """The dense GEMM (GROUP_M row tiles through every column tile, 16 column tiles of 128): at
+    K = 256 a program moves 160 KiB, so G = 25 MB / 160 KiB ≈ 156 programs and x and W count
+    once, even across two groups of 8 row tiles (W's column tile is re-read 121 programs later);
+    at K = 16384 a program moves 8 MiB (G ≈ 3): x's row tile, re-read every GROUP_M = 8
+    programs, counts once per column tile while W's column tile, re-read by the next row tile,
+    counts once per group; a grid ordered row tile by row tile (GROUP_M = 1) turns that round."""
     pytest.importorskip("triton")
     from fusedops.backends.triton import moe_cost as C
     N, BM = 2048, 128
-    for t, K, fits in ((1024, 256, True), (2048, 256, True), (1024, 16384, False)):
+    cases = ((1024, 256, 8, lambda x, w: x + w), (2048, 256, 8, lambda x, w: x + w),
+             (1024, 16384, 8, lambda x, w: 16 * x + w), (1024, 16384, 1, lambda x, w: x + 8 * w))
+    for t, K, group, expected in cases:
         p = _moe_problem(t, K, 1, N, 1, shared=N)
-        cost = C.gemm_cost(p, routed=False, kdim=K, ndim=N, bm=BM, bn=128, bk=64, out_bytes=2,
-                           group_m=8, grid_m_tiles=t // BM, row_tile=BM, a_by_token=True,
-                           arch="sm_90a")
-        x, w, tile_a = t * K * 2, K * N * 2, BM * K * 2
-        if not fits:
-            expected = 16 * x + (t // BM) * w
-        else:
-            expected = x + w + (4 * tile_a + w if t == 2048 else 0)
-        assert cost.bytes_read == expected, (t, K)
+        cost = C.gemm_cost(p, routed=False, kdim=K, ndim=N, bm=BM, bn=128, bk=64, group_m=group,
+                           grid_m_tiles=t // BM, row_tile=BM, arch="sm_90a")
+        assert cost.bytes_read == expected(t * K * 2, K * N * 2), (t, K, group)
         assert cost.bytes_written == t * N * 2
 
 
-def test_cost_model_exposes_the_fp32_rows_and_the_wave_rereads():
-    """At Nemotron 3 Nano's shapes (t = 8192, bf16): the down GEMM writes the weighted fp32 rows
-    [t·k, H] and the combine reads them back (~1.06 GB per direction, passed through HBM:
-    counted on both sides). The down GEMM's waves fit the L2: each expert's weights count once
-    per GROUP_M group its rows reach (1 to 2 times) and act's rows once per wave (a group of 8
-    row tiles × 21 column tiles spans 2 waves). The routed weight gradient runs the expert
-    fastest: every expert of a gradient tile shares a wave, so d_out counts per token (not per
-    assignment) once or twice per column tile, while u is re-read by every row tile. Every
+def test_cost_model_at_nano_shapes():
+    """At Nemotron 3 Nano's shapes (t = 8192, bf16, sm_90a): the up GEMM writes u [t·k, I] and
+    nothing else (no relu(u)² buffer: the down GEMM forms it in registers); the down GEMM
+    writes the weighted rows [t·k, H] in x's dtype and the shared expert's combining down GEMM
+    reads them back (no combine kernel); under balanced routing each expert's 3 row tiles fall
+    in one L2 group of 6, so each GEMM reads every expert's weights once, u or x's rows once
+    per expert (k times per token); the routed weight gradients read the fp32 gradients once
+    and write them once (accumulating), and their A and B operands once per expert. Every
     plan's floor is below its model, with the same tensor-core FLOPs to within the tiles'
     padding."""
     pytest.importorskip("triton")
@@ -489,23 +512,24 @@ def test_cost_model_exposes_the_fp32_rows_and_the_wave_rereads():
              for label, calls in production() for call in calls}
     fwd = plans[("moe nano t8192", "ReLU2MoEForward", ())]
     p = fwd.problem
-    e, R, t, H, I = 2, p.assignments, p.tokens, p.hidden, p.intermediate
+    e, R, t, H, I, Is = 2, p.assignments, p.tokens, p.hidden, p.intermediate, p.shared_intermediate
     stages = fwd.kernel_program("triton").stages
-    gemms = [s.kernel.cost for s in stages if s.name == "moe_gemm_kernel"]
-    combine = next(s.kernel.cost for s in stages if s.name == "moe_combine_kernel")
-    y = 4 * R * H
-    assert gemms[1].bytes_written == y and combine.bytes_read >= y
-    assert 1.0e9 < y + y < 1.1e9
-    weights = p.experts * H * I * e
-    act = R * I * e
-    assert weights + act < gemms[1].bytes_read < 2 * (weights + act)
-    assert gemms[1].bytes_read < 0.3 * (21 * act + 3 * weights)        # no L2: 7.7 GB
+    assert not any(s.name == "moe_combine_kernel" for s in stages)
+    up, down, shared_up, shared_down = (s.kernel.cost for s in stages if s.name == "moe_gemm_kernel")
+    weights, index = p.experts * H * I * e, 4 * (2 * p.experts + 1)
+    rows, u = R * H * e, R * I * e
+    assert up.bytes_written == u and down.bytes_written == rows
+    assert up.bytes_read == pytest.approx(weights + R * (H * e + 4) + index, rel=1e-9)
+    assert down.bytes_read == pytest.approx(weights + R * (I * e + 8) + index, rel=1e-9)
+    assert shared_down.bytes_read > rows + t * Is * e + H * Is * e
+    assert shared_down.bytes_written == t * H * e
     bwd = plans[("moe nano t8192", "ReLU2MoEBackward", ("accumulate",))]
-    wgrad = next(s.kernel.cost for s in bwd.kernel_program("triton").stages
-                 if s.name == "moe_wgrad_kernel")                       # d_W_down [H, I]
+    wgrads = [s.kernel.cost for s in bwd.kernel_program("triton").stages
+              if s.name == "moe_wgrad_kernel"][:2]              # the routed d_W_down, d_W_up
     grads = p.experts * H * I * 4
-    least = 21 * R * I * e + 15 * t * H * e + grads
-    assert least < wgrad.bytes_read < least + 15 * t * H * e + 0.2e9
+    for wgrad in wgrads:                  # A: u or d_u [R, I], B: d_out or x gathered [R, H]
+        assert wgrad.bytes_written == grads
+        assert grads + u + rows < wgrad.bytes_read < grads + u + rows + 0.01e9
     for key, plan in plans.items():
         costs = [k.cost for k in plan.kernel_program("triton").kernels]
         assert all(c is not None for c in costs), key

@@ -379,8 +379,9 @@ def forward_kernel(problem) -> CuteKernel:
     _, threads, iters = row_geometry(problem.hidden, problem.dtype)
     held = problem.streams * iters <= MAX_HELD_VECTORS
     n, s, d, e = problem.tokens, problem.streams, problem.hidden, element_size(problem.dtype)
-    # x, the keys and v once (x twice when not held), the mask; the weight once (L2)
-    read = n * ((1 if held else 2) * s + s + 1) * d * e + s * d * 4 + (n if problem.has_mask else 0)
+    # x, the keys and v once (x read again for out when not held: from L2, the same CTA), the
+    # mask; the weight once (L2)
+    read = n * (2 * s + 1) * d * e + s * d * 4 + (n if problem.has_mask else 0)
     cost = Cost(FORWARD_FLOPS_PER_ELEMENT * n * s * d, read, n * s * d * e + n * s * 16)
     return CuteKernel("engram_gate_fwd", gate_fwd, args,
                       _constexprs(problem, ("X_HELD", held), ("HAS_MASK", problem.has_mask)),
@@ -398,8 +399,10 @@ def backward_kernel(problem) -> CuteKernel:
     _, threads, _ = row_geometry(problem.hidden, problem.dtype)
     n, s, d, e = problem.tokens, problem.streams, problem.hidden, element_size(problem.dtype)
     blocks = backward_blocks(problem)[1]
-    # stream CTAs per token: g, v, x, k and saved; the grad_v CTA: the S g rows and gates again
-    read = n * s * (4 * d * e + 16) + n * s * (d * e + 4) + s * d * 4
+    # every input row once: the S stream CTAs of a token block and its grad_v CTA are adjacent
+    # in launch order and walk the same tokens, so v (read by each stream CTA) and the g rows
+    # and gates (read again by the grad_v CTA) come from L2 (reuse distance, docs/performance.md)
+    read = n * s * (3 * d * e + 16) + n * d * e + s * d * 4
     written = n * (2 * s + 1) * d * e + blocks * s * d * 4
     return CuteKernel("engram_gate_bwd", gate_bwd, args, _constexprs(problem), backward_grid,
                       dynamic_shared_bytes=4 * 2 * (threads // 32), threads=threads,

@@ -1,6 +1,7 @@
 """The routed ReLU2 experts in plain torch (fusedops.moe.contract): a loop over the experts that
-hold assignments, each on the rows routed to it, with the operator's rounding points (u and a in
-x's dtype, y and the sums in the compute dtype, outputs rounded once). Per-assignment buffers
+hold assignments, each on the rows routed to it, with the operator's rounding points (u, a, the
+weighted rows per assignment and the weighted a of d_W_down in x's dtype; the sums over j and the
+shared expert's product in the compute dtype, outputs rounded once). Per-assignment buffers
 summed over j in order keep it deterministic on every device. The backward recomputes u: this
 backend saves nothing.
 
@@ -57,6 +58,11 @@ def _up(x_rows, w_up, cd):
     return u, torch.relu(u.to(cd)).square().to(x_rows.dtype)
 
 
+def _rounded(v, like):
+    """``v`` (compute dtype) rounded to ``like``'s dtype and back."""
+    return v.to(like.dtype).to(v.dtype)
+
+
 def _expert_forward(x_rows, w_up, w_down, cd):
     """(u, a, y) of one expert on its rows: u, a rounded to x's dtype, y in cd."""
     u, a = _up(x_rows, w_up, cd)
@@ -65,8 +71,9 @@ def _expert_forward(x_rows, w_up, w_down, cd):
 
 def experts_forward(x, w_up, w_down, topk_ids, topk_weights, shared_w_up=None, shared_w_down=None,
                     status=None):
-    """out [t, H] in x's dtype: sum_j w_tj · W_down[e] relu(W_up[e] x_t)² (+ the shared expert),
-    summed in the compute dtype and rounded once."""
+    """out [t, H] in x's dtype: sum_j round(w_tj · W_down[e] relu(W_up[e] x_t)²) (+ the shared
+    expert), each weighted row rounded to x's dtype, summed in the compute dtype and rounded
+    once."""
     cd = accumulator_dtype(x.dtype)
     t, H = x.shape
     k = topk_ids.shape[1]
@@ -75,7 +82,7 @@ def experts_forward(x, w_up, w_down, topk_ids, topk_weights, shared_w_up=None, s
     flat_weights = weights.reshape(-1)
     for e, rows in _dispatch(ids, w_up.shape[0]):
         _, _, y = _expert_forward(x[rows // k], w_up[e], w_down[e], cd)
-        per_slot.index_copy_(0, rows, y * flat_weights[rows, None])
+        per_slot.index_copy_(0, rows, _rounded(y * flat_weights[rows, None], x))
     out = per_slot.view(t, k, H).sum(1)
     if shared_w_up is not None:
         out = out + _expert_forward(x, shared_w_up, shared_w_down, cd)[2]
@@ -85,18 +92,21 @@ def experts_forward(x, w_up, w_down, topk_ids, topk_weights, shared_w_up=None, s
 def _expert_backward(x_rows, d_rows, weights, w_up, w_down, cd):
     """One expert's backward on its rows (x and d_out of the tokens routed to it, their routing
     weights): (<d_out, W_down a> per row, dx rows, d_w_up, d_w_down) in cd, with
-    d_u = w · (W_downᵀ d_out) · 2relu(u) and d_y = w · d_out rounded to x's dtype per row."""
+    d_u = w · (W_downᵀ d_out) · 2relu(u) and w · a rounded to x's dtype per row (the dx rows
+    stay in cd: the caller rounds the routed ones)."""
     u, a = _up(x_rows, w_up, cd)
     g = d_rows.to(cd) @ w_down.to(cd)                           # W_downᵀ d_out
     d_weight = (g * a.to(cd)).sum(-1)
-    d_u = (weights[:, None] * g * 2 * torch.relu(u.to(cd))).to(x_rows.dtype).to(cd)
-    d_y = (weights[:, None] * d_rows.to(cd)).to(x_rows.dtype).to(cd)
-    return d_weight, d_u @ w_up.to(cd), d_u.T @ x_rows.to(cd), d_y.T @ a.to(cd)
+    d_u = _rounded(weights[:, None] * g * 2 * torch.relu(u.to(cd)), x_rows)
+    a_w = _rounded(weights[:, None] * a.to(cd), x_rows)
+    return d_weight, d_u @ w_up.to(cd), d_u.T @ x_rows.to(cd), d_rows.to(cd).T @ a_w
 
 
 def experts_backward(x, w_up, w_down, topk_ids, topk_weights, d_out, shared_w_up=None,
                      shared_w_down=None, status=None):
-    """dict of d_x (x's dtype), d_topk_weights and the weight gradients (compute dtype)."""
+    """dict of d_x (x's dtype: the per-assignment rows rounded to it, summed with the shared
+    expert's in the compute dtype and rounded once), d_topk_weights and the weight gradients
+    (compute dtype)."""
     cd = accumulator_dtype(x.dtype)
     t, H = x.shape
     k = topk_ids.shape[1]
@@ -111,7 +121,7 @@ def experts_backward(x, w_up, w_down, topk_ids, topk_weights, d_out, shared_w_up
         dw, dx, d_w_up[e], d_w_down[e] = _expert_backward(x[tokens], d_out[tokens],
                                                           flat_weights[rows], w_up[e], w_down[e], cd)
         d_weights.index_copy_(0, rows, dw)
-        per_slot.index_copy_(0, rows, dx)
+        per_slot.index_copy_(0, rows, _rounded(dx, x))
     d_x = per_slot.view(t, k, H).sum(1)
     grads = dict(d_topk_weights=d_weights.view(t, k), d_w_up=d_w_up, d_w_down=d_w_down)
     if shared_w_up is not None:

@@ -456,12 +456,12 @@ def forward_spec(problem, tiles: GateTiles | None = None) -> KernelSpec:
 
 
 def forward_cost(problem, layout: RowLayout) -> Cost:
-    """Per token: x, the S keys and v once (a streamed row reads x twice and v once per
-    stream), the mask; out and saved written. The weight (S·D fp32, read by every program) is
-    counted once: it stays in L2."""
+    """Per token: x, the S keys and v once, the mask; out and saved written. A streamed row
+    (``layout`` not held) reads x again for out and v per stream inside the same program:
+    those re-reads come from L2 (the reuse-distance rule of docs/performance.md, a gap of no
+    program). The weight (S·D fp32, read by every program) is counted once: it stays in L2."""
     n, s, d, e = problem.tokens, problem.streams, problem.hidden, element_size(problem.dtype)
-    x_reads, v_reads = (1, 1) if layout.held or layout.chunks == 1 else (2, s)
-    read = n * (x_reads * s + s + v_reads) * d * e + s * d * 4 + (n if problem.has_mask else 0)
+    read = n * (2 * s + 1) * d * e + s * d * 4 + (n if problem.has_mask else 0)
     return Cost(FORWARD_FLOPS_PER_ELEMENT * n * s * d, read, n * s * d * e + n * s * 16)
 
 
@@ -496,14 +496,17 @@ def backward_spec(problem, tiles: GateTiles | None = None) -> KernelSpec:
 
 
 def backward_cost(problem, layout: RowLayout, tiles: GateTiles) -> Cost:
-    """Stream programs, per token and stream: g, v, x and k (a streamed row re-reads the whole
-    g and v rows per chunk for dgate) and 16 B of saved; the grad_v program: the S g rows and
-    gates again. Written: grad_x, grad_k, grad_v and one fp32 partial row per block. The weight
-    is counted once (L2)."""
+    """Every input row once: x, k and g of each stream, v, and saved (16 B per token and
+    stream). The S stream programs of a token block and its grad_v program are adjacent in
+    launch order (the grid's stream index fastest) and walk the block's tokens in the same
+    order, so the v row every stream program reads and the g rows and gates the grad_v program
+    reads again are S programs or fewer from the previous read, as are a streamed row's re-reads
+    per chunk inside one program: by the reuse-distance rule (docs/performance.md) they come from
+    L2. Written: grad_x, grad_k, grad_v and one fp32 partial row per block. The weight is
+    counted once (L2)."""
     n, s, d, e = problem.tokens, problem.streams, problem.hidden, element_size(problem.dtype)
     blocks = backward_blocks(problem, tiles)[1]
-    stream_rows = 4 if layout.held or layout.chunks == 1 else 2 * layout.chunks + 3
-    read = n * s * (stream_rows * d * e + 16) + n * s * (d * e + 4) + s * d * 4
+    read = n * s * (3 * d * e + 16) + n * d * e + s * d * 4
     written = n * (2 * s + 1) * d * e + blocks * s * d * 4
     return Cost(BACKWARD_FLOPS_PER_ELEMENT * n * s * d, read, written)
 

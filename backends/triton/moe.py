@@ -1,15 +1,18 @@
 """Routed ReLU2 experts: specialisations, buffer layouts and programs of the Triton kernels in
 moe_kernels.py (fusedops.moe.contract).
 
-Forward: the dispatch (count, scan, offsets, scatter), the up and down grouped GEMMs (and the
-shared expert's dense ones), the fixed-order combine. Backward: the down and up dgrad GEMMs, the
-routing-weight gradient's fixed-order sum, the weight-gradient GEMMs (and the shared expert's),
-the combine. Operands a program does not have (the shared expert's buffers, u in an inference
-forward, the routing weights of an unweighted GEMM) are compiled out, never aliased.
+Forward: the dispatch (count, scan, offsets, scatter), the up GEMM (u by assignment) and the down
+GEMM (relu(u)² formed in registers, the weighted rows per assignment in x's dtype), then the
+shared expert's up GEMM and its down GEMM, whose epilogue adds the k rows of each token (without
+a shared expert, the combine kernel sums them). Backward: the down and up dgrad GEMMs, the
+routing-weight gradient's fixed-order sum, the weight-gradient GEMMs, then the shared expert's,
+whose up dgrad sums the rows of d_x (or the combine). Operands a program does not have (the
+shared expert's buffers, the routing weights of an unweighted GEMM) are compiled out, never
+aliased.
 
-The activations (x, d_out read by token; out, d_x written by the combine) may be strided views:
-their kernels take the row stride at launch (``Stride``, in 16-byte vectors: the contract's
-``row_vector``), so a new stride reuses the compiled kernel.
+The activations (x, d_out read by token; out, d_x written by the combining epilogue or kernel)
+may be strided views: their kernels take the row stride at launch (``Stride``, in 16-byte
+vectors: the contract's ``row_vector``), so a new stride reuses the compiled kernel.
 
 Tiles come from the per-architecture table in moe_tiles.py (``config=`` a candidate of it);
 every kernel spec carries its cost model from moe_cost.py.
@@ -44,7 +47,7 @@ __all__ = ["backward_candidates", "backward_program", "backward_workspace", "for
            "unsupported_reason"]
 
 # moe_kernels' epilogues and operand row sources
-EPI_UP, EPI_SCATTER, EPI_DGRAD_ACT = 0, 1, 2
+EPI_UP, EPI_SCATTER, EPI_DGRAD_ACT, EPI_COMBINE = 0, 1, 2, 3
 BY_ROW, BY_TOKEN, BY_ASSIGNMENT = 0, 1, 2
 
 
@@ -67,48 +70,45 @@ def _dispatch_pieces(problem):
 
 
 # -- buffer layouts --------------------------------------------------------------------------------
+def _u_pieces(problem):
+    """u by assignment [t·k, I] and the shared expert's [t, I_shared], x's dtype."""
+    return [("u", problem.dtype, problem.assignments * problem.intermediate),
+            ("shared_u", problem.dtype, problem.tokens * problem.shared_intermediate)]
+
+
 def saved_layout(problem) -> Layout:
     """The dispatch (counts [E], offsets [E + 1], sorted [max_rows] int32) and u in x's dtype:
     [t·k, I] by assignment, and [t, I_shared] for the shared expert."""
-    return Layout(_dispatch_pieces(problem) + [
-        ("u", problem.dtype, problem.assignments * problem.intermediate),
-        ("shared_u", problem.dtype, problem.tokens * problem.shared_intermediate)])
+    return Layout(_dispatch_pieces(problem) + _u_pieces(problem))
 
 
 def forward_workspace(problem) -> Layout:
-    """Dispatch block counts [NB, E_pad] int32, (the dispatch itself for is_inference), the
-    activations [max_rows, I] (x's dtype), the weighted expert outputs [t·k, H] fp32, and the
-    shared expert's [t, I_shared] activations and [t, H] fp32 output (the same for every
+    """Dispatch block counts [NB, E_pad] int32, (the dispatch and u for is_inference), and the
+    weighted expert outputs per assignment [t·k, H] in x's dtype (the same for every
     candidate: the row tile is the table's)."""
     pieces = [("part", torch.int32, _dispatch_blocks(problem) * _experts_padded(problem))]
     if problem.is_inference:
-        pieces += _dispatch_pieces(problem)
-    t, H = problem.tokens, problem.hidden
-    return Layout(pieces + [
-        ("act", problem.dtype, max_rows(problem) * problem.intermediate),
-        ("y", torch.float32, problem.assignments * H),
-        ("shared_act", problem.dtype, t * problem.shared_intermediate),
-        ("shared_y", torch.float32, t * H if problem.has_shared else 0)])
+        pieces += _dispatch_pieces(problem) + _u_pieces(problem)
+    return Layout(pieces + [("rows", problem.dtype, problem.assignments * problem.hidden)])
 
 
 def _column_tiles(problem, tiles: MoETiles) -> int:
     """Column tiles of the dgrad-down GEMM (N = I): the routing-weight gradient's partials."""
-    return triton.cdiv(problem.intermediate,
-                       gemm_blocks(problem, problem.hidden, problem.intermediate, 16, tiles)[1])
+    bn = gemm_blocks(problem, problem.hidden, problem.intermediate, routed_bm(problem, tiles),
+                     tiles, fused=True)[1]
+    return triton.cdiv(problem.intermediate, bn)
 
 
 def backward_workspace(problem, tiles: MoETiles | None = None) -> Layout:
-    """d_u [max_rows, I] (x's dtype), the per-assignment d_x rows [t·k, H] fp32, the routing
-    weight gradient's partial sums [I / BN, t·k] fp32 (BN: the configuration's), and the
-    shared expert's d_u [t, I_shared] and d_x [t, H] fp32."""
+    """d_u [max_rows, I] by row (x's dtype), the d_x rows per assignment [t·k, H] (x's dtype),
+    the routing weight gradient's partial sums [I / BN, t·k] fp32 (BN: the configuration's),
+    and the shared expert's d_u [t, I_shared]."""
     tiles = tiles or tiles_for(problem)
-    t, H = problem.tokens, problem.hidden
     return Layout([
         ("d_u", problem.dtype, max_rows(problem) * problem.intermediate),
-        ("dx", torch.float32, problem.assignments * H),
+        ("rows", problem.dtype, problem.assignments * problem.hidden),
         ("dw_part", torch.float32, _column_tiles(problem, tiles) * problem.assignments),
-        ("shared_d_u", problem.dtype, t * problem.shared_intermediate),
-        ("shared_dx", torch.float32, t * H if problem.has_shared else 0)])
+        ("shared_d_u", problem.dtype, problem.tokens * problem.shared_intermediate)])
 
 
 # -- specialisations -------------------------------------------------------------------------------
@@ -135,56 +135,62 @@ def _dispatch_bind(home) -> dict:
     return dict(sorted_ptr=home("sorted"), offsets_ptr=home("offsets"), counts_ptr=home("counts"))
 
 
-def _epilogue_flops(epilogue: int, weighted: bool) -> int:
-    """CUDA-core FLOPs per output element: UP relu and square; SCATTER the routing weight (when
-    weighted); DGRAD_ACT relu and 2·relu(u)·g, and when weighted the square, the <g, a> product
-    and sum and the weight."""
+def _epilogue_flops(epilogue: int, weighted: bool, top_k: int) -> int:
+    """CUDA-core FLOPs per output element: SCATTER the routing weight (when weighted);
+    DGRAD_ACT relu and 2·relu(u)·g, and when weighted the square, the <g, a> product and sum
+    and the weight; COMBINE the k rows and the product added."""
     if epilogue == EPI_UP:
-        return 2
+        return 0
     if epilogue == EPI_SCATTER:
         return int(weighted)
+    if epilogue == EPI_COMBINE:
+        return top_k
     return 7 if weighted else 3
 
 
 def gemm_stage(problem, tiles: MoETiles, *, routed: bool, kdim: int, ndim: int, strides,
-               epilogue: int, a_by_token: bool, a, b, out, out_dtype=None, weighted: bool = False,
-               u=None, part=None, home=saved_piece) -> Stage:
-    """One grouped GEMM launch: A (``a``, gathered by token or read by row) times W[e] (``b``
-    through ``strides``) into ``out`` with ``epilogue`` (EPI_*). ``u``: the u buffer
-    the epilogue writes (EPI_UP) or reads (EPI_DGRAD_ACT); ``part``: the <g, a> partials;
-    ``weighted``: scale by the routing weights; ``home``: where the dispatch lives. Absent
-    operands are compiled out."""
+               epilogue: int, a_source: int, a, b, out, a_relu2: bool = False,
+               weighted: bool = False, u=None, part=None, rows=None,
+               home=saved_piece) -> Stage:
+    """One grouped GEMM launch: A (``a``, read by ``a_source``: BY_TOKEN gathered, BY_ASSIGNMENT,
+    BY_ROW; ``a_relu2``: relu(A)² in registers) times W[e] (``b`` through ``strides``) into
+    ``out`` with ``epilogue`` (EPI_*). ``u``: the u buffer the DGRAD_ACT epilogue reads;
+    ``part``: the <g, a> partials; ``rows``: the per-assignment rows a COMBINE epilogue adds
+    (``out`` is then the strided out or d_x); ``weighted``: scale by the routing weights;
+    ``home``: where the dispatch lives. Absent operands are compiled out."""
+    combine = epilogue == EPI_COMBINE
     bm = routed_bm(problem, tiles) if routed else dense_bm(problem, tiles)
-    bm, bn, bk, warps = gemm_blocks(problem, kdim, ndim, bm, tiles)
+    bm, bn, bk, warps, stages = gemm_blocks(problem, kdim, ndim, bm, tiles,
+                                            fused=combine or epilogue == EPI_DGRAD_ACT,
+                                            relu2=a_relu2)
+    group_m = tiles.group_m if routed else tiles.dense_group_m
     t = pointer_type(problem.dtype)
     index = "*i32" if routed else None
     args = (("a_ptr", t), ("b_ptr", t), ("sorted_ptr", index), ("offsets_ptr", index),
             ("counts_ptr", index), ("weight_ptr", "*fp32" if weighted else None),
-            ("u_ptr", None if u is None else t),
-            ("out_ptr", pointer_type(out_dtype or problem.dtype)),
-            ("part_ptr", None if part is None else "*fp32"), ("T", "i32"), ("M_TILES", "i32"),
-            ("stride_a", "i32" if a_by_token else None))
+            ("u_ptr", None if u is None else t), ("out_ptr", t),
+            ("part_ptr", None if part is None else "*fp32"),
+            ("rows_ptr", t if combine else None), ("ids_ptr", "*i32" if combine else None),
+            ("T", "i32"), ("M_TILES", "i32"),
+            ("stride_a", "i32" if a_source == BY_TOKEN else None),
+            ("stride_out", "i32" if combine else None))
     be, bks, bns = strides
-    const = dict(K_TOP=problem.top_k if routed else 1, E=problem.experts if routed else 1,
-                 KDIM=kdim, NDIM=ndim, STRIDE_BE=be, STRIDE_BK=bks, STRIDE_BN=bns, ROUTED=routed,
-                 A_BY_TOKEN=a_by_token, EPILOGUE=epilogue, WEIGHTED=weighted,
-                 SAVE_U=epilogue == EPI_UP and u is not None, BM=bm, BN=bn, BK=bk,
-                 GROUP_M=tiles.group_m,
+    const = dict(K_TOP=problem.top_k, E=problem.experts, KDIM=kdim, NDIM=ndim, STRIDE_BE=be,
+                 STRIDE_BK=bks, STRIDE_BN=bns, ROUTED=routed, A_SOURCE=a_source, A_RELU2=a_relu2,
+                 EPILOGUE=epilogue, WEIGHTED=weighted, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
                  STEPS=max(1, math.ceil(math.log2(max(problem.experts, 2)))) + 1,
                  VEC=problem.row_vector, **_numerics(problem))
     m_tiles = triton.cdiv(max_rows(problem) if routed else problem.tokens, bm)
-    out_bytes = element_size(out_dtype or problem.dtype)
     cost = C.gemm_cost(problem, routed=routed, kdim=kdim, ndim=ndim, bm=bm, bn=bn, bk=bk,
-                       out_bytes=out_bytes, group_m=tiles.group_m, grid_m_tiles=m_tiles,
-                       row_tile=row_tile(problem, tiles), a_by_token=a_by_token,
-                       arch=target_arch(problem.device), ctas_per_sm=tiles.ctas_per_sm,
-                       save_u=const["SAVE_U"], read_u=epilogue == EPI_DGRAD_ACT,
-                       weighted=weighted, part=part is not None,
-                       epilogue_flops=_epilogue_flops(epilogue, weighted))
+                       group_m=group_m, grid_m_tiles=m_tiles,
+                       row_tile=row_tile(problem, tiles), arch=target_arch(problem.device),
+                       epilogue_read="u" if u is not None else "rows" if combine else None,
+                       a_relu2=a_relu2, weighted=weighted, part=part is not None,
+                       epilogue_flops=_epilogue_flops(epilogue, weighted, problem.top_k))
     spec = KernelSpec.make(K.moe_gemm_kernel, args, const, (m_tiles * triton.cdiv(ndim, bn),),
-                           num_warps=warps, num_stages=tiles.stages, cost=cost)
+                           num_warps=warps, num_stages=stages, cost=cost)
     bind = dict(a_ptr=a, b_ptr=b, out_ptr=out, T=problem.tokens, M_TILES=m_tiles)
-    if a_by_token:
+    if a_source == BY_TOKEN:
         bind["stride_a"] = _row_stride(problem, a)
     if routed:
         bind.update(_dispatch_bind(home))
@@ -194,39 +200,42 @@ def gemm_stage(problem, tiles: MoETiles, *, routed: bool, kdim: int, ndim: int, 
         bind["u_ptr"] = u
     if part is not None:
         bind["part_ptr"] = part
+    if combine:
+        bind.update(rows_ptr=rows, ids_ptr="topk_ids", stride_out=_row_stride(problem, out))
     return Stage(spec, bind)
 
 
-def wgrad_stage(problem, tiles: MoETiles, *, routed: bool, m: int, n: int, p_source: int,
-                p_weighted: bool, q_source: int, q_relu2: bool, p, q, grad) -> Stage:
-    """grad[e] (+)= sum over e's rows of P[row, m] · Q[row, n] (rows of P and Q: BY_*)."""
+def wgrad_stage(problem, tiles: MoETiles, *, routed: bool, inter: int, a_source: int,
+                a_relu2: bool, a_weighted: bool, transposed: bool, a, b, grad) -> Stage:
+    """grad[e] (+)= the sum over e's rows of A[row, :inter]ᵀ · B[token, :H]: A = ``a`` (d_u by
+    row, or u by assignment turned into relu(u)² (``a_relu2``) times the routing weight
+    (``a_weighted``)), B = ``b`` (x or d_out) by token; ``grad`` [E, inter, H], or [E, H, inter]
+    when ``transposed``."""
     t = pointer_type(problem.dtype)
     index = "*i32" if routed else None
-    args = (("p_ptr", t), ("q_ptr", t), ("sorted_ptr", index), ("offsets_ptr", index),
-            ("counts_ptr", index), ("weight_ptr", "*fp32" if p_weighted else None),
+    H = problem.hidden
+    args = (("a_ptr", t), ("b_ptr", t), ("sorted_ptr", index), ("offsets_ptr", index),
+            ("counts_ptr", index), ("weight_ptr", "*fp32" if a_weighted else None),
             ("grad_ptr", pointer_type(problem.weight_grad_dtype)), ("T", "i32"),
-            ("stride_p", "i32" if p_source == BY_TOKEN else None),
-            ("stride_q", "i32" if q_source == BY_TOKEN else None))
-    bm, bn, bk, warps = wgrad_blocks(problem, m, n, tiles)
-    const = dict(K_TOP=problem.top_k if routed else 1, E=problem.experts if routed else 1, M=m,
-                 N=n, ROUTED=routed, P_SOURCE=p_source, P_WEIGHTED=p_weighted, Q_SOURCE=q_source,
-                 Q_RELU2=q_relu2, ACCUMULATE=problem.accumulate, BM=bm, BN=bn, BK=bk,
-                 VEC=problem.row_vector, **_numerics(problem))
-    grid = (const["E"], triton.cdiv(m, bm), triton.cdiv(n, bn))
-    cost = C.wgrad_cost(problem, routed=routed, m=m, n=n, bm=bm, bn=bn, bk=bk,
-                        p_by_token=p_source == BY_TOKEN, q_by_token=q_source == BY_TOKEN,
-                        p_weighted=p_weighted, q_relu2=q_relu2,
-                        arch=target_arch(problem.device), ctas_per_sm=tiles.ctas_per_sm)
+            ("stride_b", "i32"))
+    bm, bn, bk, warps = wgrad_blocks(problem, inter, H, tiles)
+    group_m = tiles.wgrad_group_m if routed else tiles.dense_wgrad_group_m
+    const = dict(K_TOP=problem.top_k if routed else 1, E=problem.experts if routed else 1,
+                 M=inter, N=H, ROUTED=routed, A_SOURCE=a_source, A_RELU2=a_relu2,
+                 A_WEIGHTED=a_weighted, TRANSPOSED=transposed, ACCUMULATE=problem.accumulate,
+                 BM=bm, BN=bn, BK=bk, GROUP_M=group_m, VEC=problem.row_vector,
+                 **_numerics(problem))
+    grid = (const["E"] * triton.cdiv(inter, bm) * triton.cdiv(H, bn),)
+    cost = C.wgrad_cost(problem, routed=routed, m=inter, n=H, bm=bm, bn=bn, bk=bk,
+                        group_m=group_m, a_relu2=a_relu2, a_weighted=a_weighted,
+                        arch=target_arch(problem.device))
     spec = KernelSpec.make(K.moe_wgrad_kernel, args, const, grid, num_warps=warps,
-                           num_stages=tiles.wgrad_stages, cost=cost)
-    bind = dict(p_ptr=p, q_ptr=q, grad_ptr=grad, T=problem.tokens)
-    if p_source == BY_TOKEN:
-        bind["stride_p"] = _row_stride(problem, p)
-    if q_source == BY_TOKEN:
-        bind["stride_q"] = _row_stride(problem, q)
+                           num_stages=tiles.wgrad_stages, maxnreg=tiles.wgrad_maxnreg, cost=cost)
+    bind = dict(a_ptr=a, b_ptr=b, grad_ptr=grad, T=problem.tokens,
+                stride_b=_row_stride(problem, b))
     if routed:
         bind.update(_dispatch_bind(saved_piece))
-    if p_weighted:
+    if a_weighted:
         bind["weight_ptr"] = "topk_weights"
     return Stage(spec, bind)
 
@@ -261,24 +270,20 @@ def dispatch_stages(problem, home) -> tuple[Stage, ...]:
                                 sorted_ptr=home("sorted"), A=A)))
 
 
-def combine_stage(problem, buf, shared, out: str) -> Stage:
-    """out[t] = the sum over j (in order) of the fp32 rows ``buf`` (+ ``shared``), rounded once."""
+def combine_stage(problem, rows, out: str) -> Stage:
+    """out[t] = the sum over j (in order) of the rows ``rows`` [t·k, H] (x's dtype), in fp32,
+    rounded once: the combine of a plan without a shared expert."""
     bh = min(256, max(16, triton.next_power_of_2(problem.hidden)))
-    args = (("buf_ptr", "*fp32"), ("shared_ptr", "*fp32" if problem.has_shared else None),
-            ("ids_ptr", "*i32"), ("out_ptr", pointer_type(problem.dtype)), ("T", "i32"),
-            ("stride_out", "i32"))
-    const = dict(K_TOP=problem.top_k, E=problem.experts, H=problem.hidden,
-                 HAS_SHARED=problem.has_shared, BT=COMBINE_ROWS, BH=bh,
-                 EXACT=_numerics(problem)["EXACT"], VEC=problem.row_vector)
+    args = (("buf_ptr", pointer_type(problem.dtype)), ("ids_ptr", "*i32"),
+            ("out_ptr", pointer_type(problem.dtype)), ("T", "i32"), ("stride_out", "i32"))
+    const = dict(K_TOP=problem.top_k, E=problem.experts, H=problem.hidden, BT=COMBINE_ROWS,
+                 BH=bh, EXACT=_numerics(problem)["EXACT"], VEC=problem.row_vector)
     grid = (triton.cdiv(problem.tokens, COMBINE_ROWS), triton.cdiv(problem.hidden, bh))
     spec = KernelSpec.make(K.moe_combine_kernel, args, const, grid,
                            cost=C.combine_cost(problem, COMBINE_ROWS, bh,
                                                target_arch(problem.device)))
-    bind = dict(buf_ptr=buf, ids_ptr="topk_ids", out_ptr=out, T=problem.tokens,
-                stride_out=_row_stride(problem, out))
-    if problem.has_shared:
-        bind["shared_ptr"] = shared
-    return Stage(spec, bind)
+    return Stage(spec, dict(buf_ptr=rows, ids_ptr="topk_ids", out_ptr=out, T=problem.tokens,
+                            stride_out=_row_stride(problem, out)))
 
 
 def weight_grad_reduce_stage(problem, tiles: MoETiles) -> Stage:
@@ -300,64 +305,65 @@ def unsupported_reason(problem) -> str | None:
     return kernel_dtype_reason("Triton MoE kernels", problem.dtype)
 
 
-def _expert_forward_stages(problem, tiles: MoETiles, shared: bool, home) -> list[Stage]:
-    """The up GEMM (u saved unless is_inference, relu(u)² to the workspace) and the down GEMM
-    (fp32 rows, weighted when routed) of the routed experts or of the shared expert."""
-    H = problem.hidden
-    inter = problem.shared_intermediate if shared else problem.intermediate
-    routed = not shared
-    pre = "shared_" if shared else ""
-    ws = workspace_piece
-    st = _weight_strides(problem, shared)
-    u = None if problem.is_inference else saved_piece(pre + "u")
-    return [
-        gemm_stage(problem, tiles, routed=routed, kdim=H, ndim=inter, strides=st["up"],
-                   epilogue=EPI_UP, a_by_token=True, a="x", b=pre + "w_up", out=ws(pre + "act"),
-                   u=u, home=home),
-        gemm_stage(problem, tiles, routed=routed, kdim=inter, ndim=H, strides=st["down"],
-                   epilogue=EPI_SCATTER, a_by_token=False, a=ws(pre + "act"), b=pre + "w_down",
-                   out=ws(pre + "y"), out_dtype=torch.float32, weighted=routed, home=home)]
+def _forward_stages(problem, tiles: MoETiles, home) -> list[Stage]:
+    """The routed experts' up GEMM (u by assignment) and down GEMM (relu(u)² in registers, the
+    weighted rows by assignment), then the shared expert's up and combining down GEMMs, or the
+    combine."""
+    H, I = problem.hidden, problem.intermediate
+    u = workspace_piece if problem.is_inference else saved_piece
+    rows = workspace_piece("rows")
+    st = _weight_strides(problem, False)
+    stages = [
+        gemm_stage(problem, tiles, routed=True, kdim=H, ndim=I, strides=st["up"],
+                   epilogue=EPI_UP, a_source=BY_TOKEN, a="x", b="w_up", out=u("u"), home=home),
+        gemm_stage(problem, tiles, routed=True, kdim=I, ndim=H, strides=st["down"],
+                   epilogue=EPI_SCATTER, a_source=BY_ASSIGNMENT, a_relu2=True, a=u("u"),
+                   b="w_down", out=rows, weighted=True, home=home)]
+    if not problem.has_shared:
+        return stages + [combine_stage(problem, rows, "out")]
+    st = _weight_strides(problem, True)
+    return stages + [
+        gemm_stage(problem, tiles, routed=False, kdim=H, ndim=problem.shared_intermediate,
+                   strides=st["up"], epilogue=EPI_UP, a_source=BY_TOKEN, a="x",
+                   b="shared_w_up", out=u("shared_u")),
+        gemm_stage(problem, tiles, routed=False, kdim=problem.shared_intermediate, ndim=H,
+                   strides=st["down"], epilogue=EPI_COMBINE, a_source=BY_ROW, a_relu2=True,
+                   a=u("shared_u"), b="shared_w_down", out="out", rows=rows)]
 
 
 def forward_program(problem, config: MoETiles | None = None) -> Program:
     tiles = config or tiles_for(problem)
     home = workspace_piece if problem.is_inference else saved_piece
-    stages = [*dispatch_stages(problem, home), *_expert_forward_stages(problem, tiles, False, home)]
-    if problem.has_shared:
-        stages += _expert_forward_stages(problem, tiles, True, home)
-    stages.append(combine_stage(problem, workspace_piece("y"), workspace_piece("shared_y"), "out"))
     return Program(workspace=forward_workspace(problem),
                    saved=EMPTY if problem.is_inference else saved_layout(problem),
-                   stages=tuple(stages))
+                   stages=(*dispatch_stages(problem, home), *_forward_stages(problem, tiles, home)))
 
 
 def _expert_backward_stages(problem, tiles: MoETiles, shared: bool) -> list[Stage]:
     """dgrad down, dgrad up (and, routed, the routing-weight gradient), wgrad down, wgrad up of
-    the routed experts or of the shared expert."""
+    the routed experts, or of the shared expert, whose dgrad up sums d_x."""
     H = problem.hidden
     inter = problem.shared_intermediate if shared else problem.intermediate
     routed = not shared
     pre = "shared_" if shared else ""
-    ws, u = workspace_piece, saved_piece(pre + "u")
+    ws, u, d_u = workspace_piece, saved_piece(pre + "u"), workspace_piece(pre + "d_u")
     st = _weight_strides(problem, shared)
+    up_epilogue = dict(epilogue=EPI_COMBINE, out="d_x", rows=ws("rows")) if shared else \
+        dict(epilogue=EPI_SCATTER, out=ws("rows"))
     stages = [
         gemm_stage(problem, tiles, routed=routed, kdim=H, ndim=inter, strides=st["down_t"],
-                   epilogue=EPI_DGRAD_ACT, a_by_token=True, a="d_out", b=pre + "w_down",
-                   out=ws(pre + "d_u"), weighted=routed, u=u,
-                   part=ws("dw_part") if routed else None),
+                   epilogue=EPI_DGRAD_ACT, a_source=BY_TOKEN, a="d_out", b=pre + "w_down",
+                   out=d_u, weighted=routed, u=u, part=ws("dw_part") if routed else None),
         gemm_stage(problem, tiles, routed=routed, kdim=inter, ndim=H, strides=st["up_t"],
-                   epilogue=EPI_SCATTER, a_by_token=False, a=ws(pre + "d_u"), b=pre + "w_up",
-                   out=ws(pre + "dx"), out_dtype=torch.float32)]
+                   a_source=BY_ROW, a=d_u, b=pre + "w_up", **up_epilogue)]
     if routed:
         stages.append(weight_grad_reduce_stage(problem, tiles))
-    stages += [
-        wgrad_stage(problem, tiles, routed=routed, m=H, n=inter, p_source=BY_TOKEN,
-                    p_weighted=routed, q_source=BY_ASSIGNMENT, q_relu2=True, p="d_out", q=u,
+    return stages + [
+        wgrad_stage(problem, tiles, routed=routed, inter=inter, a_source=BY_ASSIGNMENT,
+                    a_relu2=True, a_weighted=routed, transposed=True, a=u, b="d_out",
                     grad=f"d_{pre}w_down"),
-        wgrad_stage(problem, tiles, routed=routed, m=inter, n=H, p_source=BY_ROW, p_weighted=False,
-                    q_source=BY_TOKEN, q_relu2=False, p=ws(pre + "d_u"), q="x",
-                    grad=f"d_{pre}w_up")]
-    return stages
+        wgrad_stage(problem, tiles, routed=routed, inter=inter, a_source=BY_ROW, a_relu2=False,
+                    a_weighted=False, transposed=False, a=d_u, b="x", grad=f"d_{pre}w_up")]
 
 
 def backward_program(problem, config: MoETiles | None = None) -> Program:
@@ -365,8 +371,8 @@ def backward_program(problem, config: MoETiles | None = None) -> Program:
     stages = _expert_backward_stages(problem, tiles, shared=False)
     if problem.has_shared:
         stages += _expert_backward_stages(problem, tiles, shared=True)
-    stages.append(combine_stage(problem, workspace_piece("dx"), workspace_piece("shared_dx"),
-                                "d_x"))
+    else:
+        stages.append(combine_stage(problem, workspace_piece("rows"), "d_x"))
     return Program(workspace=backward_workspace(problem, tiles), saved=saved_layout(problem),
                    stages=tuple(stages))
 

@@ -1,4 +1,4 @@
-"""Triton kernels of the routed ReLU2 experts: device-side dispatch, one grouped GEMM with three
+"""Triton kernels of the routed ReLU2 experts: device-side dispatch, one grouped GEMM with four
 epilogues, the per-expert weight-gradient GEMM, and the fixed-order sums.
 
 Dispatch (no host synchronisation; buffers sized for the plan's t):
@@ -11,28 +11,40 @@ never initialised. Dropped assignments (id outside [0, E)) get no row, so no GEM
 writes anything for them; count (forward) and the routing-weight gradient's sum (backward) OR
 Status.EXPERT_ID into the optional status word for the ids outside [0, E) other than -1. Every
 index the later kernels use comes from the dispatch (rows < offsets[E] <= the sized bound,
-assignments < t·k), never from topk_ids directly.
+assignments < t·k), never from topk_ids directly; the combines read topk_ids only to skip the
+dropped assignments' rows, which nothing wrote.
 
 Grouped GEMM: program (row tile, column tile); the row tile's expert is found by binary search in
 offsets; tiles past offsets[E] exit at once (experts without tokens cost nothing). Row r of
 expert e holds assignment a = sorted[r] of token a // k. The operand A is read by token (x,
-d_out: gathered) or by row (act, d_u); B is W[e] through strides, so one kernel serves
-    forward up      x[token]   · W_up[e]ᵀ     epilogue UP:        u -> act[r], u[a] (saved)
-    forward down    act[r]     · W_down[e]ᵀ   epilogue SCATTER:   w_a · y -> y_buf[a] (fp32)
-    backward down   d_out[tok] · W_down[e]    epilogue DGRAD_ACT: d_u[r] and <g, a> partials
-    backward up     d_u[r]     · W_up[e]      epilogue SCATTER:   dx_buf[a] (fp32)
-and, with ROUTED = False (one expert, row = token = assignment), the shared expert.
+d_out: gathered), by assignment (u, turned into a = relu(u)² in registers on its way to the
+MMA: no a buffer) or by row (d_u); B is W[e] through strides, so one kernel serves
+    forward up      x[token]      · W_up[e]ᵀ     epilogue UP:        u[a]
+    forward down    relu(u[a])²   · W_down[e]ᵀ   epilogue SCATTER:   w_a · y -> rows[a]
+    backward down   d_out[token]  · W_down[e]    epilogue DGRAD_ACT: d_u[r] and <g, a> partials
+    backward up     d_u[r]        · W_up[e]      epilogue SCATTER:   rows[a]
+with every result rounded to x's dtype; and, with ROUTED = False (one expert, row = token =
+assignment), the shared expert, whose down and backward-up GEMMs end in epilogue COMBINE:
+out[t] = the sum over j (in order) of rows[t·k + j] of the kept assignments plus its own fp32
+product, rounded once, written through out's (or d_x's) row stride. Without a shared expert the
+combine kernel does that sum.
 
-Strided activations: x, d_out (read by token), out and d_x (the combine's stores) are addressed
+Weight gradients: grad[e] (+)= the sum over e's rows of A[r]ᵀ ⊗ B[token_r] with A on the
+intermediate side (d_u by row; or a = relu(u)² times the routing weight, rounded, by
+assignment: its transform happens on the register operand, so the wgmma stays asynchronous) and
+B = x or d_out gathered by token; d_W_down [H, I] is stored transposed.
+
+Strided activations: x, d_out (read by token), out and d_x (the combines' stores) are addressed
 through a row stride taken at launch in units of VEC elements (a 16-byte vector; 1 where a row
 is not a whole number of vectors and the plan takes them contiguous), so every row starts
 16-byte aligned for the compiler and the loads stay vectorised. The buffers the kernels pass to
-each other (act, d_u, u, the fp32 rows) are the plan's own, contiguous, with constexpr widths.
+each other (u, d_u, the per-assignment rows) are the plan's own, contiguous, with constexpr
+widths.
 
 Operands a launch does not have are constexpr None (the dispatch of a dense GEMM, the routing
-weights of an unweighted one, u where nothing saves it, the <g, a> partials outside the routed
-dgrad, the shared expert's rows in the combine): each kernel touches a pointer only under the
-flag that says it is present (ROUTED, WEIGHTED / P_WEIGHTED, SAVE_U, EPILOGUE, HAS_SHARED).
+weights of an unweighted one, the <g, a> partials outside the routed dgrad, the rows and ids
+outside a combining epilogue): each kernel touches a pointer only under the flag that says it is
+present (ROUTED, WEIGHTED / A_WEIGHTED, EPILOGUE).
 """
 
 import triton
@@ -46,6 +58,7 @@ from .rounding import round_to
 EPI_UP = tl.constexpr(0)
 EPI_SCATTER = tl.constexpr(1)
 EPI_DGRAD_ACT = tl.constexpr(2)
+EPI_COMBINE = tl.constexpr(3)
 BY_ROW = tl.constexpr(0)
 BY_TOKEN = tl.constexpr(1)
 BY_ASSIGNMENT = tl.constexpr(2)
@@ -140,12 +153,32 @@ def expert_rows(row0, offsets_ptr, counts_ptr, sorted_ptr, T, K_TOP: tl.constexp
 
 
 @triton.jit
+def _operand_rows(source: tl.constexpr, r, token, assign, width: tl.constexpr, stride,
+                  VEC: tl.constexpr):
+    """Element offsets of the rows an operand reads: by token (x, d_out: a view, ``stride``
+    vectors a row), by assignment (u) or by dispatch row (d_u), ``width`` a row."""
+    if source == BY_TOKEN:
+        return token.to(tl.int64) * (stride * VEC)
+    elif source == BY_ASSIGNMENT:
+        return assign.to(tl.int64) * width
+    else:
+        return r.to(tl.int64) * width
+
+
+@triton.jit
+def relu2(u, DTYPE: tl.constexpr, EXACT: tl.constexpr):
+    """a = relu(u)² of a tile of u, in fp32 and rounded to DTYPE (the contract's a)."""
+    v = tl.maximum(u.to(tl.float32), 0.0)
+    return round_to(v * v, DTYPE, EXACT)
+
+
+@triton.jit
 def moe_gemm_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_ptr, u_ptr,
-                    out_ptr, part_ptr, T, M_TILES, stride_a,
+                    out_ptr, part_ptr, rows_ptr, ids_ptr, T, M_TILES, stride_a, stride_out,
                     K_TOP: tl.constexpr, E: tl.constexpr, KDIM: tl.constexpr, NDIM: tl.constexpr,
                     STRIDE_BE: tl.constexpr, STRIDE_BK: tl.constexpr, STRIDE_BN: tl.constexpr,
-                    ROUTED: tl.constexpr, A_BY_TOKEN: tl.constexpr,
-                    EPILOGUE: tl.constexpr, WEIGHTED: tl.constexpr, SAVE_U: tl.constexpr,
+                    ROUTED: tl.constexpr, A_SOURCE: tl.constexpr, A_RELU2: tl.constexpr,
+                    EPILOGUE: tl.constexpr, WEIGHTED: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                     STEPS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                     EXACT: tl.constexpr, VEC: tl.constexpr):
@@ -162,36 +195,32 @@ def moe_gemm_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_pt
     e, r, valid, assign, token, used = expert_rows(pid_m * BM, offsets_ptr, counts_ptr,
                                                    sorted_ptr, T, K_TOP, E, BM, ROUTED, STEPS)
     if used:
+        dtype = a_ptr.dtype.element_ty
         kk = tl.arange(0, BK)
         n = pid_n * BN + tl.arange(0, BN)
-        if A_BY_TOKEN:      # x or d_out: a view, stride_a vectors a row
-            a_ptrs = a_ptr + token[:, None].to(tl.int64) * (stride_a * VEC) + kk[None, :]
-        else:               # act or d_u, contiguous
-            a_ptrs = a_ptr + r[:, None].to(tl.int64) * KDIM + kk[None, :]
+        a_ptrs = a_ptr + _operand_rows(A_SOURCE, r, token, assign, KDIM, stride_a, VEC)[:, None] \
+            + kk[None, :]
         b_ptrs = (b_ptr + e.to(tl.int64) * STRIDE_BE + kk[:, None] * STRIDE_BK
                   + n[None, :] * STRIDE_BN)
         acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, KDIM, BK):
             a = tl.load(a_ptrs, mask=valid[:, None] & (k0 + kk < KDIM)[None, :], other=0.0)
+            if A_RELU2:                     # a = relu(u)² in registers: the MMA's A operand
+                a = relu2(a, dtype, EXACT)
             b = tl.load(b_ptrs, mask=(k0 + kk < KDIM)[:, None] & (n < NDIM)[None, :], other=0.0)
             acc = mm(a, b, acc, UPCAST, IEEE)
             a_ptrs += BK
             b_ptrs += BK * STRIDE_BK
-        dtype = out_ptr.dtype.element_ty
         ok = valid[:, None] & (n < NDIM)[None, :]
         by_row = r[:, None].to(tl.int64) * NDIM + n[None, :]
         by_assignment = assign[:, None].to(tl.int64) * NDIM + n[None, :]
         if EPILOGUE == EPI_UP:
-            u = round_to(acc, dtype, EXACT)
-            act = tl.maximum(u.to(tl.float32), 0.0)
-            tl.store(out_ptr + by_row, round_to(act * act, dtype, EXACT), mask=ok)
-            if SAVE_U:
-                tl.store(u_ptr + by_assignment, u, mask=ok)
+            tl.store(out_ptr + by_assignment, round_to(acc, dtype, EXACT), mask=ok)
         elif EPILOGUE == EPI_SCATTER:
             if WEIGHTED:
                 acc = acc * tl.load(weight_ptr + assign, mask=valid, other=0.0)[:, None]
-            tl.store(out_ptr + by_assignment, acc, mask=ok)
-        else:
+            tl.store(out_ptr + by_assignment, round_to(acc, dtype, EXACT), mask=ok)
+        elif EPILOGUE == EPI_DGRAD_ACT:
             relu_u = tl.maximum(tl.load(u_ptr + by_assignment, mask=ok, other=0.0).to(tl.float32), 0.0)
             if WEIGHTED:
                 act = round_to(relu_u * relu_u, dtype, EXACT).to(tl.float32)
@@ -199,44 +228,61 @@ def moe_gemm_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_pt
                          mask=valid)
                 acc = acc * tl.load(weight_ptr + assign, mask=valid, other=0.0)[:, None]
             tl.store(out_ptr + by_row, round_to(acc * 2.0 * relu_u, dtype, EXACT), mask=ok)
+        else:       # EPI_COMBINE (the dense shared expert: row = token): its product, then
+            for j in range(K_TOP):                  # the rows j = 0..k-1, in that order
+                a_j = token.to(tl.int64) * K_TOP + j
+                ex = tl.load(ids_ptr + a_j, mask=valid, other=-1)
+                kept = valid & (ex >= 0) & (ex < E)
+                acc += tl.load(rows_ptr + a_j[:, None] * NDIM + n[None, :],
+                               mask=kept[:, None] & (n < NDIM)[None, :], other=0.0).to(tl.float32)
+            tl.store(out_ptr + token[:, None].to(tl.int64) * (stride_out * VEC) + n[None, :],
+                     round_to(acc, out_ptr.dtype.element_ty, EXACT), mask=ok)
 
 
 # -- weight gradients ----------------------------------------------------------------------------
 @triton.jit
-def _operand_rows(source: tl.constexpr, r, token, assign, width: tl.constexpr, stride,
-                  VEC: tl.constexpr):
-    """Element offsets of the rows a weight-gradient operand reads: by token (x, d_out: a
-    view, ``stride`` vectors a row), by assignment (u) or by row (d_u), ``width`` a row."""
-    if source == BY_TOKEN:
-        return token.to(tl.int64) * (stride * VEC)
-    elif source == BY_ASSIGNMENT:
-        return assign.to(tl.int64) * width
-    else:
-        return r.to(tl.int64) * width
-
-
-@triton.jit
-def moe_wgrad_kernel(p_ptr, q_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_ptr, grad_ptr, T,
-                     stride_p, stride_q, K_TOP: tl.constexpr, E: tl.constexpr,
-                     M: tl.constexpr, N: tl.constexpr,
-                     ROUTED: tl.constexpr, P_SOURCE: tl.constexpr, P_WEIGHTED: tl.constexpr,
-                     Q_SOURCE: tl.constexpr, Q_RELU2: tl.constexpr, ACCUMULATE: tl.constexpr,
-                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+def moe_wgrad_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_ptr, grad_ptr, T,
+                     stride_b, K_TOP: tl.constexpr, E: tl.constexpr,
+                     M: tl.constexpr, N: tl.constexpr, ROUTED: tl.constexpr,
+                     A_SOURCE: tl.constexpr, A_RELU2: tl.constexpr, A_WEIGHTED: tl.constexpr,
+                     TRANSPOSED: tl.constexpr, ACCUMULATE: tl.constexpr,
+                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                      UPCAST: tl.constexpr, IEEE: tl.constexpr, EXACT: tl.constexpr,
                      VEC: tl.constexpr):
-    """grad[e][m, n] (+)= sum over e's rows r of P[r, m] · Q[r, n], rows in dispatch order."""
-    e = tl.program_id(0)
-    m = tl.program_id(1) * BM + tl.arange(0, BM)
-    n = tl.program_id(2) * BN + tl.arange(0, BN)
+    """grad[e][m, n] (grad[e][n, m] when TRANSPOSED) (+)= the sum over e's rows r, in dispatch
+    order (starting from the buffer's value when ACCUMULATE), of A[r, m] · B[token_r, n]: A = d_u by row, or a = relu(u)² (times the routing weight
+    when A_WEIGHTED, rounded) by assignment, loaded as [BM, BK] so that its transform happens
+    on the MMA's register operand; B = x or d_out gathered by token (a view, stride_b vectors a
+    row). One program per (expert, BM × BN tile), the expert slowest; inside an expert GROUP_M
+    row tiles run through every column tile."""
+    pid = tl.program_id(0)
+    m_tiles: tl.constexpr = (M + BM - 1) // BM
+    n_tiles: tl.constexpr = (N + BN - 1) // BN
+    e = pid // (m_tiles * n_tiles)
+    tile = pid % (m_tiles * n_tiles)
+    per_group = GROUP_M * n_tiles
+    first_m = tile // per_group * GROUP_M
+    group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
+    m = (first_m + tile % per_group % group_rows) * BM + tl.arange(0, BM)
+    n = (tile % per_group // group_rows) * BN + tl.arange(0, BN)
     if ROUTED:
         start = tl.load(offsets_ptr + e)
         rows = tl.load(counts_ptr + e)
     else:
         start = e * 0
         rows = T + e * 0
+    base = grad_ptr + e.to(tl.int64) * (M * N)
+    if TRANSPOSED:
+        out = base + n[None, :].to(tl.int64) * M + m[:, None]
+    else:
+        out = base + m[:, None].to(tl.int64) * N + n[None, :]
+    in_grad = (m < M)[:, None] & (n < N)[None, :]
+    if ACCUMULATE:      # the sum starts from the buffer's gradient (no second tile at the end)
+        acc = tl.load(out, mask=in_grad, other=0.0).to(tl.float32)
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
     kk = tl.arange(0, BK)
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    dtype = p_ptr.dtype.element_ty
+    dtype = a_ptr.dtype.element_ty
     for r0 in range(0, rows, BK):
         ok = r0 + kk < rows
         r = start + r0 + kk
@@ -245,37 +291,33 @@ def moe_wgrad_kernel(p_ptr, q_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_p
         else:
             assign = r
         token = assign // K_TOP
-        p_row = _operand_rows(P_SOURCE, r, token, assign, M, stride_p, VEC)
-        q_row = _operand_rows(Q_SOURCE, r, token, assign, N, stride_q, VEC)
-        p = tl.load(p_ptr + p_row[:, None] + m[None, :],
-                    mask=ok[:, None] & (m < M)[None, :], other=0.0)
-        if P_WEIGHTED:
+        a_row = _operand_rows(A_SOURCE, r, token, assign, M, 0, VEC)
+        a = tl.load(a_ptr + a_row[None, :] + m[:, None], mask=ok[None, :] & (m < M)[:, None],
+                    other=0.0)                                           # [BM, BK]
+        if A_RELU2:
+            a = relu2(a, dtype, EXACT)
+        if A_WEIGHTED:
             w = tl.load(weight_ptr + assign, mask=ok, other=0.0)
-            p = round_to(p.to(tl.float32) * w[:, None], dtype, EXACT)
-        q = tl.load(q_ptr + q_row[:, None] + n[None, :],
-                    mask=ok[:, None] & (n < N)[None, :], other=0.0)
-        if Q_RELU2:
-            q = tl.maximum(q.to(tl.float32), 0.0)
-            q = round_to(q * q, dtype, EXACT)
-        acc = mm(tl.trans(p), q, acc, UPCAST, IEEE)
-    out = grad_ptr + e.to(tl.int64) * (M * N) + m[:, None].to(tl.int64) * N + n[None, :]
-    ok = (m < M)[:, None] & (n < N)[None, :]
-    if ACCUMULATE:
-        acc += tl.load(out, mask=ok, other=0.0).to(tl.float32)
+            a = round_to(a.to(tl.float32) * w[None, :], dtype, EXACT)
+        b = tl.load(b_ptr + token[:, None].to(tl.int64) * (stride_b * VEC) + n[None, :],
+                    mask=ok[:, None] & (n < N)[None, :], other=0.0)      # [BK, BN]
+        acc = mm(a, b, acc, UPCAST, IEEE)                                # [BM, BK] @ [BK, BN]
     if grad_ptr.dtype.element_ty == tl.float32:
-        tl.store(out, acc, mask=ok)
+        tl.store(out, acc, mask=in_grad)
     else:
-        tl.store(out, round_to(acc, grad_ptr.dtype.element_ty, EXACT), mask=ok)
+        tl.store(out, round_to(acc, grad_ptr.dtype.element_ty, EXACT), mask=in_grad)
 
 
 # -- fixed-order sums ----------------------------------------------------------------------------
 @triton.jit
-def moe_combine_kernel(buf_ptr, shared_ptr, ids_ptr, out_ptr, T, stride_out,
+def moe_combine_kernel(buf_ptr, ids_ptr, out_ptr, T, stride_out,
                        K_TOP: tl.constexpr, E: tl.constexpr, H: tl.constexpr,
-                       HAS_SHARED: tl.constexpr, BT: tl.constexpr, BH: tl.constexpr,
-                       EXACT: tl.constexpr, VEC: tl.constexpr):
-    """out[t] = sum over j (in order) of buf[t·k + j] for the kept assignments (+ shared[t]),
-    fp32, rounded once; out (out or d_x: a view) stride_out vectors a row."""
+                       BT: tl.constexpr, BH: tl.constexpr, EXACT: tl.constexpr,
+                       VEC: tl.constexpr):
+    """out[t] = sum over j (in order) of the rows buf[t·k + j] (x's dtype) of the kept
+    assignments, in fp32, rounded once; out (out or d_x: a view) stride_out vectors a row.
+    Without a shared expert only: with one, its down (or dgrad-up) GEMM sums the rows in its
+    epilogue (EPI_COMBINE)."""
     rows = tl.program_id(0) * BT + tl.arange(0, BT)
     cols = tl.program_id(1) * BH + tl.arange(0, BH)
     row_ok = rows < T
@@ -286,10 +328,7 @@ def moe_combine_kernel(buf_ptr, shared_ptr, ids_ptr, out_ptr, T, stride_out,
         ex = tl.load(ids_ptr + a, mask=row_ok, other=-1)
         kept = row_ok & (ex >= 0) & (ex < E)
         acc += tl.load(buf_ptr + a[:, None] * H + cols[None, :], mask=kept[:, None] & col_ok,
-                       other=0.0)
-    if HAS_SHARED:
-        acc += tl.load(shared_ptr + rows[:, None].to(tl.int64) * H + cols[None, :],
-                       mask=row_ok[:, None] & col_ok, other=0.0)
+                       other=0.0).to(tl.float32)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * (stride_out * VEC) + cols[None, :],
              round_to(acc, out_ptr.dtype.element_ty, EXACT), mask=row_ok[:, None] & col_ok)
 

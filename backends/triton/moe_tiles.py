@@ -22,51 +22,86 @@ from fusedops.core.target import target_arch
 
 
 @dataclass(frozen=True)
+class GemmTile:
+    """One grouped GEMM's column tile, K step (16-bit inputs; fp32 takes half), warps (for a
+    tile of at least ``wide`` elements, default the table's ``wide_tile``; smaller tiles take
+    4) and pipeline stages."""
+
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+    wide: int | None = None
+
+
+@dataclass(frozen=True)
 class MoETiles:
     """The expert kernels' tiles.
 
     row_tiles: (rows per tile, least mean rows per expert) of the routed row tile, largest
     first; ``min_row_tile`` below them (decode-sized batches). bm_split: the grouped GEMM's BM is
-    the row tile / bm_split. bn: the widest column tile (narrower where N is smaller); bk: the K
-    step for 16-bit inputs (fp32 takes half); warps for a tile of at least ``wide_tile``
-    elements (smaller tiles take 4); stages: software-pipeline depth; group_m: row tiles per L2
-    group of the grouped ordering. wgrad_*: the weight-gradient GEMM's tile of the gradient
-    (bm × bn), its step over the expert's rows (bk, 16-bit; fp32 takes half), warps and stages.
-    ctas_per_sm: the CTAs per SM the cost model's waves assume (moe_cost; the kernel report
-    shows the compiled occupancy: one or two by registers at these tiles).
+    the row tile / bm_split. The grouped and dense GEMMs by kind: ``plain`` (the up GEMMs, the
+    routed down GEMM, the routed dgrad-up: epilogues that write their tile and read nothing
+    more) and ``fused`` (the dgrad-down, whose epilogue reads u, and the shared expert's
+    combining down and dgrad-up, which read the k rows of each token: a second tile live in
+    registers), and ``relu2`` for the plain GEMM whose A operand is relu(u)² formed in
+    registers (the routed down GEMM); row tiles of ``small_rows`` or fewer (decode-sized) take
+    ``small`` for all.
+    group_m: row tiles per L2 group of the routed GEMMs' grouped ordering (dense_group_m: the
+    shared expert's). wgrad_*: the weight-gradient GEMM's tile of the gradient (bm × bn), its
+    step over the expert's rows (bk, 16-bit; fp32 takes half), warps, stages and the row tiles
+    of its L2 group inside an expert (dense_wgrad_group_m: the shared expert's, which walks
+    every token), and a register budget for ptxas where its own choice spills.
     """
 
     row_tiles: tuple[tuple[int, int], ...] = ((128, 96), (64, 48), (32, 24))
     min_row_tile: int = 16
     bm_split: int = 1
-    bn: int = 128
-    bk: int = 64
-    warps: int = 8
+    plain: GemmTile = GemmTile(128, 64, 8, 3)
+    fused: GemmTile = GemmTile(128, 64, 8, 3, wide=128 * 128)
+    relu2: GemmTile = GemmTile(128, 32, 8, 4)
+    small: GemmTile = GemmTile(64, 128, 4, 4)
+    small_rows: int = 32
     wide_tile: int = 64 * 128
-    stages: int = 3
-    group_m: int = 8
+    group_m: int = 6
+    dense_group_m: int = 8
     wgrad_bm: int = 128
     wgrad_bn: int = 128
-    wgrad_bk: int = 32
+    wgrad_bk: int = 64
     wgrad_warps: int = 8
     wgrad_stages: int = 3
-    ctas_per_sm: int = 1
+    wgrad_group_m: int = 16
+    dense_wgrad_group_m: int = 4
+    wgrad_maxnreg: int | None = None
 
 
-TODAY = MoETiles()
+HOPPER = MoETiles()
+AMPERE = MoETiles(small=GemmTile(64, 64, 4, 3), wgrad_maxnreg=255)
+VLLM_LARGE = GemmTile(256, 64, 8, 4)
+"""vLLM's published fused-MoE configuration for E = 128, N = 1856 at >= 3072 tokens on H100 (and
+>= 1536 on B200): 128 x 256 x 64, 8 warps, 4 stages."""
 
 TILES = {
-    "sm_80": (TODAY, "A100 (108 SMs, 164 KiB shared memory per CTA, mma.sync, cp.async): "
-              "today's tiles, 128x128x64 over 3 stages (64 KiB: cp.async keeps two tiles in "
-              "flight), one CTA per SM by registers; nothing measured better yet"),
-    "sm_90": (TODAY, "H100/H200 (132 SMs, 227 KiB shared memory, wgmma on 64-row warpgroup "
-              "tiles): today's tiles, 128x128x64 over 8 warps (two warpgroups of 64 rows), 3 "
-              "stages (96 KiB); vLLM's published H100 configuration for E=128, N=1856 at >= "
-              "3072 tokens (128x256x64, 8 warps, 4 stages) is the first candidate, not the "
-              "default until a GPU run shows it faster"),
-    "sm_100": (TODAY, "B200 (148 SMs, 227 KiB shared memory, tcgen05 MMA accumulating in tensor "
-               "memory): today's tiles; vLLM's published B200 configuration for E=128, N=1856 "
-               "(128x256x64, 8 warps, 4 stages) is the first candidate"),
+    "sm_80": (AMPERE, "A100 (108 SMs, 164 KiB shared memory per CTA, mma.sync, cp.async): "
+              "128x128x64 over 3 stages (96 KiB) for every large-tile GEMM; decode-sized row "
+              "tiles 64 columns wide with a K step of 64 over 3 stages; the weight gradients "
+              "with the whole register file (ptxas's own choice, 128 registers for two CTAs "
+              "per SM, spills 8 bytes)"),
+    "sm_90": (HOPPER, "H100/H200 (132 SMs, 227 KiB shared memory, wgmma on 64-row warpgroup "
+              "tiles): 128x128x64 over 8 warps (two warpgroups of 64 rows) and 3 stages (96 "
+              "KiB: two CTAs per SM fit where the registers allow); vLLM's published H100 "
+              "configuration for E=128, N=1856 at >= 3072 tokens (128x256x64, 8 warps, 4 "
+              "stages) is the first autotune candidate, not the default: 256 columns pad "
+              "N = 1856 to 2048 and 2688 to 2816 (10.3% and 4.8% more tensor-core work; 128 "
+              "columns pad 3.4% and 0%), and the GEMMs whose epilogue holds a second tile spill "
+              "at 256; decode-sized row tiles on vLLM's small-batch shape (64 columns, K step "
+              "128, 4 warps); L2 groups of 6 row tiles, a whole number of the production "
+              "experts' 3 (384 rows at t = 8192), so a group reads each expert's weights once "
+              "under balanced routing"),
+    "sm_100": (HOPPER, "B200 (148 SMs, 227 KiB shared memory, tcgen05 MMA accumulating in "
+               "tensor memory): as sm_90; vLLM's published B200 configuration for E=128, "
+               "N=1856 at >= 1536 tokens (the same 128x256x64, 8 warps, 4 stages) is the "
+               "first autotune candidate"),
 }
 
 
@@ -92,13 +127,24 @@ def max_rows(problem, tiles: MoETiles | None = None) -> int:
     return triton.cdiv(problem.assignments + problem.experts * (tile - 1), tile) * tile
 
 
-def gemm_blocks(problem, kdim: int, ndim: int, bm: int,
-                tiles: MoETiles) -> tuple[int, int, int, int]:
-    """(BM, BN, BK, warps) of a grouped or dense GEMM with K = kdim, N = ndim, BM = bm."""
-    bn = min(tiles.bn, max(16, triton.next_power_of_2(ndim)))
-    step = tiles.bk // 2 if problem.dtype == torch.float32 else tiles.bk
+def gemm_tile(tiles: MoETiles, bm: int, fused: bool, relu2: bool = False) -> GemmTile:
+    """The GemmTile a GEMM of BM = bm takes: ``small`` for decode-sized row tiles, else
+    ``fused`` (an epilogue holding a second tile), ``relu2`` (A formed in registers) or
+    ``plain``."""
+    if bm <= tiles.small_rows:
+        return tiles.small
+    return tiles.fused if fused else tiles.relu2 if relu2 else tiles.plain
+
+
+def gemm_blocks(problem, kdim: int, ndim: int, bm: int, tiles: MoETiles, fused: bool = False,
+                relu2: bool = False) -> tuple[int, int, int, int, int]:
+    """(BM, BN, BK, warps, stages) of a grouped or dense GEMM with K = kdim, N = ndim, BM = bm
+    (``fused``: its epilogue holds a second tile; ``relu2``: its A is formed in registers)."""
+    g = gemm_tile(tiles, bm, fused, relu2)
+    bn = min(g.bn, max(16, triton.next_power_of_2(ndim)))
+    step = g.bk // 2 if problem.dtype == torch.float32 else g.bk
     bk = min(step, max(16, triton.next_power_of_2(kdim)))
-    return bm, bn, bk, tiles.warps if bm * bn >= tiles.wide_tile else 4
+    return bm, bn, bk, g.warps if bm * bn >= (g.wide or tiles.wide_tile) else 4, g.stages
 
 
 def routed_bm(problem, tiles: MoETiles) -> int:
@@ -122,18 +168,22 @@ def wgrad_blocks(problem, m: int, n: int, tiles: MoETiles) -> tuple[int, int, in
 
 
 def candidates(problem) -> list[MoETiles]:
-    """Autotune candidates, the table's entry first: vLLM's large-batch tiles (BN 256, 4
-    stages), 4 stages at BN 128, half-height row tiles on one warpgroup (BM 64, 4 warps), a
-    deeper weight-gradient step; for decode-sized row tiles (<= 32 rows) narrower, deeper
-    tiles instead (vLLM's small-batch shape: BN 64, BK 128)."""
+    """Autotune candidates, the table's entry first. At row tiles over ``small_rows``: the plain
+    GEMMs on vLLM's large-batch configuration (``VLLM_LARGE``) and at 4 stages, half-height row
+    tiles on one warpgroup (BM 64, 4 warps), a 32-row weight-gradient step, and L2 groups of 8
+    row tiles; for decode-sized row tiles, 128 columns, 5 stages (vLLM's 16-row shapes) and 8
+    warps."""
     base = tiles_for(problem)
     swap = dataclasses.replace
-    if row_tile(problem, base) <= 32:
-        out = [base, swap(base, bn=64, bk=128), swap(base, bn=64, bk=128, stages=4),
-               swap(base, bk=128, warps=4, wide_tile=128 * 128)]
+    if row_tile(problem, base) <= base.small_rows:
+        s = base.small
+        out = [base, swap(base, small=swap(s, bn=128)), swap(base, small=swap(s, stages=5)),
+               swap(base, small=swap(s, bk=64, warps=8), wide_tile=16 * 64)]
     else:
-        out = [base, swap(base, bn=256, stages=4), swap(base, stages=4),
-               swap(base, bm_split=2, wide_tile=128 * 128), swap(base, wgrad_bk=64)]
+        p = base.plain
+        out = [base, swap(base, plain=VLLM_LARGE), swap(base, plain=swap(p, stages=4)),
+               swap(base, bm_split=2, wide_tile=128 * 128), swap(base, wgrad_bk=32),
+               swap(base, group_m=8)]
     return list(dict.fromkeys(out))
 
 

@@ -1,10 +1,15 @@
-"""The machines the Triton cost models count waves on, and the wave counter the Mamba2 models
-share (docs/performance.md, "How traffic is counted").
+"""The machines the Triton cost models count on, and their two L2 rules (docs/performance.md,
+"How traffic is counted").
 
-A launch's programs start in launch order (the grid's first dimension fastest; programs that
-return at once take no slot), ``Machine.sms`` x the kernel's CTAs per SM at a time: a wave. Within
-a wave a tile several programs load counts once if the wave's working set fits in the L2, else
-once per program; a tile loaded again in a later wave counts again.
+The wave rule (``Waves``, the Mamba2 models'): a launch's programs start in launch order (the
+grid's first dimension fastest; programs that return at once take no slot), ``Machine.sms`` x the
+kernel's CTAs per SM at a time: a wave. Within a wave a tile several programs load counts once if
+the wave's working set fits in the L2, else once per program; a tile loaded again in a later
+wave counts again.
+
+The reuse-distance rule (``reuse_traffic``, the MoE models'): a re-read hits when the previous
+program that loaded the tile started few enough programs earlier for the bytes streamed in
+between to fit in the usable L2, whatever the waves.
 """
 
 from __future__ import annotations
@@ -140,3 +145,44 @@ def per_arch(fn):
 def every_program(w: Waves) -> torch.Tensor:
     """Every program of ``w``, in launch order."""
     return torch.arange(w.programs)
+
+
+# -- reuse distance ---------------------------------------------------------------------------------
+L2_SHARE = 0.5
+"""The part of a machine's L2 a re-read may count on. Hopper splits its L2 in two partitions, each
+caching for the SMs of the GPCs wired to it (a line both halves read is held twice), Blackwell's
+two dies each have their own half, and replacement is not an exact LRU: half the capacity."""
+
+
+def reuse_traffic(programs: int, loads, alone: torch.Tensor, stores: torch.Tensor,
+                  l2_bytes: float) -> tuple[float, float]:
+    """(bytes read, bytes written) of a launch of ``programs`` working programs, counted by reuse
+    distance (docs/performance.md, "How traffic is counted").
+
+    Programs start in launch order as slots free up, so between the starts of programs q < p the
+    machine streams about p - q programs' worth of bytes through the L2 (every resident program
+    advances by (p - q) / W of its work). A program's load of a tile therefore hits when the
+    previous program that loaded the same tile is at most G programs earlier, G = the usable L2
+    (``L2_SHARE`` of ``l2_bytes``) over the mean bytes a program loads and stores, and misses
+    otherwise; a tile's first load always counts. A program loading a tile twice counts it once.
+
+    ``loads``: per operand, (program [n] in 0..programs-1, tile key [n] >= 0 within the
+    operand, bytes [n]); ``alone`` and ``stores``: per program, the bytes it loads that no other
+    program does and the bytes it writes ([programs], all counted)."""
+    if not programs:
+        return 0.0, 0.0
+    parts = [(p.to(torch.int64), k.to(torch.int64) * len(loads) + i,
+              torch.as_tensor(b, dtype=torch.float64).expand(p.shape))
+             for i, (p, k, b) in enumerate(loads)]
+    prog = torch.cat([p for p, _, _ in parts]) if parts else torch.zeros(0, dtype=torch.int64)
+    keys = torch.cat([k for _, k, _ in parts]) if parts else torch.zeros(0, dtype=torch.int64)
+    nbytes = torch.cat([b for _, _, b in parts]) if parts else torch.zeros(0, dtype=torch.float64)
+    streamed = float(nbytes.sum() + alone.sum() + stores.sum())
+    gap = L2_SHARE * l2_bytes / max(streamed / programs, 1.0)
+    pair, inverse = torch.unique(keys * programs + prog, return_inverse=True)   # sorted
+    tile_bytes = torch.zeros(len(pair), dtype=torch.float64).scatter_reduce_(
+        0, inverse, nbytes, "amax", include_self=False)
+    key, at = pair // programs, pair % programs
+    hit = torch.zeros(len(pair), dtype=torch.bool)
+    hit[1:] = (key[1:] == key[:-1]) & (at[1:] - at[:-1] <= gap)
+    return float(tile_bytes[~hit].sum() + alone.sum()), float(stores.sum())

@@ -10,6 +10,7 @@ import sys
 
 from . import KERNEL_BACKENDS, kernel_rows, plan_totals, production_plans, unsupported
 from .hardware import GPUS
+from .markdown import mma_text
 
 
 def parser() -> argparse.ArgumentParser:
@@ -26,17 +27,13 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _mma(mma: dict) -> str:
-    return " ".join(f"{kind}:{n}" for kind, n in sorted(mma.items())) or "-"
-
-
 def _fmt(x: float | None, scale: float, digits: int = 2) -> str:
     return "-" if x is None else f"{x / scale:.{digits}f}"
 
 
 def table(rows) -> str:
     head = (f"{'shape':<30} {'plan':<26} {'kernel':<34} {'arch':<8} {'regs':>4} {'spill':>5} "
-            f"{'smem KiB':>8} {'warps':>5} {'stg':>3} {'CTA/SM':>12} {'waves':>6} {'mma':<16} "
+            f"{'smem KiB':>8} {'warps':>5} {'stg':>3} {'CTA/SM':>12} {'waves':>6} {'mma':<22} "
             f"{'tma':>4} {'bar':>4} {'GFLOP':>8} {'MB':>9} {'AI':>7}  floor µs")
     lines = [head, "-" * len(head)]
     for r in rows:
@@ -46,7 +43,7 @@ def table(rows) -> str:
         lines.append(
             f"{r.label[:30]:<30} {r.plan[:26]:<26} {r.kernel[:34]:<34} {r.arch:<8} {d['registers']:>4} "
             f"{d['spill_bytes']:>5} {d['shared_bytes'] / 1024:>8.1f} {d['warps']:>5} {d['stages']:>3} "
-            f"{occ:>12} {d['waves']:>6.2f} {_mma(d['mma']):<16} "
+            f"{occ:>12} {d['waves']:>6.2f} {mma_text(d, ':'):<22} "
             f"{d['copies'].get('tma load', 0):>4} {d['barriers']:>4} "
             f"{_fmt(d.get('flops'), 1e9):>8} {_fmt(d.get('bytes_read', 0) + d.get('bytes_written', 0) if 'flops' in d else None, 1e6, 1):>9} "
             f"{_fmt(d.get('intensity'), 1, 1):>7}  {floor}")
@@ -71,10 +68,15 @@ def totals_table(totals) -> str:
 
 
 def dump(rows, directory: str) -> None:
+    """Each row's PTX, SASS and cubin under ``directory``; a kernel a plan launches more than
+    once (one specialisation per use) gets its launch's ordinal after the name."""
     root = pathlib.Path(directory)
     root.mkdir(parents=True, exist_ok=True)
+    seen: dict[str, int] = {}
     for r in rows:
         stem = re.sub(r"[^\w.-]+", "_", f"{r.family}-{r.label}-{r.plan}-{r.kernel}-{r.arch}")
+        seen[stem] = seen.get(stem, 0) + 1
+        stem = stem if seen[stem] == 1 else f"{stem}-{seen[stem]}"
         for ext in ("ptx", "sass"):
             (root / f"{stem}.{ext}").write_text(r.artifacts[ext])
         (root / f"{stem}.cubin").write_bytes(r.artifacts["cubin"])

@@ -26,6 +26,9 @@ COPY_KINDS = {"UTMALDG": "tma load", "UTMASTG": "tma store", "UBLKCP": "bulk cop
 BARRIER_OPS = ("BAR", "SYNCS")
 
 _OPCODE = re.compile(r"^\s+/\*[0-9a-f]+\*/\s+(?:@!?U?P[T\d]+\s+)?([A-Z][A-Z0-9_]*)", re.M)
+# the wait on outstanding wgmma groups: "0x0" waits for every one (a synchronous MMA), "0x1" or
+# more leaves that many in flight while the warpgroup goes on (loads, softmax, the next issue)
+_WGMMA_WAIT = re.compile(r"WARPGROUP\.DEPBAR\.LE\s+gsb0,\s*0x([0-9a-f]+)")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,7 @@ class Compiled:
     spill_bytes: int             # local memory per thread: spills and stack arrays
     shared_bytes: int            # static + dynamic, per CTA
     opcodes: dict = field(default_factory=dict)      # SASS opcode -> count
+    wgmma_in_flight: int = 0     # the most wgmma groups any wait leaves outstanding
 
     def count(self, *prefixes: str) -> int:
         return sum(n for op, n in self.opcodes.items() if op.startswith(prefixes))
@@ -49,6 +53,13 @@ class Compiled:
             if op in MMA_KINDS:
                 out[MMA_KINDS[op]] += n
         return dict(out)
+
+    @property
+    def wgmma_async(self) -> bool | None:
+        """Whether the warpgroup MMAs overlap other work: some wait on them leaves a group in
+        flight (Triton's pipelined wgmma). False: every wgmma is waited for at once; None: no
+        wgmma."""
+        return self.wgmma_in_flight > 0 if "HGMMA" in self.opcodes else None
 
     @property
     def copies(self) -> dict[str, int]:
@@ -81,9 +92,10 @@ def read_cubin(cubin: bytes, arch: str, extra_shared: int = 0) -> tuple[Compiled
                               capture_output=True, text=True).stdout
     fields = dict(re.findall(r"(REG|LOCAL|SHARED|STACK):(\d+)", usage))
     opcodes = dict(collections.Counter(_OPCODE.findall(sass)))
+    in_flight = max((int(n, 16) for n in _WGMMA_WAIT.findall(sass)), default=0)
     return Compiled(arch, int(fields.get("REG", 0)),
                     int(fields.get("LOCAL", 0)) + int(fields.get("STACK", 0)),
-                    int(fields.get("SHARED", 0)) + extra_shared, opcodes), sass
+                    int(fields.get("SHARED", 0)) + extra_shared, opcodes, in_flight), sass
 
 
 TRITON_TARGETS = {"sm_80": 80, "sm_90a": 90, "sm_100a": 100}
@@ -95,7 +107,8 @@ def compile_triton(spec, arch: str):
     compiled = compile_spec(spec, gpu_target(TRITON_TARGETS[arch]))
     result, sass = read_cubin(compiled.asm["cubin"], arch)
     shared = max(result.shared_bytes, int(compiled.metadata.shared))
-    result = Compiled(arch, result.registers, result.spill_bytes, shared, result.opcodes)
+    result = Compiled(arch, result.registers, result.spill_bytes, shared, result.opcodes,
+                      result.wgmma_in_flight)
     return result, dict(ptx=compiled.asm["ptx"], sass=sass, cubin=compiled.asm["cubin"])
 
 

@@ -4,6 +4,16 @@ so the test that keeps the page current compares what one report run produced)."
 from __future__ import annotations
 
 
+def mma_text(row: dict, sep: str = " ") -> str:
+    """A kernel's tensor-core instructions by kind ("wgmma 4 async, mma.sync 32"): a wgmma kernel
+    says whether any wait leaves a group in flight (async) or every one is waited for at once
+    (sync); "-" without MMA."""
+    def one(kind, n):
+        mode = {True: " async", False: " sync"}.get(row.get("wgmma_async")) if kind == "wgmma" else ""
+        return f"{kind}{sep}{n}{mode or ''}"
+    return ", ".join(one(k, n) for k, n in sorted(row["mma"].items())) or "-"
+
+
 def _gb(x) -> str:
     return f"{x / 1e9:.3f}"
 
@@ -38,7 +48,7 @@ def kernel_table(kernels: list[dict]) -> str:
     for r in kernels:
         if r["arch"] != "sm_90a":
             continue
-        mma = ", ".join(f"{k} {n}" for k, n in sorted(r["mma"].items())) or "-"
+        mma = mma_text(r)
         mb = f"{(r['bytes_read'] + r['bytes_written']) / 1e6:.1f}" if "flops" in r else "-"
         floor = f"{r['floor_us']['H200 SXM']:.1f}" if "floor_us" in r else "-"
         lines.append(f"| {r['label']} | {r['kernel']} | {r['backend']} | {r['registers']} | "

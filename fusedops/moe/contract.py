@@ -29,10 +29,12 @@ below).
 Experts, per assignment (t, j) with e = ids[t, j]:
 
     u_tj = W_up[e] x_t     a_tj = relu(u_tj)²     y_tj = W_down[e] a_tj
-    out_t = sum_j w_tj · y_tj  (+ W_down_s relu(W_up_s x_t)², the shared expert)
+    out_t = sum_j (w_tj · y_tj)  (+ W_down_s relu(W_up_s x_t)², the shared expert)
 
-u and a are rounded to x's dtype (as a bf16 model computes them), y and the sum over j stay fp32
-and out is rounded once. A repeated id in a token's row is two assignments of the same expert.
+u, a and each weighted row w_tj · y_tj are rounded to x's dtype (as a bf16 model computes them:
+the rows are what passes between the expert GEMMs and the sum over j); the sum over j and the
+shared expert's product stay fp32 and out is rounded once. A repeated id in a token's row is two
+assignments of the same expert.
 
 Layouts (docs/moe.md, "Strided activations"): the activations x, out, d_out and d_x [t, H], the
 router's logits and d_logits [t, E] may be views (the last dimension contiguous, the row stride
@@ -50,8 +52,9 @@ Experts backward, with g_tj = W_down[e]ᵀ d_out_t:
 
     d_w_tj      = <g_tj, a_tj>                               fp32
     d_u_tj      = w_tj · g_tj · 2 relu(u_tj)                  rounded to x's dtype
-    d_x_t       = sum_j W_up[e]ᵀ d_u_tj (+ the shared expert)  fp32, rounded once
-    d_W_down[e] = sum d_y ⊗ a  with d_y = w · d_out rounded to x's dtype
+    d_x_t       = sum_j (W_up[e]ᵀ d_u_tj) (+ the shared expert) each routed row rounded to x's
+                                                             dtype, the sum fp32, rounded once
+    d_W_down[e] = sum d_out ⊗ (w · a)  with w · a rounded to x's dtype
     d_W_up[e]   = sum d_u ⊗ x                                 fp32, in weight_grad_dtype
 """
 

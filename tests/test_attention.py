@@ -213,6 +213,40 @@ def test_packed_sequences_with_empty_and_single_tokens(backend):
     compare(result, expected, KERNEL_TOLERANCE[torch.float32])
 
 
+# key blocks of 32 against query blocks of 16: per key block, the diagonal's (or a window edge's)
+# blocks masked, the blocks that see all 32 keys unmasked, the last partial query block masked
+# (offsets of -2 and a right edge of 14 put the first unmasked block one row past a multiple of
+# 16, where an off-by-one in the rounding would unmask a block that needs the mask)
+EDGE_CASES = [
+    dict(sq=150, sk=150, causal=True),
+    dict(sq=150, sk=148, causal=True),
+    dict(sq=150, sk=120, causal=True),                      # bottom-right: query i sees j <= i - 30
+    dict(sq=110, sk=150, causal=True, window_size=(70, -1)),
+    dict(sq=130, sk=130, causal=False, window_size=(60, 14)),
+]
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("case", EDGE_CASES, ids=lambda c: "-".join(map(str, c.values())))
+def test_dkdv_kernel_masks_exactly_the_edge_blocks(backend, case):
+    """The dk/dv kernel skips the mask arithmetic on the query blocks that see every key of its
+    key block (``unmasked_queries``) and walks the blocks from the last one down: with small
+    tiles each mask shape has such blocks between masked ones, and every gradient matches the
+    reference."""
+    from fusedops.backends.triton import attention as kernels
+    opts = {k_: v_ for k_, v_ in case.items() if k_ not in ("sq", "sk")}
+    q, k, v, do = qkv(2, case["sq"], case["sk"], 4, 2, 32, seed=13)
+    expected = run("torch", q, k, v, do, **opts)
+    plan = GQAAttentionBackward(q, k, v, expected["o"], expected["lse"], do, backend=backend, **opts)
+    tiles = kernels.backward_tiles(plan.problem)
+    config = kernels.BackwardTiles(kernels.Tiles(16, 32, 4), tiles.dq)
+    plan._program, plan._launch = kernels.backward_program(plan.problem, config=config), None
+    got = plan.compile().execute(q, k, v, expected["o"], expected["lse"], do,
+                                 **plan.allocate_outputs(), workspace=plan.allocate_workspace())
+    for name in ("dq", "dk", "dv"):
+        assert_close(got[name], expected[name], KERNEL_TOLERANCE[torch.float32], name)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backward_bitwise_reproducible(backend):
     q, k, v, do = qkv(2, 40, 40, 8, 2, 32, seed=7)
@@ -759,14 +793,15 @@ def test_forward_cost_counts_every_programs_loads_and_the_duplicated_work():
 
 def test_duplication_factors_are_those_of_the_compiled_kernels():
     """The factors ``fusedops kernels --dump`` shows (MMA FLOPs of each kernel's inner loop in its
-    PTX against the tile's), per table entry: see attention_cost.duplication."""
+    PTX against the tile's), per table entry: see attention_cost.duplication. The dk/dv kernel's
+    products all have the key block as M (Sᵀ, dPᵀ: bn x bm; dv, dk: bn x BD)."""
     from fusedops.backends.triton.attention_cost import duplication
 
     def fwd(arch, bm, bn, bd, warps):
         return duplication(arch, warps, [(bm, bn, True), (bm, bd, False)], 1)
 
     def dkdv(arch, bm, bn, bd, warps):
-        return duplication(arch, warps, [(bm, bn, True), (bm, bn, True), (bn, bd, False),
+        return duplication(arch, warps, [(bn, bm, True), (bn, bm, True), (bn, bd, False),
                                          (bn, bd, False)], 3)
 
     def dq(arch, bm, bn, bd, warps):
@@ -774,11 +809,16 @@ def test_duplication_factors_are_those_of_the_compiled_kernels():
     assert fwd("sm_90", 64, 64, 128, 8) == [2, 1] and fwd("sm_90", 64, 32, 256, 8) == [2, 1]
     assert fwd("sm_80", 64, 32, 256, 8) == [2, 1] and fwd("sm_80", 64, 64, 128, 8) == [1, 1]
     assert fwd("sm_100", 64, 64, 128, 8) == [1, 1] and fwd("sm_90", 64, 64, 64, 4) == [1, 1]
+    # 128 keys on two warpgroups: each its own 64 keys; 64 keys on 8 warps: both compute Sᵀ
+    assert dkdv("sm_90", 32, 128, 128, 8) == [1] * 4 and dkdv("sm_90", 32, 64, 64, 4) == [1] * 4
+    assert dkdv("sm_90", 64, 64, 128, 8) == [2, 2, 1, 1] and dkdv("sm_100", 64, 64, 128, 8) == [1] * 4
+    assert dq("sm_90", 64, 64, 128, 4) == [1, 1, 1] and dq("sm_90", 128, 32, 256, 8) == [1, 1, 1]
     for arch in ("sm_80", "sm_90", "sm_100"):
-        assert dkdv(arch, 16, 32, 256, 8) == [2, 2, 1, 1] and dq(arch, 16, 32, 256, 8) == [2, 2, 1]
-        assert dkdv(arch, 32, 64, 128, 8) == [1, 1, 1, 1] and dq(arch, 32, 64, 128, 8) == [1, 1, 1]
-    assert dkdv("sm_80", 32, 64, 64, 4) == [2, 2, 1, 1]        # why sm_80 has its own entry
-    assert dkdv("sm_80", 32, 64, 64, 8) == [4, 4, 2, 2] and dkdv("sm_80", 32, 32, 64, 4) == [1] * 4
+        assert dkdv(arch, 32, 16, 256, 4) == [1] * 4 and dkdv(arch, 32, 32, 256, 8) == [2, 2, 1, 1]
+        assert dq(arch, 16, 32, 256, 8) == [2, 2, 1] and dq(arch, 32, 32, 256, 4) == [1, 1, 1]
+        assert dq(arch, 32, 64, 128, 8) == [1, 1, 1]
+    assert dkdv("sm_80", 64, 32, 128, 8) == [1] * 4 and dkdv("sm_80", 32, 32, 64, 4) == [1] * 4
+    assert dkdv("sm_80", 32, 64, 128, 8) == [2, 2, 1, 1]       # why sm_80 has its own entry
 
 
 def test_tile_tables_follow_the_target_arch_and_offer_candidates():

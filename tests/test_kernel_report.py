@@ -35,12 +35,17 @@ TRAFFIC_BOUNDS = {
     ("ReLU2MoEForward", "moe super t8192"): 1.32,
     "ReLU2MoEBackward": 1.25,
     ("ReLU2MoEBackward", "moe super t8192"): 1.22,
-    # attention: K/V re-read by query heads of a KV group in later waves; the hkv2 backward's
-    # dk/dv waves do not fit L2 on Hopper (every program's q/do loads count)
+    # attention: K/V re-read by query heads of a KV group in later waves; the d = 128 backward's
+    # dk/dv waves do not fit L2 on Hopper (128 keys per program on two warpgroups: 132 x 128
+    # keys a wave, whose 4-5 KV heads' q, do, lse and delta with the blocks' k, v, dk, dv come
+    # to 57-60 MB at h_kv = 8 and 110 MB at h_kv = 2 against 50 MB: every program's q/do loads
+    # count; half as many programs as at 64 keys, so h_kv = 2 halves)
     "GQAAttentionForward": 1.40,
     ("GQAAttentionForward", "attn hkv8 d64 causal"): 1.12,
-    "GQAAttentionBackward": 2.25,
-    ("GQAAttentionBackward", "attn hkv2 d128"): 32.00,
+    "GQAAttentionBackward": 2.00,
+    ("GQAAttentionBackward", "attn hkv8 d128 causal"): 7.50,
+    ("GQAAttentionBackward", "attn packed hkv8 d128 causal status"): 7.50,
+    ("GQAAttentionBackward", "attn hkv2 d128"): 16.65,
     "GQAAttentionDecode": 1.20,
     # Mamba2: C·B and the passed states written and read back, the dB/dC and d(C·B) waves
     # that do not fit L2; decode:
@@ -58,15 +63,15 @@ KNOWN = {
         "the CuTe gate holds whole rows in registers; at D = 12288 its 768-thread CTA leaves 85 "
         "registers per thread (a chunked row path is part of the gate performance work)",
     ("wgmma_only", "gqa_attention"):
-        "the dk/dv kernel's S and dP products (32 query rows per step), the d = 256 dq (16 x 32 "
-        "tiles) and the decode split kernel (BM = T x h_q/h_kv rows) are below wgmma's 64 rows "
-        "and compile to mma.sync",
+        "the d = 256 dk/dv kernel (16 keys as M: 64 keys on a warpgroup hold [64, 256] fp32 dk "
+        "and dv, 256 registers a thread; 128 query rows as S's M with the 64 keys' dk, dv split "
+        "over two warpgroups spills 200-256 bytes) and the decode split kernel (BM = T x "
+        "h_q/h_kv rows) are below wgmma's 64 rows and compile to mma.sync",
     ("wgmma_only", "relu2_moe"):
         "the grouped GEMM's 16- and 32-row tiles (decode-sized token counts) compile to mma.sync",
     ("no_duplication", "gqa_attention"):
         "the d = 256 forward's 64-row tile on 8 warps: on sm_90 both warpgroups compute the whole "
-        "QK^T and softmax (1.5x the tensor-core work, 2x the exponentials); the d = 256 "
-        "backward's 16 x 32 tiles repeat S and dP",
+        "QK^T and softmax (1.5x the tensor-core work, 2x the exponentials)",
 }
 
 

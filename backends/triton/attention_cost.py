@@ -42,7 +42,8 @@ SCORE_FLOPS_BWD = 5     # per score: scale, subtract lse, exp2, dP - delta, time
 
 # CTAs per SM of each kernel at its tile-table entry (arch -> head-dim class -> CTAs), as
 # ``fusedops kernels --backend triton --only attn`` / ``--only decode`` reports them (triton 3.9,
-# 2026-12-01; registers decide all but decode split's sm_80 entry, shared memory); the packed
+# 2026-12-01, the backward's 2026-12-02; registers decide all but decode split's and the d = 256
+# dq's sm_80 entries, shared memory); the packed
 # variants where their registers differ (the packed dq on sm_80: 140 registers, one CTA; the
 # packed forward at d = 128 on sm_100: 162 registers, one CTA; FP8_SPLIT_CTAS_PER_SM). The
 # delta and
@@ -50,9 +51,9 @@ SCORE_FLOPS_BWD = 5     # per score: scale, subtract lse, exp2, dP - delta, time
 CTAS_PER_SM = {
     "attn_fwd_kernel": {"sm_90": {64: 3, 128: 1, 256: 1}, "sm_100": {64: 3, 128: 2, 256: 1},
                         "sm_80": {64: 3, 128: 1, 256: 1}},
-    "attn_bwd_dkdv_kernel": {"sm_90": {64: 2, 128: 1, 256: 1}, "sm_100": {64: 4, 128: 1, 256: 1},
-                             "sm_80": {64: 4, 128: 1, 256: 1}},
-    "attn_bwd_dq_kernel": {"sm_90": {64: 3, 128: 2, 256: 2}, "sm_100": {64: 3, 128: 2, 256: 2},
+    "attn_bwd_dkdv_kernel": {"sm_90": {64: 3, 128: 1, 256: 2}, "sm_100": {64: 4, 128: 1, 256: 2},
+                             "sm_80": {64: 4, 128: 1, 256: 2}},
+    "attn_bwd_dq_kernel": {"sm_90": {64: 3, 128: 2, 256: 1}, "sm_100": {64: 3, 128: 2, 256: 1},
                            "sm_80": {64: 3, 128: 2, 256: 2}},
     "decode_append_kernel": {"sm_90": 16, "sm_100": 16, "sm_80": 16},
     "decode_split_kernel": {"sm_90": 3, "sm_100": 3, "sm_80": 4},
@@ -349,24 +350,30 @@ def dkdv_cost(problem, tiles, bd: int, arch: str) -> Cost:
 
     Order and waves: the grid (cdiv(s_k, bn), b·h_kv) runs the key block fastest: a wave (SMs ×
     ``ctas_per_sm``) holds every key block of one KV head, then of the next: about wave /
-    cdiv(s_k, bn) KV heads.
+    cdiv(s_k, bn) KV heads (132 x 128 keys at d = 128 on sm_90: four KV heads and part of a
+    fifth).
 
-    Reuse: each program loops over the G query heads of its KV head and, for each, every query
-    block ``query_range`` lets see its keys (causal: those from the diagonal down), loading q,
-    do (bm x d), lse and delta (lse from the forward, delta from the delta kernel: passed
-    through HBM, each counted at least once). Every key block of the KV head loads the same
-    rows: counted once per wave over the union of its programs' query ranges (G·s_q·(2·d·e +
-    8) per KV head and wave), if the wave's working set fits in L2; when it does not (G·s_q
-    rows of q and do per KV head: 8 MiB at G = 4, d = 128, s = 4096, 32 MiB at G = 16, times
-    the KV heads a wave holds), every program's loads count. Alone: the block's k and v
-    (2·keys·d·e); stored: dk, dv. Packed: the offsets once.
+    Reuse: each program loops over the query blocks ``query_range`` lets see its keys (causal:
+    those from the diagonal down), from the last one down, and over the G query heads of its KV
+    head within each, loading q, do (bm x d), lse and delta (lse from the forward, delta from the
+    delta kernel: passed through HBM, each counted at least once). Every key block of the KV head
+    loads the same rows: counted once per wave over the union of its programs' query ranges
+    (G·s_q·(2·d·e + 8) per KV head and wave), if the wave's working set fits in L2; when it does
+    not (G·s_q rows of q and do per KV head: 8.5 MB at G = 4, d = 128, s = 4096, 34 MB at G = 16,
+    times the KV heads a wave holds), every program's loads count. The rule takes each program's
+    whole query range as held for its whole loop; the descending order keeps the key blocks of a
+    KV head on the same q and do tiles at the same time, which it does not credit. Alone: the
+    block's k and v (2·keys·d·e); stored: dk, dv. Packed: the offsets once.
 
-    FLOPs per visited tile: four products on tensor cores, 2·bm·bn·BD each: S = q kᵀ
-    (recomputed), dv += Pᵀ do, dP = do vᵀ, dk += dSᵀ q; 5 FLOPs per score; each times its
-    ``duplication`` (the score work with S's)."""
+    FLOPs per visited tile: four products on tensor cores, 2·bm·bn·BD each, every one with the
+    key block's bn rows as M (transposed): Sᵀ = k qᵀ (recomputed) and dPᵀ = v doᵀ, [bn, bm];
+    dv += Pᵀ do and dk += dSᵀ q, [bn, BD], Pᵀ and dSᵀ the register A operand; 5 FLOPs per
+    score; each times its ``duplication`` (the score work with Sᵀ's: at bn = 64 on 8 warps both
+    Hopper warpgroups would compute the whole Sᵀ, which is why sm_90 takes 128 keys on 8 warps
+    or 64 on 4)."""
     p, e, d = problem, element_size(problem.dtype), problem.head_dim
     bm, bn, g = tiles.bm, tiles.bn, problem.heads_q // problem.heads_kv
-    dups = duplication(arch, tiles.warps, [(bm, bn, True), (bm, bn, True), (bn, bd, False),
+    dups = duplication(arch, tiles.warps, [(bn, bm, True), (bn, bm, True), (bn, bd, False),
                                            (bn, bd, False)], 3)
     waves = _waves(_training_ctas("attn_bwd_dkdv_kernel", p, tiles, arch), arch)
     visits = programs = 0

@@ -769,10 +769,11 @@ def test_floors_read_inputs_once_and_count_the_math():
 
 
 def test_forward_cost_counts_every_programs_loads_and_the_duplicated_work():
-    """Two query blocks of 64 rows, causal: the first visits one key block, the second two. The
-    query heads of a KV group run in one wave that fits in the L2, so each KV head's k and v
-    count once. At 64 rows on 8 warps, sm_90's two warpgroups both compute S (1.5x the
-    products), sm_80 and sm_100 do not."""
+    """Two query blocks of 64 rows, causal: the first visits one key block, the second two. A
+    program moves its q rows (16 KiB), 32 KiB of k and v per key block (1.5 on average) and
+    its o and lse (16,640 B): 82,176 bytes, so G = 0.5 · 40 MB / 82,176 = 243 programs on
+    sm_80, more than the 8 programs: each KV head's k and v count once. At 64 rows on 8 warps,
+    sm_90's two warpgroups both compute S (1.5x the products), sm_80 and sm_100 do not."""
     from fusedops.backends.triton.attention_cost import forward_cost
     from fusedops.backends.triton.attention_tiles import Tiles
     p = _problem(b=1, s=128, hq=4, hkv=2, d=128)
@@ -789,6 +790,37 @@ def test_forward_cost_counts_every_programs_loads_and_the_duplicated_work():
     # 8 warps along 64 rows of mma.sync at d = 64 (the [64, 64] P·V puts them on the rows): 2x
     assert forward_cost(_problem(d=64), tiles, 64, "sm_80").mma_flops == \
         2 * forward_cost(_problem(d=64), Tiles(64, 64, 4), 64, "sm_80").mma_flops
+
+
+def test_attention_costs_count_kv_and_q_rereads_by_reuse_distance():
+    """Reuse distance (G = 0.5 · L2 over the mean bytes a program moves) at s = 4096, d = 128,
+    64-row blocks, one KV head, sm_80 (40 MB).
+
+    Forward, causal, 2 query heads: 128 programs, query block i visiting key blocks 0..i (4160
+    visits of 32 KiB of k and v), each with 16 KiB of q and 16,640 B of o and lse: a mean of
+    1,097,984 bytes, G = 18.2. Within a head the next query block re-reads a key block 1
+    program later; head 1's query block i first visits key block i, i + 1 programs after head
+    0's last query block did: a hit for i <= 17, so key blocks 18..63 count twice.
+
+    dk/dv, not causal, 16 query heads: 64 key blocks, each loading every query row's q, do, lse
+    and delta for the 16 heads (16 · 4096 · 520 bytes) and its own k, v and dk, dv (32 KiB
+    each): G = 0.59 on sm_80, so every program's rows count; on sm_100 (126 MB) G = 1.8 and the
+    next key block, 1 program later, hits: the rows count once."""
+    from fusedops.backends.triton.attention_cost import dkdv_cost, forward_cost
+    from fusedops.backends.triton.attention_tiles import Tiles
+    s, d, e, block = 4096, 128, 2, 64
+    kv_block = 2 * block * d * e
+    fwd = forward_cost(_problem(s=s, hq=2, hkv=1, d=d), Tiles(block, block, 8), d, "sm_80")
+    mean = block * d * e + block * (d * e + 4) + 2 * (64 * 65 // 2) * kv_block / 128
+    assert 17 + 1 <= 0.5 * 40e6 / mean < 18 + 1
+    assert fwd.bytes_read == 2 * s * d * e + (64 + 46) * kv_block
+    rows = 16 * s * (2 * d * e + 8)
+    p = _problem(s=s, hq=16, hkv=1, d=d, causal=False)
+    mean = rows + 2 * kv_block
+    assert 0.5 * 40e6 / mean < 1 <= 0.5 * 126e6 / mean
+    own = 64 * kv_block                                       # k and v of every key block
+    assert dkdv_cost(p, Tiles(block, block, 8), d, "sm_80").bytes_read == 64 * rows + own
+    assert dkdv_cost(p, Tiles(block, block, 8), d, "sm_100").bytes_read == rows + own
 
 
 def test_duplication_factors_are_those_of_the_compiled_kernels():

@@ -213,6 +213,40 @@ def test_packed_sequences_with_empty_and_single_tokens(backend):
     compare(result, expected, KERNEL_TOLERANCE[torch.float32])
 
 
+# key blocks of 32 against query blocks of 16: per key block, the diagonal's (or a window edge's)
+# blocks masked, the blocks that see all 32 keys unmasked, the last partial query block masked
+# (offsets of -2 and a right edge of 14 put the first unmasked block one row past a multiple of
+# 16, where an off-by-one in the rounding would unmask a block that needs the mask)
+EDGE_CASES = [
+    dict(sq=150, sk=150, causal=True),
+    dict(sq=150, sk=148, causal=True),
+    dict(sq=150, sk=120, causal=True),                      # bottom-right: query i sees j <= i - 30
+    dict(sq=110, sk=150, causal=True, window_size=(70, -1)),
+    dict(sq=130, sk=130, causal=False, window_size=(60, 14)),
+]
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("case", EDGE_CASES, ids=lambda c: "-".join(map(str, c.values())))
+def test_dkdv_kernel_masks_exactly_the_edge_blocks(backend, case):
+    """The dk/dv kernel skips the mask arithmetic on the query blocks that see every key of its
+    key block (``unmasked_queries``) and walks the blocks from the last one down: with small
+    tiles each mask shape has such blocks between masked ones, and every gradient matches the
+    reference."""
+    from fusedops.backends.triton import attention as kernels
+    opts = {k_: v_ for k_, v_ in case.items() if k_ not in ("sq", "sk")}
+    q, k, v, do = qkv(2, case["sq"], case["sk"], 4, 2, 32, seed=13)
+    expected = run("torch", q, k, v, do, **opts)
+    plan = GQAAttentionBackward(q, k, v, expected["o"], expected["lse"], do, backend=backend, **opts)
+    tiles = kernels.backward_tiles(plan.problem)
+    config = kernels.BackwardTiles(kernels.Tiles(16, 32, 4), tiles.dq)
+    plan._program, plan._launch = kernels.backward_program(plan.problem, config=config), None
+    got = plan.compile().execute(q, k, v, expected["o"], expected["lse"], do,
+                                 **plan.allocate_outputs(), workspace=plan.allocate_workspace())
+    for name in ("dq", "dk", "dv"):
+        assert_close(got[name], expected[name], KERNEL_TOLERANCE[torch.float32], name)
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_backward_bitwise_reproducible(backend):
     q, k, v, do = qkv(2, 40, 40, 8, 2, 32, seed=7)
@@ -735,10 +769,11 @@ def test_floors_read_inputs_once_and_count_the_math():
 
 
 def test_forward_cost_counts_every_programs_loads_and_the_duplicated_work():
-    """Two query blocks of 64 rows, causal: the first visits one key block, the second two. The
-    query heads of a KV group run in one wave that fits in the L2, so each KV head's k and v
-    count once. At 64 rows on 8 warps, sm_90's two warpgroups both compute S (1.5x the
-    products), sm_80 and sm_100 do not."""
+    """Two query blocks of 64 rows, causal: the first visits one key block, the second two. A
+    program moves its q rows (16 KiB), 32 KiB of k and v per key block (1.5 on average) and
+    its o and lse (16,640 B): 82,176 bytes, so G = 0.5 · 40 MB / 82,176 = 243 programs on
+    sm_80, more than the 8 programs: each KV head's k and v count once. At 64 rows on 8 warps,
+    sm_90's two warpgroups both compute S (1.5x the products), sm_80 and sm_100 do not."""
     from fusedops.backends.triton.attention_cost import forward_cost
     from fusedops.backends.triton.attention_tiles import Tiles
     p = _problem(b=1, s=128, hq=4, hkv=2, d=128)
@@ -757,16 +792,48 @@ def test_forward_cost_counts_every_programs_loads_and_the_duplicated_work():
         2 * forward_cost(_problem(d=64), Tiles(64, 64, 4), 64, "sm_80").mma_flops
 
 
+def test_attention_costs_count_kv_and_q_rereads_by_reuse_distance():
+    """Reuse distance (G = 0.5 · L2 over the mean bytes a program moves) at s = 4096, d = 128,
+    64-row blocks, one KV head, sm_80 (40 MB).
+
+    Forward, causal, 2 query heads: 128 programs, query block i visiting key blocks 0..i (4160
+    visits of 32 KiB of k and v), each with 16 KiB of q and 16,640 B of o and lse: a mean of
+    1,097,984 bytes, G = 18.2. Within a head the next query block re-reads a key block 1
+    program later; head 1's query block i first visits key block i, i + 1 programs after head
+    0's last query block did: a hit for i <= 17, so key blocks 18..63 count twice.
+
+    dk/dv, not causal, 16 query heads: 64 key blocks, each loading every query row's q, do, lse
+    and delta for the 16 heads (16 · 4096 · 520 bytes) and its own k, v and dk, dv (32 KiB
+    each): G = 0.59 on sm_80, so every program's rows count; on sm_100 (126 MB) G = 1.8 and the
+    next key block, 1 program later, hits: the rows count once."""
+    from fusedops.backends.triton.attention_cost import dkdv_cost, forward_cost
+    from fusedops.backends.triton.attention_tiles import Tiles
+    s, d, e, block = 4096, 128, 2, 64
+    kv_block = 2 * block * d * e
+    fwd = forward_cost(_problem(s=s, hq=2, hkv=1, d=d), Tiles(block, block, 8), d, "sm_80")
+    mean = block * d * e + block * (d * e + 4) + 2 * (64 * 65 // 2) * kv_block / 128
+    assert 17 + 1 <= 0.5 * 40e6 / mean < 18 + 1
+    assert fwd.bytes_read == 2 * s * d * e + (64 + 46) * kv_block
+    rows = 16 * s * (2 * d * e + 8)
+    p = _problem(s=s, hq=16, hkv=1, d=d, causal=False)
+    mean = rows + 2 * kv_block
+    assert 0.5 * 40e6 / mean < 1 <= 0.5 * 126e6 / mean
+    own = 64 * kv_block                                       # k and v of every key block
+    assert dkdv_cost(p, Tiles(block, block, 8), d, "sm_80").bytes_read == 64 * rows + own
+    assert dkdv_cost(p, Tiles(block, block, 8), d, "sm_100").bytes_read == rows + own
+
+
 def test_duplication_factors_are_those_of_the_compiled_kernels():
     """The factors ``fusedops kernels --dump`` shows (MMA FLOPs of each kernel's inner loop in its
-    PTX against the tile's), per table entry: see attention_cost.duplication."""
+    PTX against the tile's), per table entry: see attention_cost.duplication. The dk/dv kernel's
+    products all have the key block as M (Sᵀ, dPᵀ: bn x bm; dv, dk: bn x BD)."""
     from fusedops.backends.triton.attention_cost import duplication
 
     def fwd(arch, bm, bn, bd, warps):
         return duplication(arch, warps, [(bm, bn, True), (bm, bd, False)], 1)
 
     def dkdv(arch, bm, bn, bd, warps):
-        return duplication(arch, warps, [(bm, bn, True), (bm, bn, True), (bn, bd, False),
+        return duplication(arch, warps, [(bn, bm, True), (bn, bm, True), (bn, bd, False),
                                          (bn, bd, False)], 3)
 
     def dq(arch, bm, bn, bd, warps):
@@ -774,11 +841,16 @@ def test_duplication_factors_are_those_of_the_compiled_kernels():
     assert fwd("sm_90", 64, 64, 128, 8) == [2, 1] and fwd("sm_90", 64, 32, 256, 8) == [2, 1]
     assert fwd("sm_80", 64, 32, 256, 8) == [2, 1] and fwd("sm_80", 64, 64, 128, 8) == [1, 1]
     assert fwd("sm_100", 64, 64, 128, 8) == [1, 1] and fwd("sm_90", 64, 64, 64, 4) == [1, 1]
+    # 128 keys on two warpgroups: each its own 64 keys; 64 keys on 8 warps: both compute Sᵀ
+    assert dkdv("sm_90", 32, 128, 128, 8) == [1] * 4 and dkdv("sm_90", 32, 64, 64, 4) == [1] * 4
+    assert dkdv("sm_90", 64, 64, 128, 8) == [2, 2, 1, 1] and dkdv("sm_100", 64, 64, 128, 8) == [1] * 4
+    assert dq("sm_90", 64, 64, 128, 4) == [1, 1, 1] and dq("sm_90", 128, 32, 256, 8) == [1, 1, 1]
     for arch in ("sm_80", "sm_90", "sm_100"):
-        assert dkdv(arch, 16, 32, 256, 8) == [2, 2, 1, 1] and dq(arch, 16, 32, 256, 8) == [2, 2, 1]
-        assert dkdv(arch, 32, 64, 128, 8) == [1, 1, 1, 1] and dq(arch, 32, 64, 128, 8) == [1, 1, 1]
-    assert dkdv("sm_80", 32, 64, 64, 4) == [2, 2, 1, 1]        # why sm_80 has its own entry
-    assert dkdv("sm_80", 32, 64, 64, 8) == [4, 4, 2, 2] and dkdv("sm_80", 32, 32, 64, 4) == [1] * 4
+        assert dkdv(arch, 32, 16, 256, 4) == [1] * 4 and dkdv(arch, 32, 32, 256, 8) == [2, 2, 1, 1]
+        assert dq(arch, 16, 32, 256, 8) == [2, 2, 1] and dq(arch, 32, 32, 256, 4) == [1, 1, 1]
+        assert dq(arch, 32, 64, 128, 8) == [1, 1, 1]
+    assert dkdv("sm_80", 64, 32, 128, 8) == [1] * 4 and dkdv("sm_80", 32, 32, 64, 4) == [1] * 4
+    assert dkdv("sm_80", 32, 64, 128, 8) == [2, 2, 1, 1]       # why sm_80 has its own entry
 
 
 def test_tile_tables_follow_the_target_arch_and_offer_candidates():

@@ -35,20 +35,26 @@ TRAFFIC_BOUNDS = {
     ("ReLU2MoEForward", "moe super t8192"): 1.32,
     "ReLU2MoEBackward": 1.25,
     ("ReLU2MoEBackward", "moe super t8192"): 1.22,
-    # attention: K/V re-read by query heads of a KV group in later waves; the hkv2 backward's
-    # dk/dv waves do not fit L2 on Hopper (every program's q/do loads count)
-    "GQAAttentionForward": 1.40,
-    ("GQAAttentionForward", "attn hkv8 d64 causal"): 1.12,
-    "GQAAttentionBackward": 2.25,
-    ("GQAAttentionBackward", "attn hkv2 d128"): 32.00,
-    "GQAAttentionDecode": 1.20,
-    # Mamba2: C·B and the passed states written and read back, the dB/dC and d(C·B) waves
-    # that do not fit L2; decode:
-    # the group's B and C re-read by the head-dim blocks, the seeds of stochastic rounding
-    "Mamba2ChunkScanForward": 2.50,
-    "Mamba2ChunkScanBackward": 6.15,
-    "Mamba2StateUpdate": 1.10,
-    "Mamba2StateRollback": 1.01,
+    # attention (reuse distance, 2026-12-02): the forward and dq re-read a key block's k and v
+    # when the next query head of its KV group first visits it more than G programs after the
+    # previous head did (causal: the late key blocks; G = 22 at d = 128 on sm_90, 11 at
+    # d = 256); the backward reads q, do, lse and delta in both dk/dv and dq and o, do in the
+    # delta kernel; the dk/dv programs of hkv2 d128 each load 16 heads' q, do, lse and delta
+    # over all 4096 rows (34 MB), more than Hopper's usable 25 MB (G = 0.7): every program's
+    # rows count (1.75 on sm_100); decode: the fp32 split partials (rows padded to bm) written
+    # and read back by the combine, each split re-reading its q rows (b·h_kv programs apart)
+    "GQAAttentionForward": 1.21,
+    ("GQAAttentionForward", "attn hkv8 d256 causal"): 1.50,
+    "GQAAttentionBackward": 1.92,
+    ("GQAAttentionBackward", "attn hkv2 d128"): 16.51,
+    "GQAAttentionDecode": 1.16,
+    # Mamba2: C·B and the passed states written and read back; d(C·B) and dB/dC (and C·B on
+    # Hopper: G = 509 < 512) re-read their rows per pair, row block or state tile, S·g programs
+    # apart, beyond G; decode: dt, B and C re-read by each head-dim block (h·b programs apart)
+    "Mamba2ChunkScanForward": 2.49,
+    "Mamba2ChunkScanBackward": 6.11,
+    "Mamba2StateUpdate": 1.01,
+    "Mamba2StateRollback": 1.00,
 }
 ARCHS = ("sm_90a", "sm_100a")   # CI's; `fusedops kernels` adds sm_80 for the Triton kernels
 
@@ -58,22 +64,23 @@ KNOWN = {
         "the CuTe gate holds whole rows in registers; at D = 12288 its 768-thread CTA leaves 85 "
         "registers per thread (a chunked row path is part of the gate performance work)",
     ("wgmma_only", "gqa_attention"):
-        "the dk/dv kernel's S and dP products (32 query rows per step), the d = 256 dq (16 x 32 "
-        "tiles) and the decode split kernel (BM = T x h_q/h_kv rows) are below wgmma's 64 rows "
-        "and compile to mma.sync",
+        "the d = 256 dk/dv kernel (16 keys as M: 64 keys on a warpgroup hold [64, 256] fp32 dk "
+        "and dv, 256 registers a thread; 128 query rows as S's M with the 64 keys' dk, dv split "
+        "over two warpgroups spills 200-256 bytes) and the decode split kernel (BM = T x "
+        "h_q/h_kv rows) are below wgmma's 64 rows and compile to mma.sync",
     ("wgmma_only", "relu2_moe"):
         "the grouped GEMM's 16- and 32-row tiles (decode-sized token counts) compile to mma.sync",
     ("wgmma_async", "gqa_attention"):
-        "the forward and dq kernels wait for each score product before the softmax (or dS) that "
-        "needs it: Triton 3.9 keeps S -> P -> P·V in one dependency chain per warpgroup "
-        "(FA3's ping-pong warpgroups are not expressed)",
+        "the forward, dk/dv and dq kernels wait for each score product before the softmax (or "
+        "dS) that needs it: Triton 3.9 keeps S -> P -> P·V in one dependency chain per "
+        "warpgroup (FA3's ping-pong warpgroups are not expressed; issuing the next block's "
+        "product before the softmax by hand still compiles to a wait on it)",
     ("wgmma_async", "mamba2_scan"):
         "the state walks and the d(C·B), dA-cumsum and dB/dC kernels wait for each product: "
         "each feeds an in-register scaling of the next product's operand",
     ("no_duplication", "gqa_attention"):
         "the d = 256 forward's 64-row tile on 8 warps: on sm_90 both warpgroups compute the whole "
-        "QK^T and softmax (1.5x the tensor-core work, 2x the exponentials); the d = 256 "
-        "backward's 16 x 32 tiles repeat S and dP",
+        "QK^T and softmax (1.5x the tensor-core work, 2x the exponentials)",
 }
 
 
@@ -185,61 +192,6 @@ def test_modelled_traffic_within_bound_of_floor(report, family):
                         f"(bound {bound})")
     assert not unbounded, f"set a traffic bound for {sorted(unbounded)}"
     assert not over, over
-
-
-def test_mamba2_model_takes_the_compiled_occupancy(report):
-    """The waves of the Mamba2 cost model are cut at the CTAs per SM the compiled kernels reach
-    (backends/triton/mamba2_tiles.py: CTAS_PER_SM and its variants), at every production shape:
-    a register change that moves a kernel's occupancy must update the model."""
-    from fusedops.backends.triton.mamba2_tiles import ctas_per_sm, occupancy_key, tiles
-    from fusedops.core.target import compiling_for
-    from fusedops.kernel_report import production_plans
-    rows = {}
-    for r in _rows(report, "mamba2_scan"):
-        rows.setdefault((r["label"], r["plan"], r["arch"]), []).append(r)
-    stale = []
-    for p in production_plans(("triton",)):
-        if p.family != "mamba2_scan":
-            continue
-        for arch in ARCHS:
-            with compiling_for(arch):
-                t = tiles(p.built.problem)
-            compiled = rows[(p.label, p.plan, arch)]
-            for spec, row in zip(p.kernels(arch), compiled, strict=True):
-                key = occupancy_key(spec)
-                if key is None:
-                    continue
-                modelled = ctas_per_sm(key, p.built.problem, t, arch.removesuffix("a"))
-                if modelled != row["ctas_per_sm"]:
-                    stale.append(f"{p.label} {key} {arch}: compiled {row['ctas_per_sm']} "
-                                 f"({row['registers']} registers), modelled {modelled}")
-    assert not stale, stale
-
-
-def test_attention_model_takes_the_compiled_occupancy(report):
-    """As for Mamba2: the attention cost model's CTAs per SM (attention_cost.CTAS_PER_SM and its
-    packed and FP8 variants) are the compiled kernels', at every production shape."""
-    from fusedops.backends.triton.attention_cost import table_ctas
-    from fusedops.core.target import compiling_for
-    from fusedops.kernel_report import production_plans
-    rows = {}
-    for r in _rows(report, "gqa_attention"):
-        rows.setdefault((r["label"], r["plan"], r["arch"]), []).append(r)
-    stale = []
-    for p in production_plans(("triton",)):
-        if p.family != "gqa_attention":
-            continue
-        for arch in ARCHS:
-            if p.unsupported(arch):
-                continue
-            with compiling_for(arch):
-                for spec, row in zip(p.kernels(arch), rows[(p.label, p.plan, arch)], strict=True):
-                    modelled = table_ctas(spec.name, p.built.problem, arch)
-                    if modelled is not None and modelled != row["ctas_per_sm"]:
-                        stale.append(f"{p.label} {spec.name} {arch}: compiled "
-                                     f"{row['ctas_per_sm']} ({row['registers']} registers), "
-                                     f"modelled {modelled}")
-    assert not stale, stale
 
 
 def test_performance_page_states_the_traffic_bounds():

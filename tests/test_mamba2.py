@@ -857,17 +857,20 @@ def test_segment_row_blocks_of_the_model():
         (2, 3, 164, 136, 500)
 
 
-def test_the_traffic_counter_credits_a_shared_tile_once_per_wave():
-    """The model's counter (docs/performance.md, "How traffic is counted") on a grid (4, 2), the
-    first dimension fastest: a tile the programs of one wave share counts once, and again in
-    each later wave that loads it; a wave whose working set overflows the L2 counts every
-    program's tiles; a program's own re-load counts once; programs that return at once take no
-    slot; what a program loads alone, and every store, counts once."""
+def test_the_traffic_counter_counts_a_reread_by_reuse_distance():
+    """The models' counter (l2_reuse.Programs, docs/performance.md, "How traffic is counted")
+    on a grid (4, 2), the first dimension fastest: program p = i + 4·j. Every program loads one
+    10-byte tile (twice with ``twice``), 3 bytes alone and stores 1: 14 bytes a program (24
+    with ``twice``), so G = 0.5·l2 / 14. Tile i is loaded by programs i and i + 4 (4 apart):
+    once if G >= 4 (l2 >= 112), by both programs below; tile j by the 4 consecutive programs of
+    its column (1 apart): once if G >= 1 (l2 >= 48 with ``twice``), else once per program (a
+    program's own re-load counts once). With i < 2 active, 4 programs run (i + 2·j: tile i 2
+    apart, l2 = 56 gives G = 2). Loads alone and stores always count."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton.wave_model import Waves
+    from fusedops.backends.triton.l2_reuse import Programs
 
-    def count(size, l2, key, active=None, twice=False):
-        w = Waves((4, 2), size, l2, active)
+    def count(l2, key, active=None, twice=False):
+        w = Programs((4, 2), l2, active)
         i, j = w.coords
         every = torch.arange(w.programs)
         for _ in range(1 + twice):
@@ -876,14 +879,22 @@ def test_the_traffic_counter_credits_a_shared_tile_once_per_wave():
         w.store(every, 1)
         return w.count()
 
-    # (read, written, waves, waves that fit); 3 bytes alone and 1 stored per program
-    assert count(4, 1000, "i") == (80 + 24, 8, 2, 2)  # tile i in each of the 2 waves
-    assert count(8, 1000, "i") == (40 + 24, 8, 1, 1)  # one wave: each tile once
-    assert count(4, 1000, "j", twice=True) == (20 + 24, 8, 2, 2)
-    # a wave's working set: its one tile (10), 4 x 3 alone, 4 x 1 stored = 26 bytes
-    assert count(4, 26, "j", twice=True) == (20 + 24, 8, 2, 2)
-    assert count(4, 25, "j", twice=True) == (80 + 24, 8, 2, 0)
-    assert count(2, 1000, "i", active=lambda i, j: i < 2) == (40 + 12, 4, 2, 2)   # 4 run
+    # (read, written): 8 x 3 bytes alone, 8 x 1 stored
+    assert count(112, "i") == (4 * 10 + 24, 8)             # G = 4: the second load hits
+    assert count(111, "i") == (8 * 10 + 24, 8)             # G = 3.96: it misses
+    assert count(48, "j", twice=True) == (2 * 10 + 24, 8)  # G = 1
+    assert count(47, "j", twice=True) == (8 * 10 + 24, 8)  # G < 1: every program's, once
+    assert count(56, "i", active=lambda i, j: i < 2) == (2 * 10 + 12, 4)
+    assert count(55, "i", active=lambda i, j: i < 2) == (4 * 10 + 12, 4)
+
+
+def test_the_counter_expands_per_program_loop_bounds():
+    """Programs.ranges: one (program, index) per iteration of a loop whose bounds differ
+    between programs (the key blocks of a causal query block)."""
+    pytest.importorskip("triton")
+    from fusedops.backends.triton.l2_reuse import Programs
+    prog, index = Programs((3,), 1.0).ranges(torch.tensor([0, 5, 2]), torch.tensor([2, 0, 3]))
+    assert prog.tolist() == [0, 0, 2, 2, 2] and index.tolist() == [0, 1, 2, 3, 4]
 
 
 def test_segment_tokens_follow_the_segment_lengths():
@@ -902,23 +913,25 @@ def test_segment_tokens_follow_the_segment_lengths():
     assert segment_tokens(_production("scan varlen Q256")[0].problem)[:65] == [128] * 64 + [0]
 
 
-def _strided_waves(first: int, count: int, step: int, wave: int) -> int:
-    """Waves of ``wave`` programs that ``count`` programs ``step`` apart from launch index
-    ``first`` fall in."""
-    return (first + (count - 1) * step) // wave - first // wave + 1
-
-
 def test_forward_model_and_floor_at_the_production_shape():
     """The forward's modelled bytes on sm_90 (b=2, l=8192, h=128, p=64, n=128, g=8, Q=256, bf16,
-    BQ=BP=BN=64), recomputed here from each grid's order and waves (132 SMs x the reported CTAs
-    per SM: 6 for C·B, 3 for the states and the output; every wave of theirs fits in the 50 MB
-    L2), and its floor. The states kernel's 512 programs walk their sequence's 32 segments in two
-    waves of 396 and 116, a step at a time: x once (the two state tiles of a head side by
-    side), B once per wave its group's 16 heads (2 programs apart) fall in, the entering states
-    written in bf16. The output kernel's grid runs a (segment, head)'s row blocks side by side
-    (the tile fastest), so the passed bf16 state, x, acum and dts count once; C and C·B once per
-    wave a group's 16 heads (4 programs apart) share; C·B's pairs read B and C as often as the
-    waves part them."""
+    BQ=BP=BN=64, D and z, initial states, bf16 passed states), recomputed here by reuse distance
+    (G = 0.5 · 50 MB over the mean bytes a program moves), and its floor.
+
+    C·B: 10 pairs x S·g = 512 programs, each loading C rows i and B rows j (64·128·2 = 16 KiB
+    each) and storing a 64 x 64 fp32 tile (16 KiB): G = 25e6 / 49152 = 508.6, less than the 512
+    programs between two pairs that share C (or B) rows: every program's rows count.
+    States: 512 programs (2 state tiles x b·h), each walking its sequence's 32 segments: x and B
+    (32 x 256 rows x 64 x 2 bytes = 1 MiB each), acum and dts (64 KiB), the last acum (128 B),
+    the initial state tile (16 KiB) and 32 bf16 entering tiles plus the fp32 final one
+    (278,528 B) stored: G = 25e6 / 2,457,728 = 10.2. x is shared by the 2 tiles of a head (1
+    apart), B by the 16 heads of a group (2 apart), acum and dts by the 2 tiles: all once.
+    Output: 32768 programs (4 row blocks x S·h), row block i loading acum (256 B), C rows i and
+    the state tile (16 KiB each), for k <= i a C·B tile (16 KiB), acum, dts (256 B each) and x
+    rows (8 KiB), the diagonal x block again for D (8 KiB) and z (8 KiB), storing y and y before
+    the gate (16 KiB): a mean of 128,512 bytes (2.5 blocks k), G = 194.5. C and C·B are shared
+    by the 16 heads of the group (4 apart), the state, x, acum and dts by the row blocks of the
+    (segment, head) (at most 3 apart): all once."""
     pytest.importorskip("triton")
     from fusedops.core.cost import total
     from fusedops.core.target import compiling_for
@@ -926,24 +939,17 @@ def test_forward_model_and_floor_at_the_production_shape():
         fwd, _ = _production("scan h128 p64 n128 Q256")
         kernels = fwd.kernel_program("triton").kernels
     b, l, h, p, g, n, Q, e = 2, 8192, 128, 64, 8, 128, 256, 2
-    T, S, BQ, NQB, NNB, R = b * l, b * l // Q, 64, 4, 2, h // g
+    T, S, BQ = b * l, b * l // Q, 64
     xb, state, seq_state = T * h * p * e, S * h * p * n * 4, b * h * p * n * 4
     acum = S * h * Q * 4                                  # dts and acum, fp32 per segment
-    tiles = set()                                         # C·B: the 10 pairs one after another
-    order = ((i, j, sg) for i in range(NQB) for j in range(i + 1) for sg in range(S * g))
-    for index, (i, j, sg) in enumerate(order):
-        tiles |= {(index // 792, "C", sg, i), (index // 792, "B", sg, j)}
+    bc = T * g * n * e                                    # B (or C) rows of every group, once
+    cb = S * g * 10 * BQ * BQ * 4                         # the fp32 C·B tiles of the 10 pairs
+    assert 0.5 * 50e6 / (2 * BQ * n * e + BQ * BQ * 4) < S * g
     expected = {
         "ssd_dt_cumsum_kernel": T * h * e + 8 * h + 2 * acum,
-        "ssd_cb_kernel": len(tiles) * BQ * n * e + S * g * 10 * BQ * BQ * 4,
-        "ssd_chunk_states_kernel": (xb + 2 * acum + 4 * S * h + state // 2 + 2 * seq_state
-                                    + sum(_strided_waves(NNB * (sq * h + gr * R) + jn, R, NNB, 396)
-                                          for sq in range(b) for gr in range(g) for jn in range(NNB))
-                                    * l * 64 * e),
-        "ssd_chunk_scan_fwd_kernel": (state // 2 + xb + 2 * acum
-                                      + sum(_strided_waves((sg * R) * NQB + i, R, NQB, 396)
-                                            * (BQ * n * e + (i + 1) * BQ * BQ * 4)
-                                            for sg in range(S * g) for i in range(NQB))
+        "ssd_cb_kernel": S * g * 10 * 2 * BQ * n * e + cb,
+        "ssd_chunk_states_kernel": xb + bc + 2 * acum + 4 * S * h + state // 2 + 2 * seq_state,
+        "ssd_chunk_scan_fwd_kernel": (state // 2 + xb + 2 * acum + bc + cb
                                       + xb + 4 * h + 2 * xb),      # z, D; y, y before the gate
     }
     assert {k.name: k.cost.bytes for k in kernels} == expected

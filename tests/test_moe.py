@@ -460,7 +460,7 @@ def test_reuse_distance_counts_a_reread_within_the_l2_once():
     moves); further apart, or a first load, it counts; a program's own bytes and stores always
     count; a program loading a tile twice counts it once."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton.wave_model import reuse_traffic
+    from fusedops.backends.triton.l2_reuse import reuse_traffic
     P, l2 = 10, 2 * 10 * 100.0                  # 100 bytes a program: G = 0.5·2000 / 100 = 10
     prog = torch.arange(P)
     zero = torch.zeros(P, dtype=torch.float64)

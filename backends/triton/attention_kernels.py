@@ -201,17 +201,24 @@ def clear_uncovered(a_ptr, b_ptr, lse_ptr, i_b, i_h, i_blk, start, length, end, 
 
 
 @triton.jit
+def visible_pairs(i, j, len_q, len_k, CAUSAL: tl.constexpr, LEFT: tl.constexpr,
+                  RIGHT: tl.constexpr):
+    """Whether query i may see key j (bottom-right aligned), for broadcastable index tensors."""
+    offset = len_k - len_q
+    ok = (i < len_q) & (j < len_k)
+    if CAUSAL:
+        ok &= j <= i + offset
+    if LEFT >= 0:
+        ok &= j >= i + offset - LEFT
+    if RIGHT >= 0:
+        ok &= j <= i + offset + RIGHT
+    return ok
+
+
+@triton.jit
 def visible(o_m, o_n, len_q, len_k, CAUSAL: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr):
     """[BM, BN] mask of the keys o_n each query o_m may see (bottom-right aligned)."""
-    offset = len_k - len_q
-    ok = (o_m[:, None] < len_q) & (o_n[None, :] < len_k)
-    if CAUSAL:
-        ok &= o_n[None, :] <= o_m[:, None] + offset
-    if LEFT >= 0:
-        ok &= o_n[None, :] >= o_m[:, None] + offset - LEFT
-    if RIGHT >= 0:
-        ok &= o_n[None, :] <= o_m[:, None] + offset + RIGHT
-    return ok
+    return visible_pairs(o_m[:, None], o_n[None, :], len_q, len_k, CAUSAL, LEFT, RIGHT)
 
 
 @triton.jit
@@ -267,6 +274,27 @@ def query_range(n0, n1, len_q, len_k, BM: tl.constexpr, CAUSAL: tl.constexpr, LE
     if LEFT >= 0:
         hi = tl.minimum(hi, last - offset + LEFT + 1)
     return (lo // BM) * BM, hi
+
+
+@triton.jit
+def unmasked_queries(n0, n1, lo, hi, len_q, len_k, BM: tl.constexpr, CAUSAL: tl.constexpr,
+                     LEFT: tl.constexpr, RIGHT: tl.constexpr):
+    """[full_lo, full_hi) within query_range's [lo, hi), both multiples of BM from lo: the query
+    blocks that see every key of [n0, n1) (past the diagonal and the window's right edge,
+    before its left edge, inside len_q). Empty when none do. Keys past len_k need no mask: each
+    key's dk, dv row depends on its own row of Pᵀ alone, and those rows are never stored."""
+    offset = len_k - len_q
+    start = lo
+    if CAUSAL:
+        start = tl.maximum(start, n1 - 1 - offset)
+    if RIGHT >= 0:
+        start = tl.maximum(start, n1 - 1 - offset - RIGHT)
+    start = tl.minimum((start - lo + BM - 1) // BM * BM + lo, hi)
+    end = hi
+    if LEFT >= 0:
+        end = tl.minimum(end, n0 - offset + LEFT + 1)
+    end = tl.maximum(end, start)
+    return start, start + (end - start) // BM * BM
 
 
 @triton.jit
@@ -432,6 +460,45 @@ def probabilities(b_q, b_kt, b_lse, o_m, o_n, len_q, len_k, qk_scale, cap_in, ca
 
 
 @triton.jit
+def _dkdv_block(b_dk, b_dv, b_k, b_v, m0, o_n, m_d, q_ptr, do_ptr, lse_ptr, delta_ptr, i_b, i_h,
+                q_start, len_q, len_k, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
+                stride_doh, q_steps, do_steps, SEQ_Q, TOTAL_Q, qk_scale, cap_in, cap_out,
+                masked, HQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
+                CAUSAL: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+                PACKED: tl.constexpr, SOFTCAP: tl.constexpr, VEC: tl.constexpr,
+                UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """dk, dv of the key block after query rows [m0, m0 + BM) of head i_h, every product with
+    the key block's BN rows as M (transposed: Sᵀ = k qᵀ, dPᵀ = v doᵀ): Pᵀ = exp2(Sᵀ·scale·log2 e
+    - lse) with lse broadcast along the keys, dv += Pᵀ do and dk += dSᵀ q with Pᵀ and dSᵀ =
+    Pᵀ ∘ (dPᵀ - delta) as the register A operand. ``masked`` (a runtime flag, so that one loop
+    body serves every block): the visibility mask applied; else every query of the block sees
+    every key of the key block (``unmasked_queries``)."""
+    o_m = m0 + tl.arange(0, BM)
+    m_q = (o_m < len_q)[:, None] & m_d[None, :]
+    b_q = tl.load(tile(q_ptr + row_offsets(i_b, q_start + m0, i_h, stride_qb, stride_qs,
+                                           stride_qh, VEC), q_steps, BD), mask=m_q, other=0.0)
+    b_do = tl.load(tile(do_ptr + row_offsets(i_b, q_start + m0, i_h, stride_dob, stride_dos,
+                                             stride_doh, VEC), do_steps, BD), mask=m_q, other=0.0)
+    p_row = lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ, PACKED)
+    b_lse = tl.load(lse_ptr + p_row, mask=o_m < len_q, other=float("-inf"))
+    b_delta = tl.load(delta_ptr + p_row, mask=o_m < len_q, other=0.0)
+    b_st, b_gate = log2_scores(mm(b_k, tl.trans(b_q), tl.zeros([BN, BM], dtype=tl.float32),
+                                  UPCAST, IEEE), qk_scale, cap_in, cap_out, SOFTCAP)   # [BN, BM]
+    # a row without keys (lse = -inf) gets exp2(s - inf) = 0
+    b_pt = tl.exp2(b_st - tl.where(b_lse != float("-inf"), b_lse * LOG2E, float("inf"))[None, :])
+    if masked:
+        b_pt = tl.where(visible_pairs(o_m[None, :], o_n[:, None], len_q, len_k, CAUSAL, LEFT,
+                                      RIGHT), b_pt, 0.0)
+    b_dv = mm(b_pt.to(b_do.dtype), b_do, b_dv, UPCAST, IEEE)              # [BN, BM] @ [BM, BD]
+    b_dpt = mm(b_v, tl.trans(b_do), tl.zeros([BN, BM], dtype=tl.float32), UPCAST, IEEE)
+    b_dst = b_pt * (b_dpt - b_delta[None, :])
+    if SOFTCAP:
+        b_dst = b_dst * b_gate
+    b_dk = mm(b_dst.to(b_q.dtype), b_q, b_dk, UPCAST, IEEE)               # [BN, BM] @ [BM, BD]
+    return b_dk, b_dv
+
+
+@triton.jit
 def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seqlens_q_ptr,
                          cu_seqlens_k_ptr, dk_ptr, dv_ptr, stride_qb, stride_qs, stride_qh,
                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -443,7 +510,10 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seq
                          LEFT: tl.constexpr, RIGHT: tl.constexpr, PACKED: tl.constexpr,
                          SOFTCAP: tl.constexpr, VEC: tl.constexpr, UPCAST: tl.constexpr,
                          IEEE: tl.constexpr):
-    """dk, dv of one key block of one KV head, summed over the group's query heads in fp32."""
+    """dk, dv of one key block of one KV head, summed over the group's query heads and query
+    blocks in fp32, in a fixed order (the query blocks from the last down, the G heads within
+    each): deterministic, no atomics. The key block is every product's M side (``_dkdv_block``):
+    64 keys per warpgroup reach wgmma (tcgen05) whatever the query block."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_kh = i_bh // HKV, i_bh % HKV
     q_start, len_q, _ = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
@@ -468,34 +538,27 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seq
                   mask=m_kv, other=0.0)
     q_steps = steps(BM, stride_qs, VEC)
     do_steps = steps(BM, stride_dos, VEC)
-    b_kt = tl.trans(b_k)
-    b_vt = tl.trans(b_v)
     qk_scale = scale * LOG2E
     b_dk = tl.zeros([BN, BD], dtype=tl.float32)
     b_dv = tl.zeros([BN, BD], dtype=tl.float32)
     lo, hi = query_range(i_n * BN, (i_n + 1) * BN, len_q, len_k, BM, CAUSAL, LEFT, RIGHT)
-    for g in range(G):
-        i_h = i_kh * G + g
-        for m0 in range(lo, hi, BM):
-            o_m = m0 + tl.arange(0, BM)
-            m_q = (o_m < len_q)[:, None] & m_d[None, :]
-            b_q = tl.load(tile(q_ptr + row_offsets(i_b, q_start + m0, i_h, stride_qb, stride_qs,
-                                                   stride_qh, VEC), q_steps, BD),
-                          mask=m_q, other=0.0)
-            b_do = tl.load(tile(do_ptr + row_offsets(i_b, q_start + m0, i_h, stride_dob,
-                                                     stride_dos, stride_doh, VEC), do_steps, BD),
-                           mask=m_q, other=0.0)
-            p_row = lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ, PACKED)
-            b_lse = tl.load(lse_ptr + p_row, mask=o_m < len_q, other=float("-inf"))
-            b_delta = tl.load(delta_ptr + p_row, mask=o_m < len_q, other=0.0)
-            b_p, b_gate = probabilities(b_q, b_kt, b_lse, o_m, o_n, len_q, len_k, qk_scale, cap_in,
-                                        cap_out, CAUSAL, LEFT, RIGHT, SOFTCAP, UPCAST, IEEE, BM, BN)
-            b_dv = mm(tl.trans(b_p).to(b_do.dtype), b_do, b_dv, UPCAST, IEEE)    # [BN, BM] @ [BM, BD]
-            b_dp = mm(b_do, b_vt, tl.zeros([BM, BN], dtype=tl.float32), UPCAST, IEEE)
-            b_ds = b_p * (b_dp - b_delta[:, None])
-            if SOFTCAP:
-                b_ds = b_ds * b_gate
-            b_dk = mm(tl.trans(b_ds).to(b_q.dtype), b_q, b_dk, UPCAST, IEEE)    # [BN, BM] @ [BM, BD]
+    full_lo, full_hi = unmasked_queries(i_n * BN, (i_n + 1) * BN, lo, hi, len_q, len_k, BM,
+                                        CAUSAL, LEFT, RIGHT)
+    # one loop over (query block, head) in a fixed order (deterministic sums), so the
+    # accumulators stay where the MMA keeps them across the group's heads (tensor memory on
+    # sm_100); the query blocks from the last down, so the key blocks of a KV head, which start
+    # together, read the same q and do tiles at the same time whatever their diagonal
+    blocks = tl.cdiv(tl.maximum(hi - lo, 0), BM)
+    for t in range(0, G * blocks):
+        j = t // G
+        g = t - j * G
+        m0 = lo + (blocks - 1 - j) * BM
+        b_dk, b_dv = _dkdv_block(
+            b_dk, b_dv, b_k, b_v, m0, o_n, m_d, q_ptr, do_ptr, lse_ptr, delta_ptr, i_b,
+            i_kh * G + g, q_start, len_q, len_k, stride_qb, stride_qs, stride_qh, stride_dob,
+            stride_dos, stride_doh, q_steps, do_steps, SEQ_Q, TOTAL_Q, qk_scale, cap_in, cap_out,
+            (m0 < full_lo) | (m0 >= full_hi), HQ, BM, BN, BD, CAUSAL, LEFT, RIGHT, PACKED, SOFTCAP,
+            VEC, UPCAST, IEEE)
     tl.store(tile(dk_ptr + row_offsets(i_b, n_first, i_kh, stride_dkb, stride_dks, stride_dkh,
                                        VEC), steps(BN, stride_dks, VEC), BD),
              (b_dk * scale).to(dk_ptr.dtype.element_ty), mask=m_kv)

@@ -57,11 +57,9 @@ class DecodeTiles:
     maxnreg: int | None = None
 
 
-# ptxas for sm_100 holds the wide tiles to 128 registers and spills; these budgets give it room
-# (the dk/dv kernel needs up to ~216 registers on sm_90; the packed dq kernel spilled 8 bytes at
-# 128)
+# ptxas for sm_100 holds the wide tiles to 128 registers and spills; this budget gives it room
+# (the packed dq kernel spilled 8 bytes at 128)
 WIDE_TILE_REGISTERS = 192
-DKDV_REGISTERS = 232
 # strided addressing (issue 19: every [.., h, d] operand through its runtime strides) added ~10
 # registers where ptxas's own choice sat at a CTA boundary; these budgets keep the CTAs per SM
 # the kernels had, with no spill (the kernel report checks): 2 CTAs of 8 warps (dq), 4 and 3 of
@@ -108,40 +106,54 @@ FORWARD = {
 
 BACKWARD = {
     "sm_90": {
-        64: (BackwardTiles(Tiles(32, 64, 4), Tiles(64, 64, 4)), "dk/dv: 32 query rows per step "
-             "(below wgmma's 64: its S and dP products are mma.sync); the key block's dk, dv "
-             "accumulators and k, v stay in registers (216 registers). dq: 64 query rows on one "
-             "warpgroup, every product a wgmma (141 registers, 3 CTAs per SM; at 32 rows all of "
-             "it was mma.sync)"),
-        128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(64, 64, 4)),
-              "dk/dv: its [64 keys, 128] products are wgmma (N split over the two warpgroups), S "
-              "and dP mma.sync at 32 rows; a 232-register budget. dq: 64 query rows on one "
-              "warpgroup, every product a wgmma (20 HGMMA, 199 registers, 209 packed, 2 CTAs per "
-              "SM, 96 KiB of shared memory; at 32 rows on 8 warps all of it was mma.sync)"),
-        256: (BackwardTiles(Tiles(16, 32, 8, 2, DKDV_REGISTERS), Tiles(16, 32, 8, 2, None, WIDE_TILE_REGISTERS)),
-              "today's tiles: 16 x 32 keeps the 32 x 256 dk, dv accumulators in registers; all "
-              "mma.sync"),
+        64: (BackwardTiles(Tiles(32, 64, 4, 2, None, STRIDED_THREE_CTAS), Tiles(64, 64, 4)),
+             "dk/dv: 64 keys on one warpgroup, every product a wgmma with the keys as M (Sᵀ = k "
+             "qᵀ, dPᵀ = v doᵀ, then Pᵀ do and dSᵀ q), 32 query rows per step; 159 registers, 3 "
+             "CTAs per SM (the softcapped variant held to 168 for the same 3: 176 without; at 64 "
+             "rows 246 registers, 2 CTAs; 128 keys on 8 warps: 150 registers, one CTA). dq: 64 "
+             "query rows on one warpgroup, every product a wgmma (141 registers, 3 CTAs per SM)"),
+        128: (BackwardTiles(Tiles(32, 128, 8), Tiles(64, 64, 4)),
+              "dk/dv: 128 keys on 8 warps, each warpgroup its own 64 keys as every product's M "
+              "(FlashAttention-3's Hopper tiles: no product below wgmma's 64 rows, none computed twice; 64 "
+              "keys on 8 warps would compute Sᵀ on both warpgroups), 32 query rows per step "
+              "(at 64 ptxas spills 96-240 bytes at 255 registers); 239 registers, 1 CTA per "
+              "SM. dq: 64 query rows on one warpgroup, every product a wgmma (20 HGMMA, 199 "
+              "registers, 209 packed, 2 CTAs per SM, 96 KiB of shared memory)"),
+        256: (BackwardTiles(Tiles(32, 16, 4), Tiles(128, 32, 8)),
+              "dk/dv: 16 keys x 32 query rows on 4 warps, mma.sync (wgmma needs 64 keys per "
+              "warpgroup, whose [64, 256] fp32 dk and dv take 256 registers a thread; 128 query "
+              "rows as S's M with 64 keys split over two warpgroups spills 200-256 bytes); "
+              "240 registers, 2 CTAs per SM, no duplicated product (the 16 x 32 tiles on 8 warps "
+              "computed S and dP twice). dq: 128 query rows on 8 warps, each warpgroup its own "
+              "64 rows, every product a wgmma (220 registers, 192 KiB of shared memory, 1 CTA per "
+              "SM; at 64 rows on 4 warps it spilled)"),
     },
     "sm_100": {
-        64: (BackwardTiles(Tiles(32, 64, 4), Tiles(64, 64, 4)), "as sm_90 (dq's products "
-             "tcgen05 at 64 rows)"),
-        128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(64, 64, 4)),
-              "as sm_90: the dk/dv products tcgen05, its S and dP mma.sync; dq at 64 rows all "
-              "tcgen05 (147 registers, 112 KiB of shared memory: 2 CTAs per SM); the dk/dv "
-              "budget keeps ptxas's sm_100 heuristics from spilling"),
-        256: (BackwardTiles(Tiles(16, 32, 8, 2, DKDV_REGISTERS), Tiles(16, 32, 8, 2, None, WIDE_TILE_REGISTERS)),
-              "today's tiles (as sm_90)"),
+        64: (BackwardTiles(Tiles(32, 64, 4), Tiles(64, 64, 4)), "as sm_90: every product "
+             "tcgen05 (dk/dv 122 registers, 4 CTAs per SM)"),
+        128: (BackwardTiles(Tiles(64, 64, 8), Tiles(64, 64, 4)),
+              "dk/dv: 64 keys x 64 query rows on 8 warps, every product tcgen05 with the keys as "
+              "M (issued once per CTA: no duplication at 64 keys), 160 registers, 1 CTA per SM; "
+              "128 keys would double a wave's keys and its wave would no longer fit the L2 at "
+              "h_kv = 2 (the model: 2.0 -> 16x the floor). dq at 64 rows all tcgen05 (147 "
+              "registers, 112 KiB of shared memory: 2 CTAs per SM)"),
+        256: (BackwardTiles(Tiles(32, 16, 4), Tiles(128, 32, 8)),
+              "dk/dv as sm_90 (mma.sync: tcgen05 needs 64 rows); dq: 128 query rows on 8 warps, "
+              "all tcgen05 (186 registers, 208 KiB of shared memory)"),
     },
     "sm_80": {
-        64: (BackwardTiles(Tiles(32, 32, 4, 2, STRIDED_FOUR_CTAS), Tiles(32, 64, 4)), "sm_80's own entry: dk/dv on 32 "
-             "keys (at 64 keys on 4 warps it took 255 registers and spilled 56 bytes, and the "
-             "[64, 64] dk layout made the 32-row S and dP products run twice: 1.5x the MMA work; "
-             "8 warps spill nothing but run them 4x, 3x in all); 32 keys: 127 registers, 3 CTAs "
-             "per SM, no duplicated work, q and do read twice as often; dq at 32 rows (mma.sync)"),
-        128: (BackwardTiles(Tiles(32, 64, 8, 2, DKDV_REGISTERS), Tiles(32, 64, 8, 2, DQ_REGISTERS, WIDE_TILE_REGISTERS)),
-              "today's tiles: all mma.sync m16n8k16; no spill"),
-        256: (BackwardTiles(Tiles(16, 32, 8, 2, DKDV_REGISTERS), Tiles(16, 32, 8, 2, None, WIDE_TILE_REGISTERS)),
-              "today's tiles; no spill"),
+        64: (BackwardTiles(Tiles(32, 32, 4, 2, STRIDED_FOUR_CTAS), Tiles(32, 64, 4)), "sm_80's "
+             "own entry: dk/dv on 32 keys x 32 query rows (119 registers, 4 CTAs per SM, no "
+             "duplicated work); dq at 32 rows (mma.sync)"),
+        128: (BackwardTiles(Tiles(64, 32, 8), Tiles(32, 64, 8, 2, DQ_REGISTERS, WIDE_TILE_REGISTERS)),
+              "dk/dv: 32 keys x 64 query rows on 8 warps, 176 registers (with the keys as M the "
+              "former 64 keys x 32 rows lay the warps so that Sᵀ and dPᵀ ran twice; 64 x 64 "
+              "took 255 registers and its softcapped variant spilled 8 bytes); all mma.sync "
+              "m16n8k16; no spill"),
+        256: (BackwardTiles(Tiles(32, 16, 4), Tiles(32, 32, 4)),
+              "dk/dv as sm_90 (247 registers, 2 CTAs per SM); dq: 32 x 32 on 4 warps (168 "
+              "registers, no duplicated product: the 16 x 32 tiles on 8 warps computed S and dP "
+              "5/3 times)"),
     },
 }
 
@@ -202,15 +214,20 @@ def forward_candidates(problem) -> list[Tiles]:
 
 
 def backward_candidates(problem) -> list[BackwardTiles]:
-    """The entry, then (d <= 128) dq on 64-row tiles of 4 warps (wgmma on sm_90) and dk/dv on
-    64 x 64 tiles of 8 warps; (d = 256) dq on 32 x 32 tiles; and one more pipeline stage."""
+    """The entry, then (d <= 128) dk/dv on 128 keys over two warpgroups and on 64 keys of one
+    warpgroup (32 query rows per step), at 64 query rows, dq on 64-row tiles of 4 warps, and one
+    more pipeline stage for both; (d = 256) dk/dv on 32 x 32 tiles of 8 warps, dq on 32 x 32
+    tiles of 4 warps, and one more stage for dk/dv (the dq entry's 192 KiB of shared memory
+    leave no room for a third)."""
     head = head_class(problem.head_dim)
     base = BACKWARD[target_arch(problem.device)][head][0]
     if head <= 128:
-        out = [base, replace(base, dq=Tiles(64, 64, 4)), replace(base, dkdv=Tiles(64, 64, 8))]
+        out = [base, replace(base, dkdv=Tiles(32, 128, 8)), replace(base, dkdv=Tiles(32, 64, 4)),
+               replace(base, dkdv=replace(base.dkdv, bm=64)), replace(base, dq=Tiles(64, 64, 4)),
+               BackwardTiles(replace(base.dkdv, stages=3), replace(base.dq, stages=3))]
     else:
-        out = [base, replace(base, dq=Tiles(32, 32, 8))]
-    out.append(BackwardTiles(replace(base.dkdv, stages=3), replace(base.dq, stages=3)))
+        out = [base, replace(base, dkdv=Tiles(32, 32, 8)), replace(base, dq=Tiles(32, 32, 4)),
+               replace(base, dkdv=replace(base.dkdv, stages=3))]
     return list(dict.fromkeys(out))
 
 

@@ -5,22 +5,22 @@ counted").
 
 Counting rules, as docs/performance.md states them. Programs start in launch order, the grid's
 first dimension fastest; programs that return at once (row blocks past a segment's end, block
-pairs above the diagonal) take no slot. A wave is the SM count (132 sm_90, 148 sm_100, 108
-sm_80: ``wave_model.machine``) × the kernel's CTAs per SM (``mamba2_tiles.CTAS_PER_SM``, the occupancy
-``fusedops kernels`` reports; one CTA per SM for tiles outside the table). Within a wave, a tile
-several programs load (B, C and C·B by the R heads of a group, a segment's acum by its heads'
-row blocks) counts once if the wave's working set (its distinct tiles, plus what its programs
-load alone and store) fits in the L2 (50 MB sm_90, 126 MB sm_100, 40 MB sm_80), else once per
-program; a tile loaded again in a later wave counts again (a grid with the row block in its
-slowest dimension re-reads a segment's state once per row block). A tile a program loads again
-itself (the diagonal x block for D, dy rows in the decay-gradient loop) counts once. Values
-passed between kernels through HBM (the passed states, dts and acum, C·B, d(C·B), the fp32
-partials) count in the kernel that reads them. A small operand every program reads whole (A,
-dt_bias, D, the varlen offsets) counts once. Masked-off lanes move nothing; unmasked loads of
-padded workspace rows count in full. Token loops follow the segment lengths
-``segment_tokens`` gives (packed sequences: the even split the tuning inputs use, which the plan
-cannot know better). ``Waves`` does the counting from each kernel's tiles, keyed by what they
-hold; each cost function's docstring states its kernel's order, wave and reuse. A kernel's
+pairs above the diagonal) take no slot. A program's load of a tile several programs load (B, C
+and C·B by the R heads of a group, a segment's acum by its heads' row blocks) hits in the L2
+when the previous program that loaded it is at most G programs earlier, G = half the L2 (50 MB
+sm_90, 126 MB sm_100, 40 MB sm_80: ``l2_reuse.machine``) over the mean bytes a program of the
+launch moves (``l2_reuse.reuse_traffic``); otherwise, and the first time, it counts (a grid
+with the row block in its slowest dimension re-reads a segment's state once per row block). A
+tile a program loads again itself (the diagonal x block for D, dy rows in the decay-gradient
+loop) counts once. Values passed between kernels through HBM (the passed states, dts and acum,
+C·B, d(C·B), the fp32 partials) count in the kernel that reads them. A small operand every
+program reads whole (A, dt_bias, D, the varlen offsets) counts once. Masked-off lanes move
+nothing; unmasked loads of padded workspace rows count in full. Token loops follow the segment
+lengths ``segment_tokens`` gives (packed sequences: the even split the tuning inputs use, which
+the plan cannot know better). ``l2_reuse.Programs`` does the counting from each kernel's
+tiles, keyed by what they hold; each cost function's docstring states its kernel's order and
+reuse, with G at the production shape (b = 2, l = 8192, h = 128, p = 64, n = 128, g = 8,
+Q = 256, bf16, BQ = BP = BN = 64) on sm_90 (sm_100's is 2.5 times as large). A kernel's
 FLOPs: ``mma_flops`` the tl.dot products over their padded tiles, the rest the element-wise
 work on the CUDA cores (exp and log count one each). Not modelled: the runs of sequence ids
 (``has_seq_idx``: an int32 per token some kernels read).
@@ -43,8 +43,8 @@ from fusedops.core.dtypes import element_size
 from fusedops.core.target import target_arch
 from fusedops.mamba2.contract import segment_lengths
 
-from .mamba2_tiles import Tiles, counts, ctas_per_sm
-from .wave_model import Waves, every_program, key, machine, per_arch
+from .mamba2_tiles import Tiles, counts
+from .l2_reuse import Programs, every_program, key, machine, per_arch
 
 
 # -- the model -----------------------------------------------------------------------------------
@@ -123,18 +123,16 @@ def segment_tokens(problem) -> list[int]:
 
 
 class _Launch:
-    """The waves of one scan kernel's grid on the plan's architecture, with the segment
-    lengths: ``L[s]`` tokens of grid segment s, ``V[s, k]`` of its row block k."""
+    """The programs of one scan kernel's grid, counted in the plan's architecture's L2, with the
+    segment lengths: ``L[s]`` tokens of grid segment s, ``V[s, k]`` of its row block k."""
 
-    def __init__(self, problem, t: Tiles, kernel: str, dims, active=None):
+    def __init__(self, problem, t: Tiles, dims, active=None):
         self.d = d = _Dims(problem, t)
-        arch = target_arch(problem.device)
-        box = machine(arch)
+        box = machine(target_arch(problem.device))
         self.L = torch.tensor(segment_tokens(problem), dtype=torch.int64)
         self.V = (self.L[:, None] - torch.arange(d.NQB)[None, :] * d.BQ).clamp(0, d.BQ)
-        self.wave = box.sms * ctas_per_sm(kernel, problem, t, arch)
-        self.waves = Waves(dims, self.wave, box.l2_bytes,
-                           None if active is None else (lambda *c: active(self, *c)))
+        self.programs = Programs(dims, box.l2_bytes,
+                                 None if active is None else (lambda *c: active(self, *c)))
 
     def rows(self, extent: int, tile: int, index) -> torch.Tensor:
         """Elements of tile ``index`` of ``tile`` along ``extent`` (the last one masked)."""
@@ -169,27 +167,25 @@ def dt_cumsum_cost(problem, t: Tiles) -> Cost:
 def cb_cost(problem, t: Tiles) -> Cost:
     """C·B. Order: grid (S·g, NQB²), the (segment, group) fastest, then the block pair (i, j)
     row-major; pairs above the diagonal return (no slot), so a pair's S·g programs run together
-    and the pairs (i, 0..i) sharing C rows i follow one another S·g programs apart. Wave: 132 × 6
-    = 792 programs on sm_90 (148 × 6 on sm_100, 108 × 4 on sm_80), about 1.5 pairs' worth at S·g
-    = 512 (b = 2, Q = 256). Reuse: C rows i (v(i)·n·e, the whole state) and B rows j of a
-    (segment, group) count once per wave that loads them: the next pair's re-read falls in the
-    same wave only where the wave spans both pairs, so of the (NQB + 1)/2 = 2.5 reads per row with
-    no sharing (Q = 256) C counts 1.9 and B 2.4 at b = 2 on sm_90 (every wave fits: at most
-    36 MB with its stores).
+    and the pairs (i, 0..i) sharing C rows i follow one another S·g programs apart, the pairs
+    (i..NQB-1, j) sharing B rows j further. Reuse: a program moves C rows i and B rows j
+    (v·n·e each) and stores a [BQ, BQ] fp32 tile: 48 KiB, G = 509 on sm_90, less than the
+    S·g = 512 programs between two pairs at b = 2, Q = 256, so every pair's C and B rows count
+    ((NQB + 1)/2 = 2.5 reads per row); on sm_100 G = 1282 spans two pairs: C once, B 1.75 times.
     One fp32 [BQ, BQ] tile written per pair of every grid segment. MMA: [BQ, BN] @ [BN, BQ] over
     n for every pair of every grid segment."""
     d = _Dims(problem, t)
     nqb = d.NQB
-    launch = _Launch(problem, t, "ssd_cb_kernel", (d.S * d.G, nqb * nqb),
+    launch = _Launch(problem, t, (d.S * d.G, nqb * nqb),
                      active=lambda _, sg, ij: ij % nqb <= ij // nqb)
-    w = launch.waves
+    w = launch.programs
     sg, ij = w.coords
     s, g, i, j = sg // d.G, sg % d.G, ij // nqb, ij % nqb
     every = every_program(w)
     w.load("C", every, key((s, d.S), (i, nqb), (g, d.G)), launch.V[s, i] * d.N * d.e)
     w.load("B", every, key((s, d.S), (j, nqb), (g, d.G)), launch.V[s, j] * d.N * d.e)
     w.store(every, d.BQ * d.BQ * 4)
-    read, written, _, _ = w.count()
+    read, written = w.count()
     mma = d.S * d.G * d.pairs * 2 * d.BQ * d.BQ * d.Np
     return Cost(mma, read + d.table, written, mma, d.BQ)
 
@@ -210,60 +206,53 @@ def _sequences(problem, d: _Dims):
 def chunk_states_cost(problem, t: Tiles, entering: bool, backward: bool = False) -> Cost:
     """The states along every sequence (``backward``: their gradients, walked from the last
     segment, with dy for x and C for B). Order: a 1-D grid over (NNB, NPB, sequences·h), the
-    state tile fastest; each program walks its sequence's segments, so the model counts one
-    virtual program per (program, segment step), the programs of a wave (132 × 3 = 396 on
-    sm_90: 512 programs at b = 2, h = 128 run in waves of 396 and 116) advancing together: a
-    virtual wave is one segment step of the programs of one wave. Reuse within a step: x rows (the segment's tokens over the
-    BP head-dim rows) are shared by the NNB state tiles next to each other, B rows by the R heads
-    of the group, acum and dts (BQ·4 per block, unmasked) and the last acum by the tiles of the
-    (segment, head); every step's working set fits in the L2 (under 10 MB on sm_90 at the
-    production shape), so x is read once and B once per wave its group's heads fall in. Every step writes the entering [BP, BN] tile
-    in the state dtype (and fp32 into segment_states with ``entering``); initial_states read and
-    final_states written once. Backward: no dts; every step reads its entering state tile (the
-    state dtype, its program's alone) and writes the fp32 dH1 tile and one <dH1, H0> partial;
-    dfinal_states read and dinitial_states written once. MMA: [BP, BQ] @ [BQ, BN] per block;
-    CUDA: the decay weights, the scaling of B (C), the decayed carry (and the partial)."""
+    state tile fastest; each program walks its sequence's segments (every load of its loop
+    counts as the program's). Reuse: x rows (the segment's tokens over the BP head-dim rows)
+    are shared by the NNB state tiles next to each other (1 program apart), B rows by the R
+    heads of the group (NNB·NPB = 2 apart), acum and dts (BQ·4 per block, unmasked) and the
+    last acum by the tiles of the (segment, head); a program moves about 2.5 MB (3 MB backward)
+    at the production shape, G = 10 (8.5 backward), so x, B, acum and dts are read once. Every
+    step writes the entering [BP, BN] tile in the state dtype (and fp32 into segment_states
+    with ``entering``); initial_states read and final_states written once. Backward: no dts;
+    every step reads its entering state tile (the state dtype, its program's alone) and writes
+    the fp32 dH1 tile and one <dH1, H0> partial; dfinal_states read and dinitial_states written
+    once. MMA: [BP, BQ] @ [BQ, BN] per block; CUDA: the decay weights, the scaling of B (C), the
+    decayed carry (and the partial)."""
     d = _Dims(problem, t)
-    arch = target_arch(problem.device)
-    kernel = "ssd_chunk_states_bwd_kernel" if backward else "ssd_chunk_states_kernel"
-    wave = machine(arch).sms * ctas_per_sm(kernel, problem, t, arch)
     first, count = _sequences(problem, d)
-    tiles_ = d.NNB * d.NPB
-    programs = tiles_ * d.seqs * d.H
     steps = max(1, int(count.max()))
-
-    launch = _Launch(problem, t, kernel, (wave, steps, -(-programs // wave)))
-    w, V = launch.waves, launch.V
-    slot, step, rnd = w.coords
-    pid = rnd * wave + slot
-    jn, ip, sh = pid % d.NNB, pid // d.NNB % d.NPB, (pid // tiles_).clamp(max=d.seqs * d.H - 1)
+    launch = _Launch(problem, t, (d.NNB, d.NPB, d.seqs * d.H))
+    w, V = launch.programs, launch.V
+    jn, ip, sh = w.coords
     i_s, h = sh // d.H, sh % d.H
     g = h // d.R
-    # slots past the last program and steps past a sequence's segments move nothing but keep
-    # every virtual wave one step of one wave
-    valid = (pid < programs) & (step < count[i_s])
-    seg = (first[i_s] + step).clamp(max=d.S - 1)
+    walked = count[i_s]                                   # the segments a program walks
     bp, bn = launch.rows(d.P, d.BP, ip), launch.rows(d.N, d.BN, jn)
-    prog, k = w.loop(d.NQB, lambda p, k: valid[p] & (V[seg[p], k] > 0))
-    sk, hk, v = seg[prog], h[prog], V[seg[prog], k]
+
+    def segment(prog, step):
+        return (first[i_s[prog]] + step).clamp(max=d.S - 1)
+
+    prog, sk = w.loop(steps * d.NQB, lambda p, sk: (sk // d.NQB < walked[p])
+                      & (V[segment(p, sk // d.NQB), sk % d.NQB] > 0))
+    seg, k = segment(prog, sk // d.NQB), sk % d.NQB
+    hk, v = h[prog], V[segment(prog, sk // d.NQB), sk % d.NQB]
     w.load("dy" if backward else "x", prog,
-           key((sk, d.S), (k, d.NQB), (hk, d.H), (ip[prog], d.NPB)), v * bp[prog] * d.e)
+           key((seg, d.S), (k, d.NQB), (hk, d.H), (ip[prog], d.NPB)), v * bp[prog] * d.e)
     w.load("C" if backward else "B", prog,
-           key((sk, d.S), (k, d.NQB), (g[prog], d.G), (jn[prog], d.NNB)), v * bn[prog] * d.e)
-    w.load("acum", prog, key((sk, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
+           key((seg, d.S), (k, d.NQB), (g[prog], d.G), (jn[prog], d.NNB)), v * bn[prog] * d.e)
+    w.load("acum", prog, key((seg, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
     if not backward:
-        w.load("dts", prog, key((sk, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
-    every = every_program(w)
-    w.load("acum last", every, key((seg, d.S), (h, d.H)), 4 * valid)
-    tile = bp * bn
-    first_step, last_step = step == 0, step == count[i_s] - 1
+        w.load("dts", prog, key((seg, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
+    prog, step = w.loop(steps, lambda p, step: step < walked[p])
+    w.load("acum last", prog, key((segment(prog, step), d.S), (h[prog], d.H)), 4)
+    every, tile = every_program(w), bp * bn
     if backward:
-        w.alone(every, valid * (tile * d.es + tile * 4 * (first_step & problem.has_dfinal_states)))
-        w.store(every, valid * (tile * 4 + 4 + tile * 4 * (last_step & problem.has_initial_states)))
+        w.alone(every, walked * tile * d.es + tile * 4 * problem.has_dfinal_states)
+        w.store(every, walked * (tile * 4 + 4) + tile * 4 * problem.has_initial_states)
     else:
-        w.alone(every, tile * 4 * (valid & first_step & problem.has_initial_states))
-        w.store(every, valid * (tile * (d.es + 4 * entering) + tile * 4 * last_step))
-    read, written, _, _ = w.count()
+        w.alone(every, tile * 4 * problem.has_initial_states)
+        w.store(every, walked * tile * (d.es + 4 * entering) + tile * 4)
+    read, written = w.count()
     blocks = d.each(lambda s: s.rb) * d.H
     mma = blocks * 2 * d.BQ * d.Pp * d.Np
     cuda = (blocks * d.NPB * d.NNB * d.BQ * (d.BN + 4)
@@ -275,19 +264,18 @@ def chunk_states_cost(problem, t: Tiles, entering: bool, backward: bool = False)
 def chunk_scan_cost(problem, t: Tiles) -> Cost:
     """The output. Order: a 1-D grid over (NPB, NQB, S·h), the head-dim tile fastest, then the
     row block i, the (segment, head) slowest; programs past their segment's end return (no
-    slot). A wave (132 × 3 = 396 programs on sm_90, 148 × 3 on sm_100, 108 × 3 on sm_80) holds
-    every row block of about 99 (segment, head) pairs at NQB = 4, NPB = 1. Reuse: C rows i (over
-    n) and the C·B tiles (i, k <= i) are shared by the R heads of the group in the wave; the
-    entering state's [BP, n] fp32 tile by the segment's row blocks (once, where (S·h, NPB,
-    NQB) order re-read it NQB times, 20 waves apart); x rows k by every row block i >= k in the
-    same wave (once), acum and dts rows likewise; the D term re-loads the diagonal x block the
-    loop just loaded (counted once). The (segment, head) pairs a wave cuts in two count their
-    shared tiles in both waves. Every wave fits in the L2. z read, y (and y before the gate) written once. MMA: [BQ, BN] @ [BN, BP] over n
-    and [BQ, BQ] @ [BQ, BP] per pair."""
+    slot). Reuse: C rows i (over n) and the C·B tiles (i, k <= i) are shared by the R heads of
+    the group (NPB·NQB = 4 programs apart at NQB = 4, NPB = 1); the entering state's [BP, n]
+    tile by the segment's row blocks (once, where (S·h, NPB, NQB) order re-read it NQB times,
+    S·h programs apart); x rows k by every row block i >= k of the (segment, head), acum and
+    dts rows likewise (at most NQB - 1 apart); the D term re-loads the diagonal x block the loop
+    just loaded (counted once). A program moves 126 KiB on average at the production shape:
+    G = 194, so every shared tile is read once. z read, y (and y before the gate) written once.
+    MMA: [BQ, BN] @ [BN, BP] over n and [BQ, BQ] @ [BQ, BP] per pair."""
     d = _Dims(problem, t)
-    launch = _Launch(problem, t, "ssd_chunk_scan_fwd_kernel", (d.NPB, d.NQB, d.S * d.H),
+    launch = _Launch(problem, t, (d.NPB, d.NQB, d.S * d.H),
                      active=lambda la, ip, im, sh: im * d.BQ < la.L[sh // d.H])
-    w, V = launch.waves, launch.V
+    w, V = launch.programs, launch.V
     ip, i, sh = w.coords
     s, h = sh // d.H, sh % d.H
     g = h // d.R
@@ -309,7 +297,7 @@ def chunk_scan_cost(problem, t: Tiles) -> Cost:
         w.load("x", every, key((s, d.S), (i, d.NQB), (h, d.H), (ip, d.NPB)), vi * bp * d.e)
     w.alone(every, vi * bp * d.e * problem.has_z)
     w.store(every, vi * bp * d.e * (1 + problem.has_z))
-    read, written, _, _ = w.count()
+    read, written = w.count()
     D = (d.H * d.P if problem.D_per_channel else d.H) * 4 if problem.has_D else 0
     rows = d.H * d.each(lambda s: s.rb)
     pairs = d.H * d.each(lambda s: s.tri)
@@ -331,19 +319,18 @@ def gate_bwd_cost(problem, t: Tiles) -> Cost:
 def dx_cost(problem, t: Tiles) -> Cost:
     """dx. Order: a 1-D grid over (NPB, NQB, S·h), the head-dim tile fastest, then the row
     block j, the (segment, head) slowest; no early exit (a program past the segment's end still
-    loads its state tile and writes its partials). A wave (132 × 2 = 264 programs on sm_90, 148
-    × 2 or 3 on sm_100, 108 × 2 on sm_80) holds every row block of about 66 (segment, head)
-    pairs at NQB = 4, NPB = 1. Reuse: B rows j (over n) and the C·B tiles (i >= j, j) are
-    shared by the R heads of the group in the wave; the segment's [BP, n] dH1 tile by its row
-    blocks (once, where (S·h, NPB, NQB) order re-read it NQB times, waves apart); dy rows i by
-    every row block j <= i in the same wave (once), acum likewise; x rows j, dts read once, the
-    D term's re-load of the diagonal dy block counted once; pairs a wave cuts in two count
-    their shared tiles in both waves. Every wave fits in the L2. dx written once, ddt partials (BQ·4 per program) and dD
-    partials (BP·4 per program). MMA: [BQ, BN] @ [BN, BP] over n for every program, [BQ, BQ] @
-    [BQ, BP] per pair."""
+    loads its state tile and writes its partials). Reuse: B rows j (over n) and the C·B tiles
+    (i >= j, j) are shared by the R heads of the group (NPB·NQB = 4 programs apart); the
+    segment's [BP, n] dH1 tile by its row blocks (once, where (S·h, NPB, NQB) order re-read it
+    NQB times, S·h programs apart); dy rows i by every row block j <= i of the (segment, head),
+    acum likewise (at most NQB - 1 apart); x rows j, dts read once, the D term's re-load of the
+    diagonal dy block counted once. A program moves 134 KiB on average at the production shape:
+    G = 183, so every shared tile is read once. dx written once, ddt partials (BQ·4 per
+    program) and dD partials (BP·4 per program). MMA: [BQ, BN] @ [BN, BP] over n for every
+    program, [BQ, BQ] @ [BQ, BP] per pair."""
     d = _Dims(problem, t)
-    launch = _Launch(problem, t, "ssd_chunk_scan_bwd_dx_kernel", (d.NPB, d.NQB, d.S * d.H))
-    w, V = launch.waves, launch.V
+    launch = _Launch(problem, t, (d.NPB, d.NQB, d.S * d.H))
+    w, V = launch.programs, launch.V
     ip, j, sh = w.coords
     s, h = sh // d.H, sh % d.H
     g = h // d.R
@@ -366,7 +353,7 @@ def dx_cost(problem, t: Tiles) -> Cost:
     if problem.has_D:
         w.load("dy", every, key((s, d.S), (j, d.NQB), (h, d.H), (ip, d.NPB)), vj * bp * d.e)
     w.store(every, vj * bp * d.e + d.BQ * 4 + bp * 4 * problem.has_D)
-    read, written, _, _ = w.count()
+    read, written = w.count()
     D = (d.H * d.P if problem.D_per_channel else d.H) * 4 if problem.has_D else 0
     programs = d.S * d.H * d.NPB * d.NQB
     pairs = d.H * d.NPB * d.each(lambda s: s.tri)
@@ -378,20 +365,19 @@ def dx_cost(problem, t: Tiles) -> Cost:
 @per_arch
 def dcb_cost(problem, t: Tiles) -> Cost:
     """d(C·B). Order: grid (S·g, NQB²), (segment, group) fastest, then the block pair (i, j)
-    row-major; pairs above the diagonal return (no slot). A wave (132 × 3 = 396 programs on
-    sm_90, 148 × 2 on sm_100, 108 × 2 on sm_80) holds less than one pair's S·g programs at
-    b = 2, Q = 256 (512): the pairs (i, 0..i) sharing dy rows i, and (j..NQB-1, j) sharing x rows
-    j, run in other waves. Reuse: each program loads, for the R heads of its group, dy rows i
-    and x rows j over p and acum/dts (3·BQ·4): shared by no other program of its wave, so dy and
-    x count (NQB + 1)/2 times for full segments (2.5 at Q = 256). The waves do not fit on sm_90
-    (115 MB: each program streams 16 heads' rows), which changes nothing with nothing shared. One
-    fp32 [BQ, BQ] tile written. MMA: [BQ, BP] @ [BP, BQ] over p, per head and pair of every
+    row-major; pairs above the diagonal return (no slot). Reuse: each program loads, for the R
+    heads of its group, dy rows i and x rows j over p and acum/dts (3·BQ·4); the pairs (i, 0..i)
+    sharing dy rows i, and (j..NQB-1, j) sharing x rows j, are S·g = 512 programs apart at b = 2,
+    Q = 256, and a program moves 284 KiB (its 16 heads' rows): G = 86 (217 on sm_100), so dy and
+    x count (NQB + 1)/2 times for full segments (2.5 at Q = 256), acum and dts in every
+    program.
+    One fp32 [BQ, BQ] tile written. MMA: [BQ, BP] @ [BP, BQ] over p, per head and pair of every
     grid segment."""
     d = _Dims(problem, t)
     nqb = d.NQB
-    launch = _Launch(problem, t, "ssd_dcb_kernel", (d.S * d.G, nqb * nqb),
+    launch = _Launch(problem, t, (d.S * d.G, nqb * nqb),
                      active=lambda _, sg, ij: ij % nqb <= ij // nqb)
-    w, V = launch.waves, launch.V
+    w, V = launch.programs, launch.V
     sg, ij = w.coords
     s, g, i, j = sg // d.G, sg % d.G, ij // nqb, ij % nqb
     prog, r = w.loop(d.R)
@@ -403,7 +389,7 @@ def dcb_cost(problem, t: Tiles) -> Cost:
     w.load("acum", prog, key((sp, d.S), (h, d.H), (jp, nqb)), d.BQ * 4)
     w.load("dts", prog, key((sp, d.S), (h, d.H), (jp, nqb)), d.BQ * 4)
     w.store(every_program(w), d.BQ * d.BQ * 4)
-    read, written, _, _ = w.count()
+    read, written = w.count()
     mma = d.S * d.H * d.pairs * 2 * d.BQ * d.BQ * d.Pp
     return Cost(mma + d.S * d.H * d.pairs * d.BQ * d.BQ * 6, read + d.table, written, mma, d.BQ)
 
@@ -411,17 +397,17 @@ def dcb_cost(problem, t: Tiles) -> Cost:
 @per_arch
 def dacs_intra_cost(problem, t: Tiles) -> Cost:
     """Straddling-pair sums of the decay gradient. Order: a 1-D grid over (NQB, S·h), the row
-    block i fastest; programs past the segment's end return. A wave (132 × 2 = 264 on sm_90)
-    holds every row block of about 66 (segment, head) pairs at NQB = 4. Reuse: the C·B tiles
-    (i, j <= i) are shared by the R heads of the group in the wave; dy rows i are re-loaded by
-    the program for every block j (counted once); x rows j, acum and dts by every row block i
-    >= j of the segment, in the same wave (once; pairs a wave cuts in two count them in both).
-    Every wave fits in the L2. BQ·4 partials written per pair. MMA: dy·x^T [BQ, BP] @
-    [BP, BQ] over p per pair (the same products the d(C·B) kernel computes, again)."""
+    block i fastest; programs past the segment's end return. Reuse: the C·B tiles (i, j <= i)
+    are shared by the R heads of the group (NQB = 4 programs apart); dy rows i are re-loaded by
+    the program for every block j (counted once); x rows j, acum and dts by every row block
+    i >= j of the segment (at most NQB - 1 apart). A program moves 70 KiB on average at the
+    production shape: G = 348, so every shared tile is read once. BQ·4 partials written per
+    pair. MMA: dy·x^T [BQ, BP] @ [BP, BQ] over p per pair (the same products the d(C·B) kernel
+    computes, again)."""
     d = _Dims(problem, t)
-    launch = _Launch(problem, t, "ssd_dacs_intra_kernel", (d.NQB, d.S * d.H),
+    launch = _Launch(problem, t, (d.NQB, d.S * d.H),
                      active=lambda la, im, sh: im * d.BQ < la.L[sh // d.H])
-    w, V = launch.waves, launch.V
+    w, V = launch.programs, launch.V
     i, sh = w.coords
     s, h = sh // d.H, sh % d.H
     g = h // d.R
@@ -436,7 +422,7 @@ def dacs_intra_cost(problem, t: Tiles) -> Cost:
     w.load("acum", prog, key((sj, d.S), (hj, d.H), (j, d.NQB)), d.BQ * 4)
     w.load("dts", prog, key((sj, d.S), (hj, d.H), (j, d.NQB)), d.BQ * 4)
     w.store(prog, d.BQ * 4)
-    read, written, _, _ = w.count()
+    read, written = w.count()
     pairs = d.H * d.each(lambda s: s.tri)
     mma = pairs * 2 * d.BQ * d.BQ * d.Pp
     return Cost(mma + pairs * d.BQ * d.BQ * 10, read + d.table, written, mma, d.BQ)
@@ -445,22 +431,21 @@ def dacs_intra_cost(problem, t: Tiles) -> Cost:
 @per_arch
 def dbc_cost(problem, t: Tiles, grad_b: bool) -> Cost:
     """dB (``grad_b``) or dC. Order: grid (S·g, NQB, NNB), (segment, group) fastest, then the
-    row block r, the state tile slowest; programs past the segment's end return. A wave (132 ×
-    2 = 264 programs on sm_90, 148 × 3 on sm_100, 108 × 2 on sm_80) holds part of one (row block,
-    state tile)'s S·g programs (512 at b = 2, Q = 256): no two programs of a wave share a
-    (segment, group). Reuse: none across programs: each loads its own rows of B (C), for every
-    block on the other side of the diagonal a d(C·B) tile and the other operand's rows (C for dB,
-    B for dC: (NQB + 1)/2 times over per state tile), then for each of the R heads acum (and
-    dts), the x (dy) rows over p (x-sized per state tile: NNB times) and the [p, BN] dH1 (H0)
-    tile (state-sized per row block: NQB times over for full segments); one BQ·4 partial per
-    head written and the rows of dB (dC) once. No wave fits (about 125 MB on sm_90: each program
-    streams its 16 heads' rows and state tiles), which changes nothing with nothing shared.
-    MMA: [BQ, BQ] @ [BQ, BN] per pair and [BQ, BP] @ [BP, BN] per head."""
+    row block r, the state tile slowest; programs past the segment's end return. Reuse: each
+    program loads its own rows of B (C), for every block on the other side of the diagonal a
+    d(C·B) tile and the other operand's rows (C for dB, B for dC), then for each of the R heads
+    acum (and dts), the x (dy) rows over p and the [p, BN] dH1 (H0) tile. The programs sharing
+    any of them (the other row blocks and state tiles of the (segment, group)) are S·g = 512
+    or more programs apart, and a program moves 472 KiB for dB, 340 for dC (its 16 heads' rows
+    and state tiles): G = 52 and 72 (130 and 181 on sm_100), so nothing is shared: the other
+    operand's rows count (NQB + 1)/2 times over per state tile, the d(C·B) tiles NNB times, x
+    (dy) NNB times, dH1 (H0) NQB times for full segments; one BQ·4 partial per head written and
+    the rows of dB (dC) once. MMA: [BQ, BQ] @ [BQ, BN] per pair and [BQ, BP] @ [BP, BN] per
+    head."""
     d = _Dims(problem, t)
-    kernel = "ssd_dbc_kernel (dB)" if grad_b else "ssd_dbc_kernel (dC)"
-    launch = _Launch(problem, t, kernel, (d.S * d.G, d.NQB, d.NNB),
+    launch = _Launch(problem, t, (d.S * d.G, d.NQB, d.NNB),
                      active=lambda la, sg, im, jn: im * d.BQ < la.L[sg // d.G])
-    w, V = launch.waves, launch.V
+    w, V = launch.programs, launch.V
     sg, r, jn = w.coords
     s, g = sg // d.G, sg % d.G
     bn = launch.rows(d.N, d.BN, jn)
@@ -489,7 +474,7 @@ def dbc_cost(problem, t: Tiles, grad_b: bool) -> Cost:
            d.P * bn[prog] * (4 if grad_b else d.es))
     w.store(prog, d.BQ * 4)
     w.store(every, V[s, r] * bn * d.e)
-    read, written, _, _ = w.count()
+    read, written = w.count()
     rows = d.each(lambda s: s.rb)
     mma = d.NNB * (d.G * d.each(lambda s: s.tri) * 2 * d.BQ * d.BQ * d.BN
                    + d.H * rows * 2 * d.BQ * d.Pp * d.BN)

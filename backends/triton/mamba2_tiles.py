@@ -1,6 +1,5 @@
-"""Mamba2 chunked scan (Triton): the per-architecture tile table, its autotune candidates, the
-tile counts a problem gives, and the CTAs per SM the kernel report measured for the table's
-entries (what the cost model's waves are cut by: backends/triton/mamba2_model.py)."""
+"""Mamba2 chunked scan (Triton): the per-architecture tile table, its autotune candidates and
+the tile counts a problem gives."""
 
 from __future__ import annotations
 
@@ -80,65 +79,3 @@ def counts(problem, t: Tiles) -> dict:
     the <dH1, H0> partials of a segment and head)."""
     npb, nnb = triton.cdiv(problem.head_dim, t.BP), triton.cdiv(problem.state, t.BN)
     return dict(NQB=problem.chunk // t.BQ, NPB=npb, NNB=nnb, NT=npb * nnb)
-
-
-# -- waves and L2 --------------------------------------------------------------------------------
-# CTAs per SM of each kernel with the tile table's entry, as ``fusedops kernels --backend triton
-# --only "scan "`` reports them at h128 p64 n128 Q256 (triton 3.9, 2026-12-01; registers decide all
-# but C·B's on sm_90/sm_100: shared memory), and the
-# other production shapes where their registers give another (CTAS_VARIANTS, keyed by the shape's
-# ``_variant``); tests/test_kernel_report.py checks both against the compiled kernels. The
-# kernels not listed share no tile between programs (dt transform, gate, ddt, parameter
-# reduction): waves change nothing.
-CTAS_PER_SM = {
-    "ssd_cb_kernel": {"sm_80": 4, "sm_90": 6, "sm_100": 6},
-    "ssd_chunk_states_kernel": {"sm_80": 2, "sm_90": 3, "sm_100": 4},
-    "ssd_chunk_states_bwd_kernel": {"sm_80": 3, "sm_90": 3, "sm_100": 4},
-    "ssd_chunk_scan_fwd_kernel": {"sm_80": 3, "sm_90": 3, "sm_100": 3},
-    "ssd_chunk_scan_bwd_dx_kernel": {"sm_80": 2, "sm_90": 2, "sm_100": 3},
-    "ssd_dcb_kernel": {"sm_80": 2, "sm_90": 2, "sm_100": 2},
-    "ssd_dacs_intra_kernel": {"sm_80": 2, "sm_90": 2, "sm_100": 2},
-    "ssd_dbc_kernel (dB)": {"sm_80": 2, "sm_90": 2, "sm_100": 2},
-    "ssd_dbc_kernel (dC)": {"sm_80": 2, "sm_90": 2, "sm_100": 2},
-}
-_Q128, _PACKED, _P80 = ("Q < 256",), ("packed",), ("p > 64", "Q < 256")
-CTAS_VARIANTS = {
-    ("ssd_chunk_scan_fwd_kernel", "sm_100", _P80): 4,
-    ("ssd_chunk_scan_bwd_dx_kernel", "sm_100", _Q128): 2,
-    ("ssd_chunk_scan_bwd_dx_kernel", "sm_100", _P80): 2,
-    ("ssd_dcb_kernel", "sm_90", _PACKED): 3,
-    ("ssd_dbc_kernel (dC)", "sm_100", _PACKED): 3,
-    ("ssd_dbc_kernel (dB)", "sm_80", _P80): 1,
-    ("ssd_dbc_kernel (dC)", "sm_100", _Q128): 3,
-    ("ssd_chunk_states_bwd_kernel", "sm_90", _PACKED): 4,
-    ("ssd_chunk_states_bwd_kernel", "sm_90", _P80): 2,
-    ("ssd_chunk_states_bwd_kernel", "sm_100", _P80): 3,
-}
-
-
-def _variant(problem) -> tuple[str, ...]:
-    """The features of a production shape that change a kernel's registers: packed sequences,
-    a head dim past one 64-row tile, a chunk shorter than 256 (fewer row blocks per segment)."""
-    return (("packed",) if problem.num_sequences is not None else ()) + \
-        (("p > 64",) if problem.head_dim > 64 else ()) + (("Q < 256",) if problem.chunk < 256 else ())
-
-
-def occupancy_key(spec) -> str | None:
-    """The CTAS_PER_SM key of a scan KernelSpec (the dB and dC kernels "(dB)" and "(dC)"), or
-    None for a kernel the waves do not need."""
-    c = dict(spec.constexprs)
-    key = spec.name
-    if "GRAD_B" in c:
-        key += " (dB)" if c["GRAD_B"] else " (dC)"
-    return key if key in CTAS_PER_SM else None
-
-
-def ctas_per_sm(kernel: str, problem, t: Tiles, arch: str) -> int:
-    """CTAs per SM of ``kernel`` (a key of CTAS_PER_SM) on ``arch``: the reported occupancy when
-    ``t`` holds the tile table's BQ, BP, BN for the problem; a configuration outside the table
-    (an autotune candidate, a ``config=``) is counted at one CTA per SM (the smallest wave: the
-    most re-reads)."""
-    table = tiles(problem, TILES[arch][0])
-    if (t.BQ, t.BP, t.BN) != (table.BQ, table.BP, table.BN):
-        return 1
-    return CTAS_VARIANTS.get((kernel, arch, _variant(problem)), CTAS_PER_SM[kernel][arch])

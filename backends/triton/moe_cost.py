@@ -9,7 +9,7 @@ token k distinct experts).
 Reuse: programs start in launch order (a 1-D grid by program id; a 2-D grid with its first
 dimension fastest); a grouped-GEMM program past offsets[E] exits after one load and takes no
 slot. A tile a program loads hits in the L2 when the previous program that loaded it is at most
-G programs earlier (``wave_model.reuse_traffic``: G = half the L2 over the mean bytes a program
+G programs earlier (``l2_reuse.reuse_traffic``: G = half the L2 over the mean bytes a program
 moves); otherwise, and the first time, it counts. A token's x or d_out row that the tiles of
 its k experts gather counts once per expert: those tiles lie hundreds of programs apart (every
 expert's row tiles run through all their column tiles in turn), beyond G at every production
@@ -42,7 +42,7 @@ from fusedops.core.cost import Cost
 from fusedops.core.dtypes import element_size
 from fusedops.moe.contract import balanced_rows
 
-from .wave_model import machine, reuse_traffic
+from .l2_reuse import machine, reuse_traffic
 
 INDEX = 4              # bytes of an int32 id, row or offset, and of an fp32 routing weight
 _F64 = torch.float64

@@ -1,15 +1,10 @@
-"""The machines the Triton cost models count on, and their two L2 rules (docs/performance.md,
+"""The machines the Triton cost models count on, and their one L2 rule (docs/performance.md,
 "How traffic is counted").
 
-The wave rule (``Waves``, the Mamba2 models'): a launch's programs start in launch order (the
-grid's first dimension fastest; programs that return at once take no slot), ``Machine.sms`` x the
-kernel's CTAs per SM at a time: a wave. Within a wave a tile several programs load counts once if
-the wave's working set fits in the L2, else once per program; a tile loaded again in a later
-wave counts again.
-
-The reuse-distance rule (``reuse_traffic``, the MoE models'): a re-read hits when the previous
-program that loaded the tile started few enough programs earlier for the bytes streamed in
-between to fit in the usable L2, whatever the waves.
+Reuse distance (``reuse_traffic``): programs start in launch order as slots free up; a re-read
+hits when the previous program that loaded the tile started few enough programs earlier for
+the bytes streamed in between to fit in the usable L2, whatever the waves. ``Programs`` records
+a launch's loads and stores from its grid and counts them by that rule.
 """
 
 from __future__ import annotations
@@ -25,17 +20,16 @@ from fusedops.core.target import target_arch
 
 @dataclass(frozen=True)
 class Machine:
-    """The GPU the waves of an architecture family's kernels are counted on."""
+    """The GPU an architecture family's kernels are counted on: the L2 its re-reads hit in."""
 
-    sms: int
     l2_bytes: int
     name: str
 
 
 MACHINES = {
-    "sm_80": Machine(108, 40 * 10**6, "A100: 108 SMs, 40 MB L2"),
-    "sm_90": Machine(132, 50 * 10**6, "H100/H200 SXM: 132 SMs, 50 MB L2"),
-    "sm_100": Machine(148, 126 * 10**6, "B200: 148 SMs, 126 MB L2 (the two dies' halves together)"),
+    "sm_80": Machine(40 * 10**6, "A100: 40 MB L2"),
+    "sm_90": Machine(50 * 10**6, "H100/H200 SXM: 50 MB L2"),
+    "sm_100": Machine(126 * 10**6, "B200: 126 MB L2 (the two dies' halves together)"),
 }
 
 
@@ -52,16 +46,14 @@ def key(*parts) -> torch.Tensor:
     return key
 
 
-class Waves:
-    """A launch's programs in launch order (the grid's first dimension fastest; programs that
-    return at once take no slot), cut into waves of ``size`` (SMs × CTAs per SM), and what each
-    loads and stores. ``load`` records a tile (keyed by what it holds) its programs load;
-    ``alone`` what a program loads that no other does; ``store`` what it writes. ``count``: per
-    wave, the working set is its distinct tiles plus what its programs load alone and store; if
-    it fits in ``l2``, each distinct tile counts once, else every program's tiles count (a tile
-    one program loads twice counts once); a tile loaded again in a later wave counts again."""
+class Programs:
+    """A launch's working programs in launch order (the grid ``dims``, the first dimension
+    fastest; programs ``active`` rejects return at once and take no slot) and what each loads
+    and stores. ``load`` records the tiles (keyed by what they hold, per operand) programs load;
+    ``alone`` what a program loads that no other does; ``store`` what it writes. ``count``: the
+    bytes read and written by reuse distance (``reuse_traffic``) in the L2 of ``l2_bytes``."""
 
-    def __init__(self, dims, size: int, l2: float, active=None):
+    def __init__(self, dims, l2_bytes: float, active=None):
         idx = torch.arange(math.prod(dims), dtype=torch.int64)
         coords = []
         for extent in dims:
@@ -72,8 +64,9 @@ class Waves:
             coords = [c[keep] for c in coords]
         self.coords = coords
         self.programs = int(coords[0].numel())
-        self.size, self.l2 = max(1, size), l2
-        self._loads, self._alone, self._stores, self._operands = [], [], [], {}
+        self.l2_bytes = l2_bytes
+        self._loads: dict = {}
+        self._alone, self._stores = [], []
 
     def loop(self, m: int, keep=None):
         """(program, k) for every program and k in range(m) where keep(program, k)."""
@@ -84,15 +77,23 @@ class Waves:
             prog, k = prog[mask], k[mask]
         return prog, k
 
+    def ranges(self, first, count):
+        """(program, index) for every program p and index in first[p] .. first[p] + count[p] - 1
+        (the blocks of a loop whose bounds differ between programs)."""
+        count = torch.as_tensor(count, dtype=torch.int64).expand(self.programs)
+        first = torch.as_tensor(first, dtype=torch.int64).expand(self.programs)
+        prog = torch.repeat_interleave(torch.arange(self.programs), count)
+        start = torch.cumsum(count, 0) - count
+        return prog, first[prog] + torch.arange(len(prog)) - start[prog]
+
     @staticmethod
     def _bytes(prog, nbytes) -> torch.Tensor:
         return torch.as_tensor(nbytes, dtype=torch.float64).expand(prog.shape)
 
     def load(self, operand: str, prog, key, nbytes) -> None:
-        op = self._operands.setdefault(operand, len(self._operands))
         nbytes = self._bytes(prog, nbytes)
         keep = nbytes > 0                                     # masked off: nothing moves
-        self._loads.append((prog[keep], key[keep] * 32 + op, nbytes[keep]))
+        self._loads.setdefault(operand, []).append((prog[keep], key[keep], nbytes[keep]))
 
     def alone(self, prog, nbytes) -> None:
         self._alone.append((prog, self._bytes(prog, nbytes)))
@@ -100,40 +101,23 @@ class Waves:
     def store(self, prog, nbytes) -> None:
         self._stores.append((prog, self._bytes(prog, nbytes)))
 
-    def count(self) -> tuple[float, float, int, int]:
-        """(bytes read, bytes written, waves, waves that fit in L2)."""
-        waves, size = -(-self.programs // self.size), self.size
+    def _per_program(self, pairs) -> torch.Tensor:
+        out = torch.zeros(self.programs, dtype=torch.float64)
+        for prog, nbytes in pairs:
+            out += torch.bincount(prog, weights=nbytes, minlength=self.programs)
+        return out
 
-        def per_wave(pairs):
-            out = torch.zeros(waves, dtype=torch.float64)
-            for prog, nbytes in pairs:
-                out += torch.bincount(prog // size, weights=nbytes, minlength=waves)
-            return out
-
-        alone, stored = per_wave(self._alone), per_wave(self._stores)
-        every = distinct = torch.zeros(waves, dtype=torch.float64)
-        if self._loads:
-            prog = torch.cat([p for p, _, _ in self._loads])
-            key = torch.cat([k for _, k, _ in self._loads])
-            nbytes = torch.cat([b for _, _, b in self._loads])
-            tiles_, tile = torch.unique(key, return_inverse=True)
-            K = int(tiles_.numel())
-            tile_bytes = torch.zeros(K, dtype=torch.float64).scatter_reduce_(
-                0, tile, nbytes, "amax", include_self=False)
-            own = torch.unique(prog * K + tile)                 # each program's distinct tiles
-            every = torch.bincount(own // K // size, weights=tile_bytes[own % K],
-                                   minlength=waves)
-            shared = torch.unique(own // K // size * K + own % K)   # each wave's
-            distinct = torch.bincount(shared // K, weights=tile_bytes[shared % K],
-                                      minlength=waves)
-        fits = distinct + alone + stored <= self.l2
-        read = float(torch.where(fits, distinct, every).sum() + alone.sum())
-        return read, float(stored.sum()), waves, int(fits.sum())
+    def count(self) -> tuple[float, float]:
+        """(bytes read, bytes written)."""
+        loads = [tuple(torch.cat([part[i] for part in parts]) for i in range(3))
+                 for parts in self._loads.values()]
+        return reuse_traffic(self.programs, loads, self._per_program(self._alone),
+                             self._per_program(self._stores), self.l2_bytes)
 
 
 def per_arch(fn):
-    """``fn`` cached per (problem, tiles, arguments) and the target architecture the waves are
-    counted on."""
+    """``fn`` cached per (problem, tiles, arguments) and the target architecture whose L2 the
+    traffic is counted in."""
     cached = functools.lru_cache(maxsize=128)(lambda arch, *args: fn(*args))
 
     @functools.wraps(fn)
@@ -142,7 +126,7 @@ def per_arch(fn):
     return wrapper
 
 
-def every_program(w: Waves) -> torch.Tensor:
+def every_program(w: Programs) -> torch.Tensor:
     """Every program of ``w``, in launch order."""
     return torch.arange(w.programs)
 

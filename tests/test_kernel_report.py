@@ -54,9 +54,6 @@ ARCHS = ("sm_90a", "sm_100a")   # CI's; `fusedops kernels` adds sm_80 for the Tr
 
 # (rule, family) pairs today's kernels break, and why.
 KNOWN = {
-    ("no_spills", "engram_gate"):
-        "the CuTe gate holds whole rows in registers; at D = 12288 its 768-thread CTA leaves 85 "
-        "registers per thread (a chunked row path is part of the gate performance work)",
     ("wgmma_only", "gqa_attention"):
         "the dk/dv kernel's S and dP products (32 query rows per step), the d = 256 dq (16 x 32 "
         "tiles) and the decode split kernel (BM = T x h_q/h_kv rows) are below wgmma's 64 rows "

@@ -531,8 +531,9 @@ def backward_kernel(problem) -> CuteKernel:
     blocks = backward_blocks(problem)[1]
     # every input row once: the S stream CTAs of a token block and its grad_v CTA are adjacent
     # in launch order and walk the same tokens, so v (read by each stream CTA) and the g rows
-    # and gates (read again by the grad_v CTA) come from L2 (reuse distance, docs/performance.md);
-    # the weight row, read once per stream CTA (into its private row), is counted once (L2)
+    # and gates (read again by the grad_v CTA) come from L2 (reuse distance, docs/performance.md),
+    # as does g read again by its stream CTA right after the dgate barrier (L1, no gap); the
+    # weight row, read once per stream CTA (into its private row), is counted once (L2)
     read = n * s * (3 * d * e + 16) + n * d * e + s * d * 4
     written = n * (2 * s + 1) * d * e + blocks * s * d * 4
     return CuteKernel("engram_gate_bwd", gate_bwd, args,

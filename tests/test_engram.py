@@ -106,13 +106,42 @@ def test_rows_wider_than_one_block(backend, d, held):
 
 @pytest.mark.skipif(HAS_CUDA or "cute" not in BACKENDS, reason="runs the CuTe PTX in the emulator")
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a"])
-@pytest.mark.parametrize("s", [4, 5], ids=["x held", "x re-read"])
-def test_cute_ptx_of_each_architecture(monkeypatch, arch, s):
-    """The PTX compiled for each target, at the production row width; S = 5 takes the forward
-    path that re-reads x instead of holding S * ITERS > 8 vectors in registers."""
+@pytest.mark.parametrize("s,d,held", [(4, 5120, False), (5, 5120, False), (4, 2048, True)],
+                         ids=["production row", "S=5", "x held"])
+def test_cute_ptx_of_each_architecture(monkeypatch, arch, s, d, held):
+    """The PTX compiled for each target: the production row (4 warps of 5 vectors per thread,
+    x re-read for the output), five streams, and a row narrow enough for the forward to hold
+    every stream's x in registers (S * vectors per thread <= 8)."""
+    from fusedops.backends.cute.engram import MAX_HELD_VECTORS, row_geometry
+    geo = row_geometry(d, torch.bfloat16)
+    assert (s * geo.iters <= MAX_HELD_VECTORS) == held, geo
     monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", arch)
-    t = make_inputs(3, s, 5120, torch.bfloat16, seed=13)
+    t = make_inputs(3, s, d, torch.bfloat16, seed=13)
     check_against_oracle(t, run_plans(t, "cute"), torch.bfloat16)
+
+
+@pytest.mark.skipif("cute" not in BACKENDS, reason="the cute backend does not run here")
+@pytest.mark.parametrize("d,dtype,warps,vectors", [
+    (5120, torch.bfloat16, 4, 5), (12288, torch.bfloat16, 6, 8), (5120, torch.float32, 5, 8),
+    (2048, torch.bfloat16, 4, 2), (256, torch.float32, 1, 2), (372, torch.float32, 1, 3)])
+def test_cute_row_geometry_divides_the_row(d, dtype, warps, vectors):
+    """The CTA covers the row's 16-byte vectors with the least padding (no power of two), at
+    most MAX_VECTORS per thread, and, on a tie, in MIN_WARPS warps or more, then the fewest."""
+    from fusedops.backends.cute.engram import MAX_VECTORS, row_geometry
+    geo = row_geometry(d, dtype)
+    assert (geo.warps, geo.iters) == (warps, vectors) and geo.iters <= MAX_VECTORS
+
+
+@pytest.mark.skipif("cute" not in BACKENDS, reason="the cute backend does not run here")
+def test_cute_backward_rows_too_wide_for_shared_memory():
+    """A row whose weight and partial rows do not fit a CTA's shared memory keeps them in
+    registers (32 warps of 9 vectors here, the last pass mostly clamped)."""
+    from fusedops.backends.cute.engram import private_rows_shared, row_geometry
+    d = 4 * 8193
+    geo = row_geometry(d, torch.float32)
+    assert (geo.warps, geo.iters) == (32, 9) and not private_rows_shared(geo)
+    t = make_inputs(2, 1, d, torch.float32, seed=14)
+    check_against_oracle(t, run_plans(t, "cute"), torch.float32)
 
 
 def _row_geometries(count: int, seed: int = 2026):
@@ -492,21 +521,10 @@ def test_gpu_cute_kernels_agree_with_their_ptx_emulated(monkeypatch):
     """The same PTX on the GPU and in the emulator (tests the emulator the CPU runs rely on):
     equal within one rounding of the outputs (the emulator computes ex2.approx exactly)."""
     from fusedops.backends.cute import compiler
-    from fusedops.backends.cute.engram import backward_blocks, backward_kernel, forward_kernel
     n, s, d, dtype = 5, 4, 5120, torch.bfloat16
     monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", compiler.arch_of(DEVICE))
     gpu = run_plans(make_inputs(n, s, d, dtype, seed=21), "cute")
-    t = make_inputs(n, s, d, dtype, seed=21, device=torch.device("cpu"))
-    problem = GateProblem(dtype, n, s, d, EPS, True, False, torch.device("cpu"))
-    out, saved = torch.empty_like(t["x"]), torch.empty(n, s, 4)
-    compiler.make_launcher(forward_kernel(problem), problem.device)(
-        t["x"], t["kv"], t["weight"], t["mask"], out, saved, n, EPS, stream=None)
-    per_block, blocks = backward_blocks(problem)
-    grad_x, grad_kv, partials = torch.empty_like(t["x"]), torch.empty_like(t["kv"]), torch.empty(blocks, s, d)
-    compiler.make_launcher(backward_kernel(problem), problem.device)(
-        t["x"], t["kv"], t["weight"], saved, t["grad_out"], grad_x, grad_kv, partials, n, per_block,
-        blocks, stream=None)
-    emulated = dict(out=out, saved=saved, grad_x=grad_x, grad_kv=grad_kv, grad_weight=partials.sum(0))
+    emulated = run_plans(make_inputs(n, s, d, dtype, seed=21, device=torch.device("cpu")), "cute")
     for name, value in emulated.items():
         tolerance = ROUNDED_ONCE[dtype] if value.dtype == dtype else FP32_REDUCTION
         assert_close(gpu[name].cpu(), value, tolerance, name)

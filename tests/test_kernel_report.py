@@ -60,9 +60,6 @@ ARCHS = ("sm_90a", "sm_100a")   # CI's; `fusedops kernels` adds sm_80 for the Tr
 
 # (rule, family) pairs today's kernels break, and why.
 KNOWN = {
-    ("no_spills", "engram_gate"):
-        "the CuTe gate holds whole rows in registers; at D = 12288 its 768-thread CTA leaves 85 "
-        "registers per thread (a chunked row path is part of the gate performance work)",
     ("wgmma_only", "gqa_attention"):
         "the d = 256 dk/dv kernel (16 keys as M: 64 keys on a warpgroup hold [64, 256] fp32 dk "
         "and dv, 256 registers a thread; 128 query rows as S's M with the 64 keys' dk, dv split "

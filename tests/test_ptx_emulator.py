@@ -71,6 +71,21 @@ def test_bf16x2_packing_rounding_and_unpacking(tmp_path):
     assert out[0] == 0x3F804000 and out[1] == f32_bits(2.0)
 
 
+def test_single_bf16_conversion_rounds_to_nearest_even(tmp_path):
+    # cvt.rn.bf16.f32 (one value into a 16-bit register): 1 + 2^-8 is a bf16 tie and rounds to
+    # even (1.0), 1 + 3 * 2^-9 lies above the midpoint and rounds up (1 + 2^-7)
+    body = (f"\tmov.b32 %r2, {f32_bits(1 + 2 ** -8)};\n\tcvt.rn.bf16.f32 %rs1, %r2;\n"
+            f"\tmov.b32 %r3, {f32_bits(1 + 3 * 2 ** -9)};\n\tcvt.rn.bf16.f32 %rs2, %r3;\n"
+            "\tmov.b32 %r4, {%rs1, %rs2};\n\tst.global.b32 [%rd3], %r4;")
+    out = run(body, tmp_path)
+    assert out[0] == 0x3F813F80
+
+
+def test_single_bf16_conversion_in_other_modes_is_not_emulated(tmp_path):
+    with pytest.raises(PtxFault, match=r"cvt\.rz\.bf16\.f32 .* is not emulated"):
+        run("\tmov.b32 %r2, 0f3F800000;\n\tcvt.rz.bf16.f32 %rs1, %r2;", tmp_path)
+
+
 def test_sm100_packed_f32x2_and_mixed_bf16_fma(tmp_path):
     # sm_100a code adds pairs of fp32 in one 64-bit register (low element first) and fma with
     # bf16 multiplicands and an fp32 addend

@@ -1,19 +1,26 @@
 """Engram saved-state gate: CuTe DSL kernels for sm_90a/sm_100a (fusedops.engram.contract).
 
-Forward: one CTA per token. Each thread owns ITERS 16-byte vectors of every row; the token's
-shared value stays in registers, all 3*S fp32 partial sums (x·x, k·k, x·w·k per stream) are
-formed from loads issued together and reduced across the block with one barrier, then every
-stream's output is written from the x vectors still held in registers (re-read, from L2, when a
-row is too wide to hold).
+Rows are covered by a CTA of a few warps, each thread owning ITERS 16-byte vectors of every row
+(``row_geometry``: the warps that pad the row's vector count least, not a power of two; 4 warps
+of 5 vectors at D = 5120 bf16, 6 warps of 8 at D = 12288). Vectors a row does not fill are
+clamped loads and predicated stores.
 
-Backward: CTAs (stream s, token block). A stream CTA keeps its weight row and its grad_weight
-partial in registers across the block's tokens; per token it issues the g, v, x and k loads
-together, reduces dgate = sum(g·v) across the block, and writes grad_x and grad_k. CTA s == S
-writes grad_v = sum_s gate_s·g_s. A third kernel sums the fp32 partial rows in fixed order
+Forward: one CTA per token. The token's shared value stays in registers, all 3*S fp32 partial
+sums (x·x, k·k, x·w·k per stream) are formed from loads issued in one unrolled sequence and
+reduced across the block with one barrier, then every stream's output is written from x held
+in registers when S * ITERS <= MAX_HELD_VECTORS, else from x read again (from L1/L2: the same
+CTA read it just before).
+
+Backward: CTAs (stream s, token block) of the same geometry. A stream CTA keeps its weight row
+and its grad_weight partial in private shared-memory slots (``private_rows``; registers for rows
+too wide for shared memory) across the block's tokens; per token it issues the g, v, x and k
+loads together, reduces dgate = sum(g·v) with one barrier, and writes grad_x and grad_k. CTA
+s == S writes grad_v = sum_s gate_s·g_s. A third kernel sums the fp32 partial rows in fixed order
 into grad_weight (``+=`` when accumulating): no float atomics, bitwise reproducible.
 """
 
 import math
+from dataclasses import dataclass
 
 import cuda.bindings.driver as cuda
 import cutlass
@@ -33,28 +40,61 @@ from . import compiler
 from .compiler import Arg, CuteKernel
 from .device import block_allreduce_sum
 
-MAX_THREADS = 1024
-VECTORS_PER_THREAD = 2      # 16-byte vectors per thread per row before the CTA grows
+MIN_WARPS = 4               # on a padding tie, CTAs of at least this many warps win
+MAX_WARPS = 32
+MAX_VECTORS = 8             # 16-byte vectors a thread holds per row (32 registers)
 # forward: x vectors (all streams) a thread keeps in registers between the reduction and the
-# output; beyond it x is re-read (from L2). Held: one DRAM pass, more registers (96-130 at
-# S=4, D=5120); re-read: 44-58 registers. Which is faster is for a GPU benchmark to say.
+# output; beyond it x is re-read (from L1/L2, the same CTA read it just before) and only the
+# shared value stays in registers.
 MAX_HELD_VECTORS = 8
 # backward CTAs to aim for, per architecture: about five per SM
 TARGET_CTAS = {"sm_90": 640,     # 132 SMs (H100/H200)
                "sm_100": 740,    # 148 SMs (B200)
                "sm_80": 540}     # 108 SMs (A100): only the emulator runs the cute kernels there
 REDUCE_THREADS = 128        # grad_weight reduction: one 16-byte fp32 vector per thread
+MAX_SHARED_BYTES = 227 * 1024   # dynamic shared memory a CTA may opt into on sm_90 and sm_100
 
 __all__ = ["backward_program", "forward_program", "unsupported_reason"]
 
 
-def row_geometry(hidden: int, dtype: torch.dtype) -> tuple[int, int, int]:
-    """(VEC elements per 16-byte vector, THREADS, ITERS vectors per thread) for a row of D:
-    about VECTORS_PER_THREAD vectors per thread, in whole warps, at most MAX_THREADS."""
-    vec = 16 // torch.empty((), dtype=dtype).element_size()
+@dataclass(frozen=True)
+class RowGeometry:
+    """How a CTA covers a row of D elements: ``threads`` threads each own ``iters`` 16-byte
+    vectors of ``vec`` elements, vector i of thread t at tidx + i * threads (coalesced)."""
+
+    vec: int
+    threads: int
+    iters: int
+
+    @property
+    def warps(self) -> int:
+        return self.threads // 32
+
+    @property
+    def slots(self) -> int:
+        """Vectors the CTA covers: the row's, padded to a multiple of the threads."""
+        return self.threads * self.iters
+
+
+def row_geometry(hidden: int, dtype: torch.dtype) -> RowGeometry:
+    """The warps that pad the row least (the vector count of D, not a power of two), each
+    thread holding at most MAX_VECTORS vectors; on a tie MIN_WARPS or more, then the fewest
+    (smaller CTAs, several per SM). Rows wider than MAX_WARPS * 32 * MAX_VECTORS vectors take
+    MAX_WARPS warps and as many vectors per thread as they need."""
+    vec = 16 // element_size(dtype)
     vectors = hidden // vec
-    threads = min(MAX_THREADS, 32 * math.ceil(vectors / (32 * VECTORS_PER_THREAD)))
-    return vec, threads, math.ceil(vectors / threads)
+    best, best_key = None, None
+    for warps in range(1, MAX_WARPS + 1):
+        threads = 32 * warps
+        iters = math.ceil(vectors / threads)
+        if iters > MAX_VECTORS:
+            continue
+        key = (iters * threads - vectors, warps < MIN_WARPS, warps)
+        if best_key is None or key < best_key:
+            best, best_key = RowGeometry(vec, threads, iters), key
+    if best is None:
+        best = RowGeometry(vec, 32 * MAX_WARPS, math.ceil(vectors / (32 * MAX_WARPS)))
+    return best
 
 
 def copy_atom(dtype):
@@ -209,6 +249,151 @@ def gate_fwd(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer, pmask: cute.
         grid=forward_grid(N=N), block=[THREADS, 1, 1], stream=stream)
 
 
+def where(cond, value, other):
+    """``value`` where the scalar ``cond`` holds, else ``other`` (a tensor or a scalar),
+    element by element: a select, so a NaN in the unselected operand goes nowhere."""
+    return cute.where(cute.full_like(value, cond, cutlass.Boolean), value, other)
+
+
+def private_rows(SHARED, VEC, ITERS, THREADS):
+    """A stream CTA's weight row and grad_weight partial row: an fp32 slot of VEC elements per
+    vector a thread owns. In shared memory (SHARED) slot p belongs to the thread owning vector
+    p, padding included, so no thread touches another's slots and none needs a barrier; else in
+    registers (rows too wide for shared memory)."""
+    if SHARED:
+        allocator = cutlass.memory.SmemAllocator()
+        layout = cute.make_layout((VEC, ITERS * THREADS), stride=(1, VEC))
+        return [allocator.allocate_tensor(Float32, layout, byte_alignment=16) for _ in range(2)]
+    return [cute.make_rmem_tensor((VEC, ITERS), Float32) for _ in range(2)]
+
+
+def slot(row, i, tidx, THREADS, SHARED):
+    """The slot of a private row (``private_rows``) for the thread's vector i."""
+    return row[None, tidx + i * THREADS] if SHARED else row[None, i]
+
+
+@cute.jit
+def grad_v_rows(gG: cute.Tensor, gGKV: cute.Tensor, gSaved: cute.Tensor, tidx: Int32,
+                start: Int32, count: Int32, DTYPE: cutlass.Constexpr, S: cutlass.Constexpr,
+                VEC: cutlass.Constexpr, THREADS: cutlass.Constexpr,
+                ITERS: cutlass.Constexpr, NV: cutlass.Constexpr):
+    """grad_v = sum_s gate_s * g_s of each token, summed in fp32 and rounded once; a masked
+    stream (gate 0) adds nothing, even a NaN g. Every g load of a token is issued together."""
+    atom = copy_atom(DTYPE)
+    rG = cute.make_rmem_tensor((VEC, S, ITERS), DTYPE)
+    rGV = cute.make_rmem_tensor((VEC,), DTYPE)
+    gates = cute.make_rmem_tensor((S,), Float32)
+    for t in cutlass.range(count):
+        n = Int64(start + t)  # 64-bit token coordinate, see the forward
+        for s in cutlass.range_constexpr(S):
+            for i in cutlass.range_constexpr(ITERS):
+                j, _ = vector_slot(tidx, i, THREADS, NV)
+                cute.copy(atom, gG[None, s, j, n], rG[None, s, i])
+        for s in cutlass.range_constexpr(S):
+            gates[s] = gSaved[0, s, n]
+        for i in cutlass.range_constexpr(ITERS):
+            j, valid = vector_slot(tidx, i, THREADS, NV)
+            acc = cute.full((VEC,), 0.0, Float32)
+            for s in cutlass.range_constexpr(S):
+                acc = acc + where(gates[s] != Float32(0.0),
+                                  gates[s] * rG[None, s, i].load().to(Float32), Float32(0.0))
+            rGV.store(acc.to(DTYPE))
+            if valid:
+                cute.copy(atom, rGV, gGKV[None, S, j, n])
+
+
+@cute.jit
+def stream_rows(gX: cute.Tensor, gG: cute.Tensor, gGX: cute.Tensor, gKV: cute.Tensor,
+                gGKV: cute.Tensor, gW: cute.Tensor, gSaved: cute.Tensor, gPartial: cute.Tensor,
+                s: Int32, block: Int32, tidx: Int32, start: Int32, count: Int32,
+                DTYPE: cutlass.Constexpr, S: cutlass.Constexpr, D: cutlass.Constexpr,
+                VEC: cutlass.Constexpr, THREADS: cutlass.Constexpr, ITERS: cutlass.Constexpr,
+                NV: cutlass.Constexpr, SHARED: cutlass.Constexpr, SQRT_D: cutlass.Constexpr,
+                DOT_MIN: cutlass.Constexpr):
+    """grad_x and grad_k of stream s for the block's tokens, and the block's grad_weight
+    partial row. The weight row and the partial row are private rows (``private_rows``); per
+    token the g, v, x and k loads are issued together and dgate = sum(g·v) is reduced with one
+    barrier."""
+    atom, atom_w = copy_atom(DTYPE), copy_atom(Float32)
+    NWARPS = THREADS // 32
+    scratch = cutlass.memory.SmemAllocator().allocate_tensor(
+        Float32, cute.make_layout((1, NWARPS, 2)), byte_alignment=16)
+    weight, partial_row = private_rows(SHARED, VEC, ITERS, THREADS)
+    rW = cute.make_rmem_tensor((VEC,), Float32)
+    for i in cutlass.range_constexpr(ITERS):
+        j, _ = vector_slot(tidx, i, THREADS, NV)
+        cute.copy(atom_w, gW[None, s, j], rW)
+        slot(weight, i, tidx, THREADS, SHARED).store(rW.load())
+        slot(partial_row, i, tidx, THREADS, SHARED).store(cute.full((VEC,), 0.0, Float32))
+    rG = cute.make_rmem_tensor((VEC, ITERS), DTYPE)
+    rV = cute.make_rmem_tensor((VEC, ITERS), DTYPE)
+    rX = cute.make_rmem_tensor((VEC, ITERS), DTYPE)
+    rK = cute.make_rmem_tensor((VEC, ITERS), DTYPE)
+    rGX = cute.make_rmem_tensor((VEC,), DTYPE)
+    rGK = cute.make_rmem_tensor((VEC,), DTYPE)
+    dgate = cute.make_rmem_tensor((1,), Float32)
+    for t in cutlass.range(count):
+        n = Int64(start + t)  # 64-bit token coordinate, see the forward
+        for i in cutlass.range_constexpr(ITERS):
+            j, _ = vector_slot(tidx, i, THREADS, NV)
+            cute.copy(atom, gG[None, s, j, n], rG[None, i])
+            cute.copy(atom, gKV[None, S, j, n], rV[None, i])
+            cute.copy(atom, gX[None, s, j, n], rX[None, i])
+            cute.copy(atom, gKV[None, s, j, n], rK[None, i])
+        partial = Float32(0.0)
+        for i in cutlass.range_constexpr(ITERS):
+            _, valid = vector_slot(tidx, i, THREADS, NV)
+            partial += masked(valid, row_sum(rG[None, i].load().to(Float32)
+                                             * rV[None, i].load().to(Float32)))
+        dgate[0] = partial
+        block_allreduce_sum(dgate, scratch, t % 2, 1, NWARPS)
+        token, coef, c_x, c_k = token_coefs(gSaved, s, n, dgate[0], D, SQRT_D, DOT_MIN)
+        if token:
+            for i in cutlass.range_constexpr(ITERS):
+                j, valid = vector_slot(tidx, i, THREADS, NV)
+                acc = slot(partial_row, i, tidx, THREADS, SHARED)
+                w = slot(weight, i, tidx, THREADS, SHARED).load()
+                x = rX[None, i].load().to(Float32)
+                k = rK[None, i].load().to(Float32)
+                # g is read again (from L1): kept from before the barrier, it stays converted
+                # to fp32 for the dgate sum, twice the registers
+                cute.copy(atom, gG[None, s, j, n], rG[None, i])
+                rGX.store((rG[None, i].load().to(Float32) + coef * w * k - c_x * x).to(DTYPE))
+                rGK.store((coef * w * x - c_k * k).to(DTYPE))
+                acc.store(acc.load() + coef * x * k)
+                if valid:
+                    cute.copy(atom, rGX, gGX[None, s, j, n])
+                    cute.copy(atom, rGK, gGKV[None, s, j, n])
+        else:  # a masked token is isolated: grad_x = g, grad_k = 0, nothing to grad_weight
+            rGK.fill(0.0)
+            for i in cutlass.range_constexpr(ITERS):
+                j, valid = vector_slot(tidx, i, THREADS, NV)
+                if valid:
+                    cute.copy(atom, rG[None, i], gGX[None, s, j, n])
+                    cute.copy(atom, rGK, gGKV[None, s, j, n])
+    for i in cutlass.range_constexpr(ITERS):
+        j, valid = vector_slot(tidx, i, THREADS, NV)
+        if valid:
+            rW.store(slot(partial_row, i, tidx, THREADS, SHARED).load())
+            cute.copy(atom_w, rW, gPartial[None, s, j, block])
+
+
+def token_coefs(gSaved, s, n, dgate, D, SQRT_D, DOT_MIN):
+    """(token, coef, c_x, c_k) of stream s of token n from its saved statistics and dgate;
+    token is false for a masked token (gate 0), whose statistics callers select away."""
+    gate = gSaved[0, s, n]
+    dot = gSaved[1, s, n]
+    rx = gSaved[2, s, n]
+    rk = gSaved[3, s, n]
+    mag = cute.math.absf(dot)
+    slope = Float32(0.5) / cute.math.sqrt(cute.arch.fmax(mag, Float32(DOT_MIN)))
+    live = (mag >= Float32(DOT_MIN)) & (gate != Float32(0.0))
+    ddot = Float32(cutlass.select_(live, dgate * gate * (Float32(1.0) - gate) * slope,
+                                  Float32(0.0)))
+    return (gate != Float32(0.0), ddot * rx * rk / Float32(SQRT_D),
+            ddot * dot * rx * rx / Float32(D), ddot * dot * rk * rk / Float32(D))
+
+
 @cute.kernel
 def gate_bwd_kernel(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer,
                     psaved: cute.Pointer, pg: cute.Pointer, pgx: cute.Pointer,
@@ -217,106 +402,27 @@ def gate_bwd_kernel(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer,
                     sgs: Int32, sgxn: Int32, sgxs: Int32, sgkvn: Int32,
                     DTYPE: cutlass.Constexpr, S: cutlass.Constexpr, D: cutlass.Constexpr,
                     VEC: cutlass.Constexpr, THREADS: cutlass.Constexpr,
-                    ITERS: cutlass.Constexpr, SQRT_D: cutlass.Constexpr,
-                    DOT_MIN: cutlass.Constexpr):
+                    ITERS: cutlass.Constexpr, SHARED: cutlass.Constexpr,
+                    SQRT_D: cutlass.Constexpr, DOT_MIN: cutlass.Constexpr):
     tidx, _, _ = cute.arch.thread_idx()
     stream_id, block, _ = cute.arch.block_idx()
     NV = D // VEC
-    NWARPS = THREADS // 32
-    gX = cute.make_tensor(px, row_layout(VEC, S, NV, N, sxs, sxn))
     gG = cute.make_tensor(pg, row_layout(VEC, S, NV, N, sgs, sgn))
-    gGX = cute.make_tensor(pgx, row_layout(VEC, S, NV, N, sgxs, sgxn))
-    gKV = cute.make_tensor(pkv, kv_layout(VEC, S, NV, N, D, skvn))
     gGKV = cute.make_tensor(pgkv, kv_layout(VEC, S, NV, N, D, sgkvn))
-    gW = cute.make_tensor(pw, cute.make_layout((VEC, S, NV), stride=(1, D, VEC)))
     gSaved = cute.make_tensor(psaved, cute.make_layout((4, S, N), stride=(1, 4, 4 * S)))
-    atom, atom_w = copy_atom(DTYPE), copy_atom(Float32)
     start = block * TOKENS_PER_BLOCK
     count = cutlass.min(start + TOKENS_PER_BLOCK, N) - start
-    rG = cute.make_rmem_tensor((VEC, ITERS), DTYPE)
     if stream_id == S:
-        # grad_v = sum_s gate_s * g_s, summed in fp32 and rounded once
-        rGV = cute.make_rmem_tensor((VEC,), DTYPE)
-        acc_v = cute.make_rmem_tensor((VEC,), Float32)
-        for t in cutlass.range(count):
-            n = Int64(start + t)  # 64-bit token coordinate, see the forward
-            for i in cutlass.range_constexpr(ITERS):
-                j, valid = vector_slot(tidx, i, THREADS, NV)
-                acc_v.fill(0.0)
-                for s in cutlass.range_constexpr(S):
-                    cute.copy(atom, gG[None, s, j, n], rG[None, i])
-                    gate_s = gSaved[0, s, n]
-                    if gate_s != Float32(0.0):    # a masked stream adds nothing, even a NaN g
-                        acc_v.store(acc_v.load() + gate_s * rG[None, i].load().to(Float32))
-                rGV.store(acc_v.load().to(DTYPE))
-                if valid:
-                    cute.copy(atom, rGV, gGKV[None, S, j, n])
+        grad_v_rows(gG, gGKV, gSaved, tidx, start, count, DTYPE, S, VEC, THREADS, ITERS, NV)
     else:
-        s = stream_id
-        scratch = cutlass.memory.SmemAllocator().allocate_tensor(
-            Float32, cute.make_layout((1, NWARPS, 2)), byte_alignment=16)
-        rV = cute.make_rmem_tensor((VEC, ITERS), DTYPE)
-        rX = cute.make_rmem_tensor((VEC, ITERS), DTYPE)
-        rK = cute.make_rmem_tensor((VEC, ITERS), DTYPE)
-        rW = cute.make_rmem_tensor((VEC, ITERS), Float32)
-        acc = cute.make_rmem_tensor((VEC, ITERS), Float32)
-        rGX = cute.make_rmem_tensor((VEC,), DTYPE)
-        rGK = cute.make_rmem_tensor((VEC,), DTYPE)
-        dgate = cute.make_rmem_tensor((1,), Float32)
-        acc.fill(0.0)
-        for i in cutlass.range_constexpr(ITERS):
-            j, _ = vector_slot(tidx, i, THREADS, NV)
-            cute.copy(atom_w, gW[None, s, j], rW[None, i])
-        for t in cutlass.range(count):
-            n = Int64(start + t)  # 64-bit token coordinate, see the forward
-            # issue every load of the token before the reduction's barrier
-            for i in cutlass.range_constexpr(ITERS):
-                j, _ = vector_slot(tidx, i, THREADS, NV)
-                cute.copy(atom, gG[None, s, j, n], rG[None, i])
-                cute.copy(atom, gKV[None, S, j, n], rV[None, i])
-                cute.copy(atom, gX[None, s, j, n], rX[None, i])
-                cute.copy(atom, gKV[None, s, j, n], rK[None, i])
-            partial = Float32(0.0)
-            for i in cutlass.range_constexpr(ITERS):
-                _, valid = vector_slot(tidx, i, THREADS, NV)
-                partial += masked(valid, row_sum(rG[None, i].load().to(Float32)
-                                                 * rV[None, i].load().to(Float32)))
-            dgate[0] = partial
-            block_allreduce_sum(dgate, scratch, t % 2, 1, NWARPS)
-            gate = gSaved[0, s, n]
-            dot = gSaved[1, s, n]
-            rx = gSaved[2, s, n]
-            rk = gSaved[3, s, n]
-            mag = cute.math.absf(dot)
-            slope = Float32(0.5) / cute.math.sqrt(cute.arch.fmax(mag, Float32(DOT_MIN)))
-            live = (mag >= Float32(DOT_MIN)) & (gate != Float32(0.0))
-            ddot = Float32(cutlass.select_(live, dgate[0] * gate * (Float32(1.0) - gate) * slope,
-                                          Float32(0.0)))
-            coef = ddot * rx * rk / Float32(SQRT_D)
-            c_x = ddot * dot * rx * rx / Float32(D)
-            c_k = ddot * dot * rk * rk / Float32(D)
-            token = gate != Float32(0.0)
-            for i in cutlass.range_constexpr(ITERS):
-                j, valid = vector_slot(tidx, i, THREADS, NV)
-                if token:
-                    x = rX[None, i].load().to(Float32)
-                    k = rK[None, i].load().to(Float32)
-                    w = rW[None, i].load()
-                    rGX.store((rG[None, i].load().to(Float32) + coef * w * k - c_x * x).to(DTYPE))
-                    rGK.store((coef * w * x - c_k * k).to(DTYPE))
-                    acc[None, i].store(acc[None, i].load() + coef * x * k)
-                else:  # a masked token is isolated: grad_x = g, grad_k = 0, nothing to grad_weight
-                    rGX.store(rG[None, i].load())
-                    rGK.fill(0.0)
-                if valid:
-                    cute.copy(atom, rGX, gGX[None, s, j, n])
-                    cute.copy(atom, rGK, gGKV[None, s, j, n])
+        gX = cute.make_tensor(px, row_layout(VEC, S, NV, N, sxs, sxn))
+        gGX = cute.make_tensor(pgx, row_layout(VEC, S, NV, N, sgxs, sgxn))
+        gKV = cute.make_tensor(pkv, kv_layout(VEC, S, NV, N, D, skvn))
+        gW = cute.make_tensor(pw, cute.make_layout((VEC, S, NV), stride=(1, D, VEC)))
         gPartial = cute.make_tensor(ppartial, cute.make_layout(
             (VEC, S, NV, 1 + block), stride=(1, D, VEC, S * D)))
-        for i in cutlass.range_constexpr(ITERS):
-            j, valid = vector_slot(tidx, i, THREADS, NV)
-            if valid:
-                cute.copy(atom_w, acc[None, i], gPartial[None, s, j, block])
+        stream_rows(gX, gG, gGX, gKV, gGKV, gW, gSaved, gPartial, stream_id, block, tidx, start,
+                    count, DTYPE, S, D, VEC, THREADS, ITERS, NV, SHARED, SQRT_D, DOT_MIN)
 
 
 @cute.jit
@@ -327,9 +433,10 @@ def gate_bwd(px: cute.Pointer, pkv: cute.Pointer, pw: cute.Pointer, psaved: cute
              stream: cuda.CUstream,
              DTYPE: cutlass.Constexpr, S: cutlass.Constexpr, D: cutlass.Constexpr,
              VEC: cutlass.Constexpr, THREADS: cutlass.Constexpr, ITERS: cutlass.Constexpr,
-             SQRT_D: cutlass.Constexpr, DOT_MIN: cutlass.Constexpr):
+             SHARED: cutlass.Constexpr, SQRT_D: cutlass.Constexpr, DOT_MIN: cutlass.Constexpr):
     gate_bwd_kernel(px, pkv, pw, psaved, pg, pgx, pgkv, ppartial, N, TOKENS_PER_BLOCK, sxn, sxs,
-                    skvn, sgn, sgs, sgxn, sgxs, sgkvn, DTYPE, S, D, VEC, THREADS, ITERS, SQRT_D, DOT_MIN).launch(
+                    skvn, sgn, sgs, sgxn, sgxs, sgkvn, DTYPE, S, D, VEC, THREADS, ITERS, SHARED,
+                    SQRT_D, DOT_MIN).launch(
         grid=backward_grid(S=S, BLOCKS=BLOCKS), block=[THREADS, 1, 1], stream=stream)
 
 
@@ -364,11 +471,32 @@ def grad_weight_reduce(ppartial: cute.Pointer, pgw: cute.Pointer, NUM_PARTIALS: 
 
 
 # -- specialisations ---------------------------------------------------------------------------
-def _constexprs(problem, *extra) -> tuple[tuple[str, object], ...]:
-    vec, threads, iters = row_geometry(problem.hidden, problem.dtype)
+def _constexprs(problem, geo: RowGeometry, *extra) -> tuple[tuple[str, object], ...]:
     return (("DTYPE", compiler.cutlass_type(problem.dtype)), ("S", problem.streams),
-            ("D", problem.hidden), ("VEC", vec), ("THREADS", threads), ("ITERS", iters),
-            *extra, ("SQRT_D", math.sqrt(problem.hidden)), ("DOT_MIN", DOT_CLAMP))
+            ("D", problem.hidden), ("VEC", geo.vec), ("THREADS", geo.threads),
+            ("ITERS", geo.iters), *extra, ("SQRT_D", math.sqrt(problem.hidden)),
+            ("DOT_MIN", DOT_CLAMP))
+
+
+def _round16(nbytes: int) -> int:
+    return (nbytes + 15) // 16 * 16
+
+
+def forward_shared_bytes(problem, geo: RowGeometry) -> int:
+    """The reduction's scratch: 3·S fp32 sums per warp."""
+    return 4 * 3 * problem.streams * geo.warps
+
+
+def private_rows_shared(geo: RowGeometry) -> bool:
+    """Whether the backward's private weight and partial rows (``private_rows``) go to shared
+    memory: when they fit a CTA's, beside the dgate scratch."""
+    return backward_shared_bytes(geo, True) <= MAX_SHARED_BYTES
+
+
+def backward_shared_bytes(geo: RowGeometry, shared: bool) -> int:
+    """The dgate scratch (two slots per warp), then, when ``shared``, the private weight and
+    grad_weight partial rows (an fp32 slot of VEC elements per vector the CTA covers)."""
+    return _round16(4 * 2 * geo.warps) + (2 * 4 * geo.vec * geo.slots if shared else 0)
 
 
 def forward_kernel(problem) -> CuteKernel:
@@ -376,17 +504,18 @@ def forward_kernel(problem) -> CuteKernel:
     args = (Arg("x", dt), Arg("kv", dt), Arg("weight", torch.float32), Arg("mask", torch.bool, 1),
             Arg("out", dt), Arg("saved", torch.float32), Arg("N", scalar="i32"),
             Arg("eps", scalar="f32"), *(Arg(name, scalar="i32") for name in FORWARD_STRIDES))
-    _, threads, iters = row_geometry(problem.hidden, problem.dtype)
-    held = problem.streams * iters <= MAX_HELD_VECTORS
+    geo = row_geometry(problem.hidden, problem.dtype)
+    held = problem.streams * geo.iters <= MAX_HELD_VECTORS
     n, s, d, e = problem.tokens, problem.streams, problem.hidden, element_size(problem.dtype)
-    # x, the keys and v once (x read again for out when not held: from L2, the same CTA), the
-    # mask; the weight once (L2)
+    # x, the keys and v once (x read again for out when not held: from L1/L2, the same CTA
+    # read it just before), the mask; the weight once (L2)
     read = n * (2 * s + 1) * d * e + s * d * 4 + (n if problem.has_mask else 0)
     cost = Cost(FORWARD_FLOPS_PER_ELEMENT * n * s * d, read, n * s * d * e + n * s * 16)
     return CuteKernel("engram_gate_fwd", gate_fwd, args,
-                      _constexprs(problem, ("X_HELD", held), ("HAS_MASK", problem.has_mask)),
-                      forward_grid, dynamic_shared_bytes=4 * 3 * problem.streams * (threads // 32),
-                      threads=threads, launch_grid=tuple(forward_grid(N=problem.tokens)), cost=cost)
+                      _constexprs(problem, geo, ("X_HELD", held), ("HAS_MASK", problem.has_mask)),
+                      forward_grid, dynamic_shared_bytes=forward_shared_bytes(problem, geo),
+                      threads=geo.threads, launch_grid=tuple(forward_grid(N=problem.tokens)),
+                      cost=cost)
 
 
 def backward_kernel(problem) -> CuteKernel:
@@ -396,16 +525,20 @@ def backward_kernel(problem) -> CuteKernel:
             Arg("partials", torch.float32), Arg("N", scalar="i32"),
             Arg("TOKENS_PER_BLOCK", scalar="i32"), Arg("BLOCKS", scalar="i32", launch_only=True),
             *(Arg(name, scalar="i32") for name in BACKWARD_STRIDES))
-    _, threads, _ = row_geometry(problem.hidden, problem.dtype)
+    geo = row_geometry(problem.hidden, problem.dtype)
+    shared = private_rows_shared(geo)
     n, s, d, e = problem.tokens, problem.streams, problem.hidden, element_size(problem.dtype)
     blocks = backward_blocks(problem)[1]
     # every input row once: the S stream CTAs of a token block and its grad_v CTA are adjacent
     # in launch order and walk the same tokens, so v (read by each stream CTA) and the g rows
-    # and gates (read again by the grad_v CTA) come from L2 (reuse distance, docs/performance.md)
+    # and gates (read again by the grad_v CTA) come from L2 (reuse distance, docs/performance.md),
+    # as does g read again by its stream CTA right after the dgate barrier (L1, no gap); the
+    # weight row, read once per stream CTA (into its private row), is counted once (L2)
     read = n * s * (3 * d * e + 16) + n * d * e + s * d * 4
     written = n * (2 * s + 1) * d * e + blocks * s * d * 4
-    return CuteKernel("engram_gate_bwd", gate_bwd, args, _constexprs(problem), backward_grid,
-                      dynamic_shared_bytes=4 * 2 * (threads // 32), threads=threads,
+    return CuteKernel("engram_gate_bwd", gate_bwd, args,
+                      _constexprs(problem, geo, ("SHARED", shared)), backward_grid,
+                      dynamic_shared_bytes=backward_shared_bytes(geo, shared), threads=geo.threads,
                       launch_grid=tuple(backward_grid(S=s, BLOCKS=blocks)),
                       cost=Cost(BACKWARD_FLOPS_PER_ELEMENT * n * s * d, read, written))
 

@@ -496,6 +496,10 @@ class Machine:
             packed = (hb.astype(np.uint64) << np.uint64(16)) | lb.astype(np.uint64)
             return self.write(d, "b32", lanes, packed.astype(np.uint32))
         d, a = operands
+        if dt == "bf16" and st == "f32":  # round to nearest even, the only mode emulated
+            if ins.opcode[1:] != ("rn", "bf16", "f32"):
+                raise PtxFault(f"'{ins.text}' is not emulated")
+            return self.write(d, "b16", lanes, _f32_to_bf16_bits(self.read(a, "f32", lanes)))
         if st == "bf16":
             x = _bf16_bits_to_f32(self.read(a, "b16", lanes))
         else:

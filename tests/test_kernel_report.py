@@ -48,11 +48,13 @@ TRAFFIC_BOUNDS = {
     "GQAAttentionBackward": 1.92,
     ("GQAAttentionBackward", "attn hkv2 d128"): 16.51,
     "GQAAttentionDecode": 1.16,
-    # Mamba2: C·B and the passed states written and read back; d(C·B) and dB/dC (and C·B on
-    # Hopper: G = 509 < 512) re-read their rows per pair, row block or state tile, S·g programs
-    # apart, beyond G; decode: dt, B and C re-read by each head-dim block (h·b programs apart)
-    "Mamba2ChunkScanForward": 2.49,
-    "Mamba2ChunkScanBackward": 6.11,
+    # Mamba2: C·B and the passed states written and read back; the backward's fp32 gradients
+    # of the segment states and of C·B passed between kernels, dy and x read by each of its
+    # per-chunk kernels (dx, d(C·B), the straddling pairs, dB/dC), which all run a (segment,
+    # group)'s or (segment, head)'s programs side by side (2026-12-02: dB/dC, d(C·B), C·B);
+    # decode: dt, B and C re-read by each head-dim block (h·b programs apart)
+    "Mamba2ChunkScanForward": 2.45,
+    "Mamba2ChunkScanBackward": 4.70,
     "Mamba2StateUpdate": 1.01,
     "Mamba2StateRollback": 1.00,
 }
@@ -73,7 +75,7 @@ KNOWN = {
         "warpgroup (FA3's ping-pong warpgroups are not expressed; issuing the next block's "
         "product before the softmax by hand still compiles to a wait on it)",
     ("wgmma_async", "mamba2_scan"):
-        "the state walks and the d(C·B), dA-cumsum and dB/dC kernels wait for each product: "
+        "the state walks and the d(C·B) and dA-cumsum kernels wait for each product: "
         "each feeds an in-register scaling of the next product's operand",
     ("no_duplication", "gqa_attention"):
         "the d = 256 forward's 64-row tile on 8 warps: on sm_90 both warpgroups compute the whole "

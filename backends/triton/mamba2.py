@@ -51,6 +51,13 @@ def _counts(problem, t: Tiles | None = None) -> dict:
     return counts(problem, t or tiles(problem))
 
 
+def _pairs(problem, t: Tiles) -> int:
+    """Block pairs (i, j <= i) of a segment's row blocks: the C·B and d(C·B) programs per
+    (segment, group)."""
+    nqb = _counts(problem, t)["NQB"]
+    return nqb * (nqb + 1) // 2
+
+
 # -- buffers ---------------------------------------------------------------------------------
 def saved_layout(problem) -> Layout:
     """What the forward saves for the backward: the state entering every segment in the plan's
@@ -246,7 +253,7 @@ def cb_spec(problem, t: Tiles | None = None) -> KernelSpec:
                   *stride_args("C", "B"), *stride_args("B", "B"), *ty.tail),
                  dict(G=problem.groups, N=problem.state, Q=Q, BQ=t.BQ, BN=t.BN, **ty.common,
                       **numerics(problem.dtype), **ty.seq, VB=problem.bc_vector),
-                 (problem.max_segments * problem.groups, (Q // t.BQ) ** 2),
+                 (_pairs(problem, t) * problem.max_segments * problem.groups,),
                  cost=model.cb_cost(problem, t))
 
 
@@ -354,7 +361,6 @@ def dx_spec(problem, t: Tiles | None = None) -> KernelSpec:
 def dcb_spec(problem, t: Tiles | None = None) -> KernelSpec:
     """d(C·B) per segment and group."""
     ty, t = _Types(problem), t or tiles(problem)
-    c = _counts(problem, t)
     return _spec(bwd_kernels.ssd_dcb_kernel,
                  (("x_ptr", ty.x), ("dy_ptr", ty.x), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
                   *ty.seg, ty.runs, ("dcb_ptr", "*fp32"), *stride_args("x", "x"),
@@ -362,7 +368,7 @@ def dcb_spec(problem, t: Tiles | None = None) -> KernelSpec:
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, Q=problem.chunk,
                       BQ=t.BQ, BP=t.BP, **ty.common, **numerics(problem.dtype), **ty.seq,
                       VX=problem.vector),
-                 (problem.max_segments * problem.groups, c["NQB"] ** 2), warps=8,
+                 (_pairs(problem, t) * problem.max_segments * problem.groups,), warps=8,
                  cost=model.dcb_cost(problem, t))
 
 
@@ -396,7 +402,7 @@ def dbc_spec(problem, grad_b: bool, t: Tiles | None = None) -> KernelSpec:
                       Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.BN, GRAD_B=grad_b, **ty.common,
                       **numerics(problem.dtype), **ty.seq, VX=problem.vector,
                       VB=problem.bc_vector),
-                 (problem.max_segments * problem.groups, c["NQB"], c["NNB"]), warps=8,
+                 (c["NNB"] * c["NQB"] * problem.max_segments * problem.groups,), warps=8,
                  cost=model.dbc_cost(problem, t, grad_b))
 
 

@@ -21,8 +21,8 @@ token's run, H0 only the run before the segment, dH1 passes H0 only when the seg
 import triton
 import triton.language as tl
 
-from .mamba2_fwd import (accumulate_state, segment_bounds, segment_runs, sequence_segments,
-                          token_runs)
+from .mamba2_fwd import (accumulate_state, block_pair, segment_bounds, segment_runs,
+                          sequence_segments, token_runs)
 from .ssm_math import softplus
 from .tiles import mm
 
@@ -237,13 +237,15 @@ def ssd_dcb_kernel(x_ptr, dy_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, runs_ptr, 
                    SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                    HAS_SEQ: tl.constexpr, VX: tl.constexpr):
     """dcb[σ, g, i, j] = sum over the group's heads of exp(Acum_i - Acum_j) dt_j (dy_i·x_j)
-    (sequence ids: zero across runs)."""
-    i_sg, i_t = tl.program_id(0), tl.program_id(1)
-    i_seg, i_g = i_sg // G, i_sg % G
+    (sequence ids: zero across runs), for the block pairs j <= i. One program per (block pair,
+    segment·group), the pair fastest: the pairs of a (segment, group) run side by side and
+    share its heads' dy rows i and x rows j in L2."""
     NT: tl.constexpr = Q // BQ
-    i_m, i_n = i_t // NT, i_t % NT
-    if i_n > i_m:
-        return
+    PAIRS: tl.constexpr = NT * (NT + 1) // 2
+    pid = tl.program_id(0)
+    i_m, i_n = block_pair(pid % PAIRS, NT)
+    i_sg = pid // PAIRS
+    i_seg, i_g = i_sg // G, i_sg % G
     row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
     o_i = i_m * BQ + tl.arange(0, BQ)
     o_j = i_n * BQ + tl.arange(0, BQ)
@@ -334,11 +336,16 @@ def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dcb_ptr, dts_ptr, acum_ptr, stat
     dC_i = sum_{j<=i} dcb[i, j] B_j + sum_h exp(Acum_i) dy_i @ H0
 
     (sequence ids: the state terms only for the last token's run, dB, or the run before the
-    segment, dC.)
+    segment, dC.) One program per (state tile, row block, segment·group), the state tile
+    fastest: the programs of a (segment, group) run side by side, the state tiles of a row block
+    sharing its x (dy) rows and d(C·B) tiles in L2, the row blocks of a state tile its dH1 (H0)
+    tiles and the other operand's rows.
     """
-    i_sg, i_m, i_n = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    i_seg, i_g = i_sg // G, i_sg % G
+    NQB: tl.constexpr = Q // BQ
     NNB: tl.constexpr = (N + BN - 1) // BN
+    pid = tl.program_id(0)
+    i_n, i_m, i_sg = pid % NNB, pid // NNB % NQB, pid // (NNB * NQB)
+    i_seg, i_g = i_sg // G, i_sg % G
     R: tl.constexpr = H // G
     row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
     seg_len = end - start

@@ -216,18 +216,31 @@ def ssd_dt_cumsum_kernel(dt_ptr, A_ptr, bias_ptr, cu_ptr, off_ptr, dts_ptr, acum
 
 
 @triton.jit
+def block_pair(t, NT: tl.constexpr):
+    """The t-th block pair (i, j <= i) of NT row blocks, row-major over the lower triangle
+    (0 <= t < NT(NT + 1)/2): (0, 0), (1, 0), (1, 1), (2, 0), ..."""
+    i = t * 0
+    for k in tl.static_range(1, NT):
+        i += (t >= k * (k + 1) // 2).to(i.dtype)
+    return i, t - i * (i + 1) // 2
+
+
+@triton.jit
 def ssd_cb_kernel(C_ptr, B_ptr, cu_ptr, off_ptr, runs_ptr, cb_ptr, stride_C_b, stride_C_l,
                   stride_C_g, stride_B_b, stride_B_l, stride_B_g, L, NSEQ,
                   G: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr,
                   BN: tl.constexpr, VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
                   UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SEQ: tl.constexpr,
                   VB: tl.constexpr):
-    i_sg, i_t = tl.program_id(0), tl.program_id(1)
-    i_seg, i_g = i_sg // G, i_sg % G
+    """C·B tile (i, j <= i) of one segment and group (only tiles on or below the diagonal are
+    ever read). One program per (block pair, segment·group), the pair fastest: the pairs of a
+    (segment, group) run side by side and share its C rows i and B rows j in L2."""
     NT: tl.constexpr = Q // BQ
-    i_m, i_n = i_t // NT, i_t % NT
-    if i_n > i_m:            # only tiles on or below the diagonal are ever read
-        return
+    PAIRS: tl.constexpr = NT * (NT + 1) // 2
+    pid = tl.program_id(0)
+    i_m, i_n = block_pair(pid % PAIRS, NT)
+    i_sg = pid // PAIRS
+    i_seg, i_g = i_sg // G, i_sg % G
     row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
     o_i = i_m * BQ + tl.arange(0, BQ)
     o_j = i_n * BQ + tl.arange(0, BQ)

@@ -4,8 +4,8 @@ program order (docs/mamba2.md, "Performance model"; docs/performance.md, "How tr
 counted").
 
 Counting rules, as docs/performance.md states them. Programs start in launch order, the grid's
-first dimension fastest; programs that return at once (row blocks past a segment's end, block
-pairs above the diagonal) take no slot. A program's load of a tile several programs load (B, C
+first dimension fastest; programs that return at once (row blocks past a segment's end) take
+no slot. A program's load of a tile several programs load (B, C
 and C·B by the R heads of a group, a segment's acum by its heads' row blocks) hits in the L2
 when the previous program that loaded it is at most G programs earlier, G = half the L2 (50 MB
 sm_90, 126 MB sm_100, 40 MB sm_80: ``l2_reuse.machine``) over the mean bytes a program of the
@@ -163,24 +163,30 @@ def dt_cumsum_cost(problem, t: Tiles) -> Cost:
     return Cost(flops, read, 2 * d.S * d.H * d.Q * 4)
 
 
+def _block_pairs(nqb: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(i, j) of every block pair j <= i of nqb row blocks, row-major (the kernels'
+    ``block_pair``)."""
+    i, j = torch.tril_indices(nqb, nqb)
+    return i, j
+
+
 @per_arch
 def cb_cost(problem, t: Tiles) -> Cost:
-    """C·B. Order: grid (S·g, NQB²), the (segment, group) fastest, then the block pair (i, j)
-    row-major; pairs above the diagonal return (no slot), so a pair's S·g programs run together
-    and the pairs (i, 0..i) sharing C rows i follow one another S·g programs apart, the pairs
-    (i..NQB-1, j) sharing B rows j further. Reuse: a program moves C rows i and B rows j
-    (v·n·e each) and stores a [BQ, BQ] fp32 tile: 48 KiB, G = 509 on sm_90, less than the
-    S·g = 512 programs between two pairs at b = 2, Q = 256, so every pair's C and B rows count
-    ((NQB + 1)/2 = 2.5 reads per row); on sm_100 G = 1282 spans two pairs: C once, B 1.75 times.
-    One fp32 [BQ, BQ] tile written per pair of every grid segment. MMA: [BQ, BN] @ [BN, BQ] over
-    n for every pair of every grid segment."""
+    """C·B. Order: a 1-D grid over (block pair, S·g), the pairs (i, j <= i) of a (segment,
+    group) fastest, row-major (tri = NQB(NQB + 1)/2 programs, no pair above the diagonal
+    launched). Reuse: a program moves C rows i and B rows j (v·n·e each) and stores a [BQ, BQ]
+    fp32 tile: 48 KiB, G = 509 on sm_90; the pairs sharing C rows i (i, 0..i) or B rows j
+    (j..NQB-1, j) are at most tri - 1 = 9 programs apart, so C and B are read once (where
+    (S·g, NQB²) order, the pairs S·g = 512 programs apart, read every row (NQB + 1)/2 = 2.5
+    times on sm_90). One fp32 [BQ, BQ] tile written per pair of every grid segment. MMA:
+    [BQ, BN] @ [BN, BQ] over n for every pair of every grid segment."""
     d = _Dims(problem, t)
     nqb = d.NQB
-    launch = _Launch(problem, t, (d.S * d.G, nqb * nqb),
-                     active=lambda _, sg, ij: ij % nqb <= ij // nqb)
+    launch = _Launch(problem, t, (d.pairs, d.S * d.G))
     w = launch.programs
-    sg, ij = w.coords
-    s, g, i, j = sg // d.G, sg % d.G, ij // nqb, ij % nqb
+    ij, sg = w.coords
+    pi, pj = _block_pairs(nqb)
+    s, g, i, j = sg // d.G, sg % d.G, pi[ij], pj[ij]
     every = every_program(w)
     w.load("C", every, key((s, d.S), (i, nqb), (g, d.G)), launch.V[s, i] * d.N * d.e)
     w.load("B", every, key((s, d.S), (j, nqb), (g, d.G)), launch.V[s, j] * d.N * d.e)
@@ -364,22 +370,22 @@ def dx_cost(problem, t: Tiles) -> Cost:
 
 @per_arch
 def dcb_cost(problem, t: Tiles) -> Cost:
-    """d(C·B). Order: grid (S·g, NQB²), (segment, group) fastest, then the block pair (i, j)
-    row-major; pairs above the diagonal return (no slot). Reuse: each program loads, for the R
-    heads of its group, dy rows i and x rows j over p and acum/dts (3·BQ·4); the pairs (i, 0..i)
-    sharing dy rows i, and (j..NQB-1, j) sharing x rows j, are S·g = 512 programs apart at b = 2,
-    Q = 256, and a program moves 284 KiB (its 16 heads' rows): G = 86 (217 on sm_100), so dy and
-    x count (NQB + 1)/2 times for full segments (2.5 at Q = 256), acum and dts in every
-    program.
-    One fp32 [BQ, BQ] tile written. MMA: [BQ, BP] @ [BP, BQ] over p, per head and pair of every
-    grid segment."""
+    """d(C·B). Order: a 1-D grid over (block pair, S·g), the pairs (i, j <= i) of a (segment,
+    group) fastest, row-major (tri programs, none above the diagonal). Reuse: each program
+    loads, for the R heads of its group, dy rows i and x rows j over p and acum/dts (3·BQ·4);
+    the pairs (i, 0..i) sharing dy rows i, and (j..NQB-1, j) sharing x rows j (and the heads'
+    acum and dts rows), are at most tri - 1 = 9 programs apart, and a program moves 284 KiB (its
+    16 heads' rows): G = 86 (217 on sm_100), so dy, x, acum and dts are read once (where
+    (S·g, NQB²) order, the pairs S·g = 512 programs apart, read dy and x (NQB + 1)/2 = 2.5
+    times for full segments, acum and dts in every program). One fp32 [BQ, BQ] tile written.
+    MMA: [BQ, BP] @ [BP, BQ] over p, per head and pair of every grid segment."""
     d = _Dims(problem, t)
     nqb = d.NQB
-    launch = _Launch(problem, t, (d.S * d.G, nqb * nqb),
-                     active=lambda _, sg, ij: ij % nqb <= ij // nqb)
+    launch = _Launch(problem, t, (d.pairs, d.S * d.G))
     w, V = launch.programs, launch.V
-    sg, ij = w.coords
-    s, g, i, j = sg // d.G, sg % d.G, ij // nqb, ij % nqb
+    ij, sg = w.coords
+    pi, pj = _block_pairs(nqb)
+    s, g, i, j = sg // d.G, sg % d.G, pi[ij], pj[ij]
     prog, r = w.loop(d.R)
     sp, ip_, jp = s[prog], i[prog], j[prog]
     h = g[prog] * d.R + r
@@ -430,23 +436,25 @@ def dacs_intra_cost(problem, t: Tiles) -> Cost:
 
 @per_arch
 def dbc_cost(problem, t: Tiles, grad_b: bool) -> Cost:
-    """dB (``grad_b``) or dC. Order: grid (S·g, NQB, NNB), (segment, group) fastest, then the
-    row block r, the state tile slowest; programs past the segment's end return. Reuse: each
-    program loads its own rows of B (C), for every block on the other side of the diagonal a
-    d(C·B) tile and the other operand's rows (C for dB, B for dC), then for each of the R heads
-    acum (and dts), the x (dy) rows over p and the [p, BN] dH1 (H0) tile. The programs sharing
-    any of them (the other row blocks and state tiles of the (segment, group)) are S·g = 512
-    or more programs apart, and a program moves 472 KiB for dB, 340 for dC (its 16 heads' rows
-    and state tiles): G = 52 and 72 (130 and 181 on sm_100), so nothing is shared: the other
-    operand's rows count (NQB + 1)/2 times over per state tile, the d(C·B) tiles NNB times, x
-    (dy) NNB times, dH1 (H0) NQB times for full segments; one BQ·4 partial per head written and
-    the rows of dB (dC) once. MMA: [BQ, BQ] @ [BQ, BN] per pair and [BQ, BP] @ [BP, BN] per
-    head."""
+    """dB (``grad_b``) or dC. Order: a 1-D grid over (NNB, NQB, S·g), the state tile fastest,
+    then the row block r, the (segment, group) slowest; programs past the segment's end return
+    (no slot). Reuse: each program loads its own rows of B (C), for every block on the other
+    side of the diagonal a d(C·B) tile and the other operand's rows (C for dB, B for dC), then
+    for each of the R heads acum (and dts), the x (dy) rows over p and the [p, BN] dH1 (H0)
+    tile. The state tiles of a row block (1 program apart) share its d(C·B) tiles, acum, dts
+    and x (dy) rows; the row blocks of a state tile (NNB = 2 apart) share its dH1 (H0) tiles and
+    the other operand's rows. A program moves 472 KiB for dB, 340 for dC at the production shape
+    (its 16 heads' rows and state tiles): G = 52 and 72 (130 and 181 on sm_100), more than the
+    NNB·NQB = 8 programs of a (segment, group), so every tile is read once (where (S·g, NQB,
+    NNB) order, the sharing programs S·g = 512 or more apart, read the other operand's rows
+    (NQB + 1)/2 times per state tile, the d(C·B) tiles and x (dy) NNB times and dH1 (H0) NQB
+    times); one BQ·4 partial per head written and the rows of dB (dC) once. MMA: [BQ, BQ] @
+    [BQ, BN] per pair and [BQ, BP] @ [BP, BN] per head."""
     d = _Dims(problem, t)
-    launch = _Launch(problem, t, (d.S * d.G, d.NQB, d.NNB),
-                     active=lambda la, sg, im, jn: im * d.BQ < la.L[sg // d.G])
+    launch = _Launch(problem, t, (d.NNB, d.NQB, d.S * d.G),
+                     active=lambda la, jn, im, sg: im * d.BQ < la.L[sg // d.G])
     w, V = launch.programs, launch.V
-    sg, r, jn = w.coords
+    jn, r, sg = w.coords
     s, g = sg // d.G, sg % d.G
     bn = launch.rows(d.N, d.BN, jn)
     own, other = ("B", "C") if grad_b else ("C", "B")

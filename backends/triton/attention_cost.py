@@ -147,8 +147,9 @@ def duplication(arch: str, warps: int, products, decider: int) -> list[int]:
 
     Checked against the compiled kernels (``fusedops kernels --dump``: the MMA FLOPs in the PTX
     of each kernel's inner loop against the tile's) for every entry of the tile tables: the
-    forward at 64 rows on 8 warps does 1.5x on sm_90 (d = 128, 256) and on sm_80 (d = 256); the
-    d = 256 backward's 16 x 32 tiles 1.5x (dk/dv) and 5/3 (dq) on every arch; the rest 1x."""
+    forward at 64 rows on 8 warps does 1.5x on sm_90 (the d = 128 and 256 entries before they
+    took 128 rows) and on sm_80 (d = 256); the d = 256 backward's former 16 x 32 tiles on 8 warps
+    1.5x (dk/dv) and 5/3 (dq) on every arch; the rest 1x."""
     dm, dn, _ = products[decider]
     decider_engine = _engine(arch, dm, warps)
     out = []
@@ -182,7 +183,7 @@ def forward_cost(problem, tiles, bd: int, arch: str) -> Cost:
     each of its heads (not causal: every query block visits every key block, and all hit). At
     s = 4096, d = 128, causal on sm_90 (bm = 128: 32 query blocks; a program moves 1.1 MB,
     G = 22) the diagonal key blocks of the last 11 query blocks count again: K and V 2.0x once
-    per KV head; d = 256 (64 query blocks, 2.2 MB a program, G = 11) 3.5x. Alone: the program's
+    per KV head; d = 256 (bm = 128: 32 query blocks; 2.3 MB a program, G = 11) 3.1x. Alone: the program's
     q rows (rows·d·e); stored: o and fp32 lse (rows·(d·e + 4)). Packed: the offsets once.
 
     FLOPs per visited tile: S = q kᵀ and P·V, 2·bm·bn·BD each on tensor cores, and 5 FLOPs per

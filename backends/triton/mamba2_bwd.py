@@ -65,7 +65,8 @@ def ssd_chunk_states_bwd_kernel(dy_ptr, C_ptr, states_ptr, acum_ptr, dfinal_ptr,
                                 HAS_SEQ: tl.constexpr, VX: tl.constexpr, VB: tl.constexpr):
     """The state gradients backwards along every sequence, in one pass: a program walks its
     sequence's segments from the last with a [BP, BN] tile of dH in fp32 registers
-    (dfinal_states or zero), storing it as the segment's end-state gradient dH1 (dstates) with
+    (dfinal_states or zero), storing it in the input dtype as the segment's end-state gradient
+    dH1 (dstates; dx and dB cast it to that dtype before their products anyway) with
     its <dH1, H0> partial (v[σ, h, tile] = exp(Acum_last) sum over the tile, H0 the entering
     state the forward saved), then dH0 = exp(Acum_last) dH1 + sum_i exp(Acum_i) dy_i ⊗ C_i
     (sequence ids: dH1 passes only when the segment carries, and only the tokens of the run
@@ -106,7 +107,7 @@ def ssd_chunk_states_bwd_kernel(dy_ptr, C_ptr, states_ptr, acum_ptr, dfinal_ptr,
         start = seq_start + kk * Q
         end = tl.minimum(seq_end, start + Q)
         p = (seg * H + i_h) * (P * N) + o_pn
-        tl.store(dstates_ptr + p, b_dh, mask=m_pn)
+        tl.store(dstates_ptr + p, b_dh.to(dstates_ptr.dtype.element_ty), mask=m_pn)
         p_seg = (seg * H + i_h) * Q
         decay = tl.exp(tl.minimum(tl.load(acum_ptr + p_seg + Q - 1), 0.0))
         r_prev = 0

@@ -221,8 +221,8 @@ def chunk_states_cost(problem, t: Tiles, entering: bool, backward: bool = False)
     step writes the entering [BP, BN] tile in the state dtype (and fp32 into segment_states
     with ``entering``); initial_states read and final_states written once. Backward: no dts;
     every step reads its entering state tile (the state dtype, its program's alone) and writes
-    the fp32 dH1 tile and one <dH1, H0> partial; dfinal_states read and dinitial_states written
-    once. MMA: [BP, BQ] @ [BQ, BN] per block; CUDA: the decay weights, the scaling of B (C), the
+    the dH1 tile (input dtype) and one <dH1, H0> partial; dfinal_states read and
+    dinitial_states written once. MMA: [BP, BQ] @ [BQ, BN] per block; CUDA: the decay weights, the scaling of B (C), the
     decayed carry (and the partial)."""
     d = _Dims(problem, t)
     first, count = _sequences(problem, d)
@@ -254,7 +254,7 @@ def chunk_states_cost(problem, t: Tiles, entering: bool, backward: bool = False)
     every, tile = every_program(w), bp * bn
     if backward:
         w.alone(every, walked * tile * d.es + tile * 4 * problem.has_dfinal_states)
-        w.store(every, walked * (tile * 4 + 4) + tile * 4 * problem.has_initial_states)
+        w.store(every, walked * (tile * d.e + 4) + tile * 4 * problem.has_initial_states)
     else:
         w.alone(every, tile * 4 * problem.has_initial_states)
         w.store(every, walked * tile * (d.es + 4 * entering) + tile * 4)
@@ -346,7 +346,7 @@ def dx_cost(problem, t: Tiles) -> Cost:
     w.load("acum", every, key((s, d.S), (h, d.H), (j, d.NQB)), d.BQ * 4)
     w.load("acum last", every, key((s, d.S), (h, d.H)), 4)
     w.load("B", every, key((s, d.S), (j, d.NQB), (g, d.G)), vj * d.N * d.e)
-    w.load("dH1", every, key((s, d.S), (h, d.H), (ip, d.NPB)), bp * d.N * 4)
+    w.load("dH1", every, key((s, d.S), (h, d.H), (ip, d.NPB)), bp * d.N * d.e)
     prog, i = w.loop(d.NQB, lambda p, i: (i >= j[p]) & (V[s[p], i] > 0))
     si, hi = s[prog], h[prog]
     w.load("C·B", prog, key((si, d.S), (g[prog], d.G), (i, d.NQB), (j[prog], d.NQB)),
@@ -479,7 +479,7 @@ def dbc_cost(problem, t: Tiles, grad_b: bool) -> Cost:
     w.load("x" if grad_b else "dy", prog, key((sh, d.S), (rp, d.NQB), (h, d.H)),
            V[sh, rp] * d.P * d.e)
     w.load("dH1" if grad_b else "H0", prog, key((sh, d.S), (h, d.H), (jn[prog], d.NNB)),
-           d.P * bn[prog] * (4 if grad_b else d.es))
+           d.P * bn[prog] * (d.e if grad_b else d.es))
     w.store(prog, d.BQ * 4)
     w.store(every, V[s, r] * bn * d.e)
     read, written = w.count()

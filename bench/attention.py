@@ -128,6 +128,9 @@ def training_rows(report, device, dtype, ceilings, s, b, hq, hkv, d, causal, rep
             report.add(case=last[0], impl=last[1], error=last[2])
 
 
+COMPARED_SPLITS = 16     # decode: a fixed split count timed beside the default rule's
+
+
 def decode_rows(report, device, dtype, ceilings, b, ctx, hq, hkv, d, reps):
     """One-token decode at batch ``b`` attending to ``ctx`` positions (ctx - 1 cached, the new
     one appended): fusedops (its plan's floor: the cache read once at that context) against
@@ -147,6 +150,13 @@ def decode_rows(report, device, dtype, ceilings, b, ctx, hq, hkv, d, reps):
               f"fusedops {plan.selected_backend} ({plan.problem.num_splits} splits)",
               lambda: plan.execute(**t, **out, workspace=ws), floor, reps, graph=True,
               flops=floor.flops, **gbs)
+    if plan.problem.num_splits != COMPARED_SPLITS:      # what the default split rule leaves
+        fixed = fusedops.GQAAttentionDecode(**t, num_splits=COMPARED_SPLITS).compile()
+        f_out, f_ws = fixed.allocate_outputs(), fixed.allocate_workspace()
+        add_timed(report, device, ceilings, case,
+                  f"fusedops {fixed.selected_backend} ({COMPARED_SPLITS} splits)",
+                  lambda: fixed.execute(**t, **f_out, workspace=f_ws), floor, reps, graph=True,
+                  flops=floor.flops, **gbs)
     if device.type != "cuda":
         report.add(case=case, impl="flash_attn_with_kvcache", error="runs on CUDA only")
         return

@@ -378,6 +378,29 @@ def test_decode_validation():
     assert GQAAttentionDecode(**t, num_splits=3).problem.num_splits == 3
 
 
+def test_default_num_splits_follow_the_sm_count_batch_heads_and_capacity():
+    """The fewest key ranges (each at least 512 positions, at most 32) whose b·h_kv·splits
+    programs fill their waves to within 90% of the best count's; the plan takes the SM count of
+    its target family when built on the CPU."""
+    from fusedops.attention.contract import default_num_splits, wave_efficiency
+    from fusedops.core.target import compiling_for, multiprocessors
+    assert [default_num_splits(8192, p, 132) for p in (1, 8, 32, 64, 128, 512)] == [15, 15, 4, 2, 1, 1]
+    assert [default_num_splits(8192, p, 148) for p in (8, 64, 512, 1024)] == [15, 9, 2, 1]
+    assert default_num_splits(300, 8, 132) == 1 and default_num_splits(512, 1, 132) == 1
+    assert default_num_splits(65536, 1, 132) == 29          # 32 at most: 29 is within 90%
+    assert wave_efficiency(512, 132) == 512 / 132 / 4 and wave_efficiency(264, 132) == 1.0
+    desc = lambda *shape, dtype=torch.bfloat16: fusedops.TensorDesc(shape, dtype, device="cpu")  # noqa: E731
+    for (b, hkv), arch, splits in (((1, 8), "sm_90", 15), ((8, 8), "sm_90", 2),
+                                   ((64, 8), "sm_90", 1), ((8, 8), "sm_100", 9)):
+        with compiling_for(arch):
+            assert multiprocessors(torch.device("cpu")) == {"sm_90": 132, "sm_100": 148}[arch]
+            plan = GQAAttentionDecode(q=desc(b, 1, 4 * hkv, 128), k_new=desc(b, 1, hkv, 128),
+                                      v_new=desc(b, 1, hkv, 128), k_cache=desc(b, 8192, hkv, 128),
+                                      v_cache=desc(b, 8192, hkv, 128),
+                                      cache_seqlens=desc(b, dtype=torch.int32), backend="torch")
+        assert plan.problem.num_splits == splits, (b, hkv, arch)
+
+
 @pytest.mark.parametrize("change,match", [
     (dict(k=torch.zeros(2, 9, 3, 16)), r"k: expected h_kv >= 1 dividing h_q = 4, got h_kv = 3"),
     (dict(v=torch.zeros(2, 9, 2, 8)), r"v: expected shape like k = \[2, 9, 2, 16\]"),

@@ -119,9 +119,9 @@ def backward_workspace(problem, t: Tiles | None = None) -> Layout:
 
 
 # -- specialisations -------------------------------------------------------------------------
-def _spec(kernel, args, constexprs, grid, warps=4, cost=None) -> KernelSpec:
+def _spec(kernel, args, constexprs, grid, warps=4, cost=None, maxnreg=None) -> KernelSpec:
     return KernelSpec.make(kernel, args, constexprs, grid, num_warps=warps, num_stages=NUM_STAGES,
-                           cost=cost)
+                           maxnreg=maxnreg, cost=cost)
 
 
 def _stage(spec: KernelSpec, **bind) -> Stage:
@@ -299,44 +299,46 @@ def chunk_scan_spec(problem, t: Tiles | None = None) -> KernelSpec:
                  cost=model.chunk_scan_cost(problem, t))
 
 
-GATE_ELEMENTS = 1024
-"""Elements (heads x padded head dim) per program of the gate's backward."""
+GATED_WALK_REGISTERS = (128, 168)
+"""The backward walk's register budgets with the gate fused in (16 tokens a step), head-dim tiles
+full or the last one masked: 4 and 3 CTAs of 4 warps per SM, as without the gate (ptxas's own
+choice: 188 and 201 registers, 2 CTAs; 128 with a masked tile spilled 8 bytes; at 64 tokens a
+step it took 255 registers and spilled 32-88 bytes, at 32 tokens 227, or 160 bytes of spill at
+128; sm_90a, 2026-12-02)."""
 
 
-def gate_spec(problem, t: Tiles | None = None) -> KernelSpec:
-    """Backward of the z gate: dz, and dy·silu(z) for the rest of the backward; one program
-    per (token, block of heads)."""
-    xt = pointer_type(problem.dtype)
-    bp = triton.next_power_of_2(problem.head_dim)
-    bh = max(1, min(triton.next_power_of_2(problem.heads), GATE_ELEMENTS // bp))
-    return _spec(bwd_kernels.ssd_gate_bwd_kernel,
-                 (("dy_ptr", xt), ("z_ptr", xt), ("ypre_ptr", xt), ("dypre_ptr", xt),
-                  ("dz_ptr", xt), *stride_args("dy", "x"), *stride_args("z", "x"),
-                  *stride_args("dz", "x"), ("L", "i32")),
-                 dict(H=problem.heads, P=problem.head_dim, BH=bh, BP=bp, VX=problem.vector),
-                 (problem.batch * problem.length, triton.cdiv(problem.heads, bh)),
-                 cost=model.gate_bwd_cost(problem, t))
+def _walk_step(problem, t: Tiles) -> int:
+    """Tokens per step of the backward walk: the row block, or with the gate (dy, z and y
+    before it held in fp32 beside the dH tile) a quarter of it, at least 16 (the MMA's K)."""
+    return max(16, t.BQ // 4) if problem.has_z else t.BQ
 
 
 def chunk_states_bwd_spec(problem, t: Tiles | None = None) -> KernelSpec:
     """Backwards along every sequence, one walk: each segment's end-state gradient, the
-    <dH1, H0> partials (one per state tile) and dinitial_states."""
+    <dH1, H0> partials (one per state tile) and dinitial_states; with z, the gate's backward
+    (dz, and dy·silu(z) for the later kernels) inside the walk."""
     ty, t = _Types(problem), t or tiles(problem)
     c = _counts(problem, t)
+    gate = _present(problem.has_z, ty.x)
     return _spec(bwd_kernels.ssd_chunk_states_bwd_kernel,
-                 (("dy_ptr", ty.x), ("C_ptr", ty.x),
+                 (("dy_ptr", ty.x), ("z_ptr", gate), ("ypre_ptr", gate), ("dypre_ptr", gate),
+                  ("dz_ptr", gate), ("C_ptr", ty.x),
                   ("states_ptr", pointer_type(problem.state_dtype)), ("acum_ptr", "*fp32"),
                   ("dfinal_ptr", _present(problem.has_dfinal_states, "*fp32")),
                   ("dh0_ptr", _present(problem.has_initial_states, "*fp32")), *ty.seg, ty.runs,
                   ("dstates_ptr", ty.x), ("v_ptr", "*fp32"), *stride_args("dy", "x"),
+                  *stride_args("z", "x"), *stride_args("y", "x"), *stride_args("dz", "x"),
                   *stride_args("C", "B"), ("L", "i32")),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
-                      Q=problem.chunk, BP=t.BP, BN=t.BN, BK=t.BQ,
+                      Q=problem.chunk, BP=t.BP, BN=t.BN, BK=_walk_step(problem, t),
                       HAS_DFINAL=problem.has_dfinal_states, HAS_DH0=problem.has_initial_states,
+                      GATE=problem.has_z,
                       VARLEN=_varlen(problem), **numerics(problem.dtype), **ty.seq,
                       VX=problem.vector, VB=problem.bc_vector),
                  (c["NNB"] * c["NPB"] * problem.sequences * problem.heads,),
-                 cost=model.chunk_states_cost(problem, t, False, True))
+                 cost=model.chunk_states_cost(problem, t, False, True),
+                 maxnreg=(GATED_WALK_REGISTERS[problem.head_dim % t.BP > 0] if problem.has_z
+                          else None))
 
 
 def dx_spec(problem, t: Tiles | None = None) -> KernelSpec:
@@ -505,8 +507,8 @@ def forward_program(problem, config: ScanTiles | None = None) -> Program:
 
 
 def backward_program(problem, config: ScanTiles | None = None) -> Program:
-    """The forward's prologue recomputed (and its states with recompute_states), the gate,
-    the state gradients backwards along each sequence, dx, d(C·B), the straddling
+    """The forward's prologue recomputed (and its states with recompute_states), the state
+    gradients backwards along each sequence (with the gate's backward), dx, d(C·B), the straddling
     pairs of the log-decay gradient, dB, dC, ddt and the fixed-order parameter reduction (tiles:
     the table's entry, or ``config``)."""
     t = tiles(problem, config)
@@ -519,24 +521,22 @@ def backward_program(problem, config: ScanTiles | None = None) -> Program:
         stages.append(_states_stage(problem, t, states, ws("final")))
     else:
         states = saved_piece("states")
-    dy, dy_strides = "dy", "dy"
-    if problem.has_z:
-        stages.append(_stage(gate_spec(problem, t), ypre_ptr=saved_piece("ypre"),
-                             dypre_ptr=ws("dypre"), L=problem.length,
-                             **strides("dy", "x", "dy", v), **strides("z", "x", "z", v),
-                             **strides("dz", "x", "dz", v)))
-        dy, dy_strides = ws("dypre"), contiguous_x(problem)     # dy·silu(z), contiguous
+    gate = problem.has_z
+    dy, dy_strides = (ws("dypre"), contiguous_x(problem)) if gate else ("dy", "dy")
     lo, hi = problem.dt_limit
     x_strides = strides("x", "x", "x", v)
     grad_strides = strides("dy", "x", dy_strides, v)
     fixed = dict(dts_ptr=ws("dts"), acum_ptr=ws("acum"), **seg)
     runs = dict(runs_ptr=ws("runs"))
     stages += [
-        _stage(chunk_states_bwd_spec(problem, t), dy_ptr=dy, C_ptr="C", states_ptr=states,
-               acum_ptr=ws("acum"), dfinal_ptr="dfinal_states", dh0_ptr="dinitial_states",
-               cu_ptr=ws("cu"), off_ptr=ws("offsets"), dstates_ptr=ws("dstates"), v_ptr=ws("v"),
-               L=problem.length, **strides("dy", "x", dy_strides, v),
-               **strides("C", "B", "C", vb), **runs),
+        _stage(chunk_states_bwd_spec(problem, t), dy_ptr="dy", z_ptr="z",
+               ypre_ptr=saved_piece("ypre"), dypre_ptr=ws("dypre"), dz_ptr="dz", C_ptr="C",
+               states_ptr=states, acum_ptr=ws("acum"), dfinal_ptr="dfinal_states",
+               dh0_ptr="dinitial_states", cu_ptr=ws("cu"), off_ptr=ws("offsets"),
+               dstates_ptr=ws("dstates"), v_ptr=ws("v"), L=problem.length,
+               **strides("dy", "x", "dy", v), **strides("z", "x", "z", v, gate),
+               **strides("y", "x", contiguous_x(problem), v, gate),
+               **strides("dz", "x", "dz", v, gate), **strides("C", "B", "C", vb), **runs),
         _stage(dx_spec(problem, t), dy_ptr=dy, cb_ptr=ws("cb"), dstates_ptr=ws("dstates"), D_ptr="D",
                ddt_part_ptr=ws("ddt_part"), dD_part_ptr=ws("dD_part"), **x_strides, **grad_strides,
                **strides("B", "B", "B", vb), **strides("dx", "x", "dx", v), **runs, **fixed),

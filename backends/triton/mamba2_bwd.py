@@ -22,47 +22,59 @@ import triton
 import triton.language as tl
 
 from .mamba2_fwd import (accumulate_state, block_pair, segment_bounds, segment_runs,
-                          sequence_segments, token_runs)
+                          sequence_segments, token_runs, weighted_rows)
 from .ssm_math import softplus
 from .tiles import mm
 
 
 @triton.jit
-def ssd_gate_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, stride_dy_b, stride_dy_l,
-                        stride_dy_h, stride_z_b, stride_z_l, stride_z_h, stride_dz_b, stride_dz_l,
-                        stride_dz_h, L, H: tl.constexpr, P: tl.constexpr, BH: tl.constexpr,
-                        BP: tl.constexpr, VX: tl.constexpr):
-    """dy_pre = dy·silu(z); dz = dy·y_pre·silu'(z), per (token, BH heads): y before the gate
-    and dy_pre contiguous [b, l, h, p], dy, z and dz through their strides."""
-    i_t, i_h = tl.program_id(0), tl.program_id(1)
-    row = (i_t // L).to(tl.int64)
-    pos = (i_t - (i_t // L) * L).to(tl.int64)
-    o_h = i_h * BH + tl.arange(0, BH)
-    o_p = tl.arange(0, BP)
-    m = (o_h < H)[:, None] & (o_p < P)[None, :]
-    o_hp = o_h[:, None] * P + o_p[None, :]
-    p_flat = i_t.to(tl.int64) * (H * P) + o_hp
-    p_dy = row * (stride_dy_b * VX) + pos * (stride_dy_l * VX) + o_h[:, None] * (stride_dy_h * VX)
-    p_z = row * (stride_z_b * VX) + pos * (stride_z_l * VX) + o_h[:, None] * (stride_z_h * VX)
-    p_dz = row * (stride_dz_b * VX) + pos * (stride_dz_l * VX) + o_h[:, None] * (stride_dz_h * VX)
-    b_dy = tl.load(dy_ptr + p_dy + o_p[None, :], mask=m, other=0.0).to(tl.float32)
-    b_z = tl.load(z_ptr + p_z + o_p[None, :], mask=m, other=0.0).to(tl.float32)
-    b_y = tl.load(ypre_ptr + p_flat, mask=m, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(b_z)
-    tl.store(dypre_ptr + p_flat, (b_dy * b_z * sig).to(dypre_ptr.dtype.element_ty), mask=m)
-    tl.store(dz_ptr + p_dz + o_p[None, :],
-             (b_dy * b_y * sig * (1.0 + b_z * (1.0 - sig))).to(dz_ptr.dtype.element_ty), mask=m)
+def accumulate_gated_state(b_acc, p_dy, p_z, p_y, p_dyg, p_dz, p_c, acum_ptr, runs_ptr, p_seg, row,
+                           start, end, L, r_keep, o_p, o_n, m_p, m_n, stride_dy_l, stride_z_l,
+                           stride_y_l, stride_dz_l, stride_C_l, m_w, BK: tl.constexpr,
+                           UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SEQ: tl.constexpr,
+                           VX: tl.constexpr, VB: tl.constexpr):
+    """The z gate's backward fused into the state walk: b_acc [BP, BN] + sum_i exp(Acum_i)
+    (dy_i·silu(z_i)) ⊗ C_i over the segment's tokens [start, end), dy·silu(z) formed in fp32
+    from dy, z and y before the gate (rows o_p at p_dy, p_z, p_y) and rounded to the input dtype
+    as the later kernels read it, and stored (p_dyg, contiguous like p_y) with dz =
+    dy·y_pre·silu'(z) (p_dz) for the rows m_w (none, or o_p's)."""
+    for k0 in range(0, end - start, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = start + o_k < end
+        tok = (start + o_k).to(tl.int64)
+        m = m_p[:, None] & m_k[None, :]
+        m_store = m_w[:, None] & m_k[None, :]
+        b_dy = tl.load(p_dy + tok[None, :] * (stride_dy_l * VX) + o_p[:, None], mask=m,
+                       other=0.0).to(tl.float32)
+        b_z = tl.load(p_z + tok[None, :] * (stride_z_l * VX) + o_p[:, None], mask=m,
+                      other=0.0).to(tl.float32)
+        b_y = tl.load(p_y + tok[None, :] * (stride_y_l * VX) + o_p[:, None], mask=m,
+                      other=0.0).to(tl.float32)
+        sig = tl.sigmoid(b_z)
+        b_g = (b_dy * b_z * sig).to(p_dyg.dtype.element_ty)
+        tl.store(p_dyg + tok[None, :] * (stride_y_l * VX) + o_p[:, None], b_g, mask=m_store)
+        tl.store(p_dz + tok[None, :] * (stride_dz_l * VX) + o_p[:, None],
+                 (b_dy * b_y * sig * (1.0 + b_z * (1.0 - sig))).to(p_dz.dtype.element_ty),
+                 mask=m_store)
+        b_c = weighted_rows(p_c, acum_ptr, acum_ptr, runs_ptr, p_seg, row, start, o_k, m_k, tok, L,
+                            0.0, r_keep, o_n, m_n, stride_C_l, True, HAS_SEQ, VB)
+        b_acc = mm(b_g, b_c.to(b_g.dtype), b_acc, UPCAST, IEEE)     # [BP, BK] @ [BK, BN]
+    return b_acc
 
 
 @triton.jit
-def ssd_chunk_states_bwd_kernel(dy_ptr, C_ptr, states_ptr, acum_ptr, dfinal_ptr, dh0_ptr, cu_ptr,
-                                off_ptr, runs_ptr, dstates_ptr, v_ptr, stride_dy_b, stride_dy_l,
-                                stride_dy_h, stride_C_b, stride_C_l, stride_C_g, L,
-                                H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                                Q: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                                BK: tl.constexpr, HAS_DFINAL: tl.constexpr, HAS_DH0: tl.constexpr,
-                                VARLEN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                                HAS_SEQ: tl.constexpr, VX: tl.constexpr, VB: tl.constexpr):
+def ssd_chunk_states_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, C_ptr, states_ptr,
+                                acum_ptr, dfinal_ptr, dh0_ptr, cu_ptr, off_ptr, runs_ptr,
+                                dstates_ptr, v_ptr, stride_dy_b, stride_dy_l, stride_dy_h,
+                                stride_z_b, stride_z_l, stride_z_h, stride_y_b, stride_y_l,
+                                stride_y_h, stride_dz_b, stride_dz_l, stride_dz_h, stride_C_b,
+                                stride_C_l, stride_C_g, L, H: tl.constexpr, G: tl.constexpr,
+                                P: tl.constexpr, N: tl.constexpr, Q: tl.constexpr,
+                                BP: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                                HAS_DFINAL: tl.constexpr, HAS_DH0: tl.constexpr,
+                                GATE: tl.constexpr, VARLEN: tl.constexpr, UPCAST: tl.constexpr,
+                                IEEE: tl.constexpr, HAS_SEQ: tl.constexpr, VX: tl.constexpr,
+                                VB: tl.constexpr):
     """The state gradients backwards along every sequence, in one pass: a program walks its
     sequence's segments from the last with a [BP, BN] tile of dH in fp32 registers
     (dfinal_states or zero), storing it in the input dtype as the segment's end-state gradient
@@ -70,9 +82,12 @@ def ssd_chunk_states_bwd_kernel(dy_ptr, C_ptr, states_ptr, acum_ptr, dfinal_ptr,
     its <dH1, H0> partial (v[σ, h, tile] = exp(Acum_last) sum over the tile, H0 the entering
     state the forward saved), then dH0 = exp(Acum_last) dH1 + sum_i exp(Acum_i) dy_i ⊗ C_i
     (sequence ids: dH1 passes only when the segment carries, and only the tokens of the run
-    before the segment count); the first segment's dH0 is dinitial_states. One program per
+    before the segment count); the first segment's dH0 is dinitial_states. GATE (z given): dy
+    here is dy·silu(z), formed from dy, z and y before the gate as the walk reads them
+    (``accumulate_gated_state``); the first state tile's programs store it (dypre, contiguous,
+    for the later kernels) and dz, so every covered token's are written once. One program per
     (state tile, head-dim tile, sequence·head), the tiles fastest: the tiles of a (sequence,
-    head) share its dy rows in L2, the R heads of a group its C rows."""
+    head) share its dy (z, y) rows in L2, the R heads of a group its C rows."""
     NPB: tl.constexpr = (P + BP - 1) // BP
     NNB: tl.constexpr = (N + BN - 1) // BN
     pid = tl.program_id(0)
@@ -99,6 +114,14 @@ def ssd_chunk_states_bwd_kernel(dy_ptr, C_ptr, states_ptr, acum_ptr, dfinal_ptr,
         b_dh = tl.zeros([BP, BN], dtype=tl.float32)
     p_dy = dy_ptr + row * (stride_dy_b * VX) + i_h * (stride_dy_h * VX)
     p_c = C_ptr + row * (stride_C_b * VB) + i_g * (stride_C_g * VB)
+    if GATE:
+        p_z = z_ptr + row * (stride_z_b * VX) + i_h * (stride_z_h * VX)
+        p_dz = dz_ptr + row * (stride_dz_b * VX) + i_h * (stride_dz_h * VX)
+        p_y = ypre_ptr + row * (stride_y_b * VX) + i_h * (stride_y_h * VX)
+        p_dyg = dypre_ptr + row * (stride_y_b * VX) + i_h * (stride_y_h * VX)
+        # the first state tile writes the gate's outputs (compared per row: the interpreter
+        # gives a scalar comparison's mask an int32 dtype)
+        m_w = m_p & (o_p * 0 + i_n == 0)
     first = first.to(tl.int64)
     count = last - first
     for k in range(0, count):
@@ -117,9 +140,17 @@ def ssd_chunk_states_bwd_kernel(dy_ptr, C_ptr, states_ptr, acum_ptr, dfinal_ptr,
         b_h0 = tl.load(states_ptr + p, mask=m_pn, other=0.0).to(tl.float32)
         tl.store(v_ptr + (seg * H + i_h) * (NPB * NNB) + i_t,
                  decay * tl.sum(tl.sum(b_dh * b_h0, axis=1), axis=0))
-        b_dh = accumulate_state(b_dh * decay, p_dy, p_c, acum_ptr, acum_ptr, runs_ptr, p_seg, row,
-                                start, end, L, 0.0, r_prev, o_p, o_n, m_p, m_n, stride_dy_l,
-                                stride_C_l, BK, True, UPCAST, IEEE, HAS_SEQ, VX, VB)
+        if GATE:
+            b_dh = accumulate_gated_state(b_dh * decay, p_dy, p_z, p_y, p_dyg, p_dz, p_c,
+                                          acum_ptr, runs_ptr, p_seg, row, start, end, L, r_prev,
+                                          o_p, o_n, m_p, m_n, stride_dy_l, stride_z_l,
+                                          stride_y_l, stride_dz_l, stride_C_l, m_w, BK, UPCAST,
+                                          IEEE, HAS_SEQ, VX, VB)
+        else:
+            b_dh = accumulate_state(b_dh * decay, p_dy, p_c, acum_ptr, acum_ptr, runs_ptr, p_seg,
+                                    row, start, end, L, 0.0, r_prev, o_p, o_n, m_p, m_n,
+                                    stride_dy_l, stride_C_l, BK, True, UPCAST, IEEE, HAS_SEQ,
+                                    VX, VB)
     if HAS_DH0:
         tl.store(dh0_ptr + p_seq, b_dh, mask=m_pn)
 

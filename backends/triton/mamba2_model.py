@@ -223,7 +223,9 @@ def chunk_states_cost(problem, t: Tiles, entering: bool, backward: bool = False)
     every step reads its entering state tile (the state dtype, its program's alone) and writes
     the dH1 tile (input dtype) and one <dH1, H0> partial; dfinal_states read and
     dinitial_states written once. MMA: [BP, BQ] @ [BQ, BN] per block; CUDA: the decay weights, the scaling of B (C), the
-    decayed carry (and the partial)."""
+    decayed carry (and the partial). With z the backward forms dy·silu(z) from dy, z and y
+    before the gate, read like dy (shared by the NNB state tiles), and the first state tile's
+    programs write it and dz (2·e per element); the gate's FLOPs count once per state tile."""
     d = _Dims(problem, t)
     first, count = _sequences(problem, d)
     steps = max(1, int(count.max()))
@@ -246,6 +248,11 @@ def chunk_states_cost(problem, t: Tiles, entering: bool, backward: bool = False)
            key((seg, d.S), (k, d.NQB), (hk, d.H), (ip[prog], d.NPB)), v * bp[prog] * d.e)
     w.load("C" if backward else "B", prog,
            key((seg, d.S), (k, d.NQB), (g[prog], d.G), (jn[prog], d.NNB)), v * bn[prog] * d.e)
+    if backward and problem.has_z:      # the gate: z and y before it read as dy is
+        for operand in ("z", "y before the gate"):
+            w.load(operand, prog, key((seg, d.S), (k, d.NQB), (hk, d.H), (ip[prog], d.NPB)),
+                   v * bp[prog] * d.e)
+        w.store(prog, (jn[prog] == 0) * v * bp[prog] * 2 * d.e)    # dy·silu(z) and dz
     w.load("acum", prog, key((seg, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
     if not backward:
         w.load("dts", prog, key((seg, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
@@ -263,6 +270,8 @@ def chunk_states_cost(problem, t: Tiles, entering: bool, backward: bool = False)
     mma = blocks * 2 * d.BQ * d.Pp * d.Np
     cuda = (blocks * d.NPB * d.NNB * d.BQ * (d.BN + 4)
             + (4 if backward else 2) * d.used * d.H * d.P * d.N)
+    if backward and problem.has_z:      # the gate's 12 FLOPs per element, in every state tile
+        cuda += 12 * d.NNB * d.T * d.H * d.P
     return Cost(mma + cuda, read + d.table, written, mma, d.BP)
 
 
@@ -311,14 +320,6 @@ def chunk_scan_cost(problem, t: Tiles) -> Cost:
     cuda = d.NPB * (pairs * d.BQ * d.BQ * 6 + rows * d.BQ * d.BP * (1 + 2 * problem.has_D
                                                                     + 5 * problem.has_z))
     return Cost(mma + cuda, read + D + d.table, written, mma, d.BQ)
-
-
-def gate_bwd_cost(problem, t: Tiles) -> Cost:
-    """dy, z and y before the gate read, dy·silu(z) and dz written: element-wise, one program
-    per (token, block of heads), no tile shared; x-sized each."""
-    numel = problem.batch * problem.length * problem.heads * problem.head_dim
-    e = element_size(problem.dtype)
-    return Cost(12 * numel, 3 * numel * e, 2 * numel * e)
 
 
 @per_arch

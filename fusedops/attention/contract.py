@@ -80,8 +80,10 @@ PAGE_MULTIPLE = 16
 
 SPLIT_POSITIONS = 512
 MAX_SPLITS = 32
-"""Decode's default number of key ranges: one per SPLIT_POSITIONS cache positions, at most
-MAX_SPLITS (``default_num_splits``)."""
+SPLIT_EFFICIENCY = 0.9
+"""Decode's default number of key ranges (``default_num_splits``): at most one per
+SPLIT_POSITIONS cache positions and MAX_SPLITS; the fewest whose last wave is filled to within
+SPLIT_EFFICIENCY of the best count's."""
 
 
 @dataclass(frozen=True)
@@ -182,9 +184,25 @@ def resolve_scale(scale: float | None, head_dim: int) -> float:
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
 
-def default_num_splits(capacity: int) -> int:
-    """Decode's key ranges when num_splits is None: one per SPLIT_POSITIONS positions, 1..32."""
-    return max(1, min(MAX_SPLITS, -(-capacity // SPLIT_POSITIONS)))
+def wave_efficiency(programs: int, sms: int) -> float:
+    """How full a grid of ``programs`` keeps ``sms`` SMs over its waves: programs / sms over
+    its ceiling (1.0: the last wave is full)."""
+    waves = programs / sms
+    return waves / math.ceil(waves)
+
+
+def default_num_splits(capacity: int, programs: int, sms: int) -> int:
+    """Decode's key ranges when num_splits is None, from the SM count and the step's
+    b·h_kv (``programs`` without a split) and cache capacity: of 1 to min(MAX_SPLITS,
+    ceil(capacity / SPLIT_POSITIONS)) splits (a split streams at least SPLIT_POSITIONS positions,
+    so its fp32 partial stays small against its cache read), the fewest whose programs·splits
+    fill their waves of ``sms`` (``wave_efficiency``) to within SPLIT_EFFICIENCY of the best
+    count's. On 132 SMs with 8192 positions: b·h_kv = 8 takes 15 splits (120 programs), 64
+    takes 2, 512 (3.9 waves, 97% full) takes 1; a short cache takes 1 whatever the batch."""
+    most = max(1, min(MAX_SPLITS, -(-capacity // SPLIT_POSITIONS)))
+    efficiency = [wave_efficiency(max(1, programs) * s, sms) for s in range(1, most + 1)]
+    best = max(efficiency)
+    return next(s for s, e in enumerate(efficiency, 1) if e >= SPLIT_EFFICIENCY * best)
 
 
 # -- the floors (fusedops.core.cost): the least any implementation moves and computes ----------

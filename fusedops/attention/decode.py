@@ -10,6 +10,7 @@ from ..core.checks import expect_contiguous, expect_dtype, expect_ndim, expect_s
 from ..core.dtypes import accumulator_dtype
 from ..core.index_checks import check_each_at_most
 from ..core.options import Option, expect_bool, expect_int, optional
+from ..core.target import multiprocessors
 from ..core.tupledict import TupleDict
 from ..errors import ValidationError
 from ..plan import Plan, indices, inputs, outputs, status_word, updated
@@ -52,8 +53,10 @@ class GQAAttentionDecode(Plan):
         causal (default True), window_size=(left, right): bottom-right aligned masks as in
             training (offset = cache_seqlens + N - T); softcap: as in training.
         softmax_scale: a finite float > 0 (default 1/sqrt(d)).
-        num_splits: the fixed number of key ranges (flash-decoding), an int >= 1; default one
-            per 512 positions of the capacity, at most 32.
+        num_splits: the fixed number of key ranges (flash-decoding), an int >= 1; default from
+            the SM count (the device's; on the CPU the target family's part) and b·h_kv·capacity
+            (``contract.default_num_splits``): the fewest of 1 to min(32, capacity / 512) that
+            fill the grid's waves to within 90% of the best count.
         status: an optional int32 [1] status word (pass it to execute too): the kernels OR
             Status.CACHE_SEQLENS / BLOCK_TABLE / SLOT_INDEX into it for invalid rows.
 
@@ -153,7 +156,8 @@ class GQAAttentionDecode(Plan):
         return DecodeAttentionProblem(
             q.dtype, kc.dtype, b, T, hq, hkv, d, "block_table" in descs, page_size, max_pages,
             capacity, resolve_scale(softmax_scale, d), per_head,
-            default_num_splits(capacity) if num_splits is None else num_splits, self.device,
+            (default_num_splits(capacity, b * hkv, multiprocessors(self.device))
+             if num_splits is None else num_splits), self.device,
             kc.shape[0], has_status(descs), new, causal, window_size, softcap,
             "cache_batch_idx" in descs, "cache_leftpad" in descs, rotary[0], rotary_interleaved,
             rotary[1], descs["rotary_cos"].dtype if rotary[0] else None)

@@ -25,6 +25,12 @@ def device_capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+@functools.cache
+def multiprocessor_count(index: int) -> int:
+    """Streaming multiprocessors of CUDA device ``index``."""
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def gpu_unavailable_reason(kernels: str, device: torch.device,
                            minimum: tuple[int, int]) -> str | None:
     """Why ``kernels`` cannot run on ``device`` (not CUDA, or below ``minimum`` capability)."""

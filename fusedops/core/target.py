@@ -17,9 +17,12 @@ import os
 import torch
 
 from ..errors import ValidationError
-from .device import device_capability
+from .device import device_capability, multiprocessor_count
 
 ARCHS = ("sm_80", "sm_90", "sm_100")
+MULTIPROCESSORS = {"sm_80": 108, "sm_90": 132, "sm_100": 148}
+"""SMs of each family's data-centre part (A100, H100/H200, B200): what a plan assumes where no
+CUDA device answers (``multiprocessors``)."""
 TARGET_ENV = "FUSEDOPS_TARGET_ARCH"
 _OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar("fusedops_target_arch",
                                                                        default=None)
@@ -51,6 +54,15 @@ def target_arch(device: torch.device) -> str:
     if device.type == "cuda":
         return arch_of_capability(device_capability(device.index))
     return "sm_90"
+
+
+def multiprocessors(device: torch.device) -> int:
+    """SMs a plan on ``device`` sizes its grids for: a CUDA device's own count, else that of
+    ``target_arch``'s data-centre part (``MULTIPROCESSORS``: plans built on the CPU, the kernel
+    report)."""
+    if device.type == "cuda":
+        return multiprocessor_count(device.index)
+    return MULTIPROCESSORS[target_arch(device)]
 
 
 @contextlib.contextmanager

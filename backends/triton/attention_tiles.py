@@ -90,8 +90,12 @@ FORWARD = {
         128: (Tiles(64, 64, 8, 2, WIDE_TILE_REGISTERS), "today's tiles; one thread issues each "
               "tcgen05 MMA for the CTA and the warps share the score tile's softmax (no "
               "duplicated work, unlike sm_90's wgmma); 192 registers keep ptxas from spilling"),
-        256: (Tiles(64, 32, 8, 2, WIDE_TILE_REGISTERS), "today's tiles (as d = 128, 32 keys "
-              "per step)"),
+        256: (Tiles(128, 32, 8, 3), "128 query rows on 8 warps (tcgen05's full 128-row MMA), "
+              "32 keys per step, 3 stages: 238 registers (246 packed, 254 softcapped), no spill, "
+              "161 KiB of shared memory, 1 CTA per SM as the 64-row tile it replaces (166 "
+              "registers at its 192 budget), whose query blocks read each key block twice as "
+              "often (0.900 to 0.736 GB modelled at hkv8 causal); 64 keys per step spills 40 "
+              "bytes (2026-12-02, `fusedops kernels`)"),
     },
     "sm_80": {
         64: (Tiles(64, 64, 4, 2, STRIDED_THREE_CTAS), "today's tiles: mma.sync m16n8k16, four "

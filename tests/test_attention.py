@@ -384,12 +384,14 @@ def test_default_num_splits_follow_the_sm_count_batch_heads_and_capacity():
     its target family when built on the CPU."""
     from fusedops.attention.contract import default_num_splits, wave_efficiency
     from fusedops.core.target import compiling_for, multiprocessors
-    assert [default_num_splits(8192, p, 132) for p in (1, 8, 32, 64, 128, 512)] == [15, 15, 4, 2, 1, 1]
+    assert [default_num_splits(8192, p, 132)
+            for p in (1, 8, 32, 64, 128, 512)] == [15, 15, 4, 2, 1, 1]
     assert [default_num_splits(8192, p, 148) for p in (8, 64, 512, 1024)] == [15, 9, 2, 1]
     assert default_num_splits(300, 8, 132) == 1 and default_num_splits(512, 1, 132) == 1
     assert default_num_splits(65536, 1, 132) == 29          # 32 at most: 29 is within 90%
     assert wave_efficiency(512, 132) == 512 / 132 / 4 and wave_efficiency(264, 132) == 1.0
-    desc = lambda *shape, dtype=torch.bfloat16: fusedops.TensorDesc(shape, dtype, device="cpu")  # noqa: E731
+    def desc(*shape, dtype=torch.bfloat16):
+        return fusedops.TensorDesc(shape, dtype, device="cpu")
     for (b, hkv), arch, splits in (((1, 8), "sm_90", 15), ((8, 8), "sm_90", 2),
                                    ((64, 8), "sm_90", 1), ((8, 8), "sm_100", 9)):
         with compiling_for(arch):

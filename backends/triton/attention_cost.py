@@ -183,8 +183,9 @@ def forward_cost(problem, tiles, bd: int, arch: str) -> Cost:
     each of its heads (not causal: every query block visits every key block, and all hit). At
     s = 4096, d = 128, causal on sm_90 (bm = 128: 32 query blocks; a program moves 1.1 MB,
     G = 22) the diagonal key blocks of the last 11 query blocks count again: K and V 2.0x once
-    per KV head; d = 256 (bm = 128: 32 query blocks; 2.3 MB a program, G = 11) 3.1x. Alone: the program's
-    q rows (rows·d·e); stored: o and fp32 lse (rows·(d·e + 4)). Packed: the offsets once.
+    per KV head; d = 256 (bm = 128: 32 query blocks; 2.3 MB a program, G = 11) 3.1x. Alone: the
+    program's q rows (rows·d·e); stored: o and fp32 lse (rows·(d·e + 4)). Packed: the offsets
+    once.
 
     FLOPs per visited tile: S = q kᵀ and P·V, 2·bm·bn·BD each on tensor cores, and 5 FLOPs per
     score plus the accumulator rescale (bm·BD), each times its ``duplication`` (the score work

@@ -222,10 +222,11 @@ def chunk_states_cost(problem, t: Tiles, entering: bool, backward: bool = False)
     with ``entering``); initial_states read and final_states written once. Backward: no dts;
     every step reads its entering state tile (the state dtype, its program's alone) and writes
     the dH1 tile (input dtype) and one <dH1, H0> partial; dfinal_states read and
-    dinitial_states written once. MMA: [BP, BQ] @ [BQ, BN] per block; CUDA: the decay weights, the scaling of B (C), the
-    decayed carry (and the partial). With z the backward forms dy·silu(z) from dy, z and y
-    before the gate, read like dy (shared by the NNB state tiles), and the first state tile's
-    programs write it and dz (2·e per element); the gate's FLOPs count once per state tile."""
+    dinitial_states written once. MMA: [BP, BQ] @ [BQ, BN] per block; CUDA: the decay weights,
+    the scaling of B (C), the decayed carry (and the partial). With z the backward forms
+    dy·silu(z) from dy, z and y before the gate, read like dy (shared by the NNB state tiles),
+    and the first state tile's programs write it and dz (2·e per element); the gate's FLOPs
+    count once per state tile."""
     d = _Dims(problem, t)
     first, count = _sequences(problem, d)
     steps = max(1, int(count.max()))

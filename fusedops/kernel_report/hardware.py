@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..core.target import MULTIPROCESSORS
+
 
 @dataclass(frozen=True)
 class Gpu:
@@ -51,9 +53,9 @@ class SmLimits:
 
 
 LIMITS = {
-    "sm_80": SmLimits("sm_80", shared_bytes=167936, sms=108),
-    "sm_90a": SmLimits("sm_90a", sms=132),
-    "sm_100a": SmLimits("sm_100a", sms=148),
+    "sm_80": SmLimits("sm_80", shared_bytes=167936, sms=MULTIPROCESSORS["sm_80"]),
+    "sm_90a": SmLimits("sm_90a", sms=MULTIPROCESSORS["sm_90"]),
+    "sm_100a": SmLimits("sm_100a", sms=MULTIPROCESSORS["sm_100"]),
 }
 
 

@@ -128,6 +128,10 @@ if sys.argv[1] == "fusedops":
 import transformers
 calls = []
 if sys.argv[1] == "fusedops":
+    # recent transformers (5.25 here) sends inputs on devices mamba_ssm does not serve (CPU) to its
+    # torch path; the stand-in serves every device
+    from transformers.integrations import hub_kernels
+    getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", {}).pop("mamba_ssm", None)
     # attention through transformers' attention-function registry, served by flash_attn_func
     def fusedops_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         calls.append(query.shape[2])

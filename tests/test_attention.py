@@ -174,12 +174,41 @@ CASES = [
 ]
 
 
+# sm_80's tables read every tile through pointers and masks, sm_90's and sm_100's through tensor
+# descriptors of each sequence (TMA); sm_90's and sm_100's d = 256 dk/dv kernels hold dk and dv
+# transposed (the head dim as M)
+ARCHS = ("sm_80", "sm_90", "sm_100")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
 @pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c['shape']}-{c.get('causal', False)}-{c.get('window_size', '')}")
-def test_kernels_match_reference(backend, case):
+def test_kernels_match_reference(backend, case, arch):
+    from fusedops.core.target import compiling_for
     q, k, v, do = qkv(*case["shape"], seed=4)
     opts = {k_: v_ for k_, v_ in case.items() if k_ != "shape"}
-    compare(run(backend, q, k, v, do, **opts), run("torch", q, k, v, do, **opts),
+    with compiling_for(arch):
+        got = run(backend, q, k, v, do, **opts)
+    compare(got, run("torch", q, k, v, do, **opts), KERNEL_TOLERANCE[torch.float32])
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("backend", KERNELS)
+def test_head_dim_256_on_every_table(backend, arch):
+    """d = 256 through each architecture's tiles: on sm_90 and sm_100 the dk/dv kernel
+    accumulates dkᵀ and dvᵀ (the head dim as every accumulating product's M), packed and dense."""
+    from fusedops.backends.triton import attention as kernels
+    from fusedops.core.target import compiling_for
+    q, k, v, do = qkv(1, 70, 70, 2, 1, 256, seed=17)
+    (pq, pk, pv, pdo), opts = packed([37, 1, 45], [40, 3, 45], 2, 1, 256, seed=18)
+    with compiling_for(arch):
+        lse = torch.zeros(1, 2, 70)
+        problem = GQAAttentionBackward(q, k, v, q, lse, do, causal=True, backend=backend).problem
+        assert kernels.backward_tiles(problem).features_m == (arch != "sm_80")
+        dense = run(backend, q, k, v, do, causal=True)
+        varlen = run(backend, pq, pk, pv, pdo, causal=True, **opts)
+    compare(dense, run("torch", q, k, v, do, causal=True), KERNEL_TOLERANCE[torch.float32])
+    compare(varlen, run("torch", pq, pk, pv, pdo, causal=True, **opts),
             KERNEL_TOLERANCE[torch.float32])
 
 
@@ -227,19 +256,40 @@ EDGE_CASES = [
 
 
 @pytest.mark.parametrize("backend", KERNELS)
+def test_descriptor_scratch_needs_a_128_byte_aligned_workspace(backend):
+    """The TMA kernels keep their tensor descriptors in the workspace (``global_scratch``), which
+    Triton aligns to 128 bytes: on a GPU a workspace 16 bytes off is refused, naming the
+    alignment (the CPU interpreter keeps descriptors in host memory: 16 bytes, as any buffer)."""
+    q, k, v, _ = qkv(1, 40, 40, 2, 1, 32, seed=3)
+    plan = GQAAttentionForward(q, k, v, causal=True, backend=backend).compile()
+    assert plan.workspace_size > 0
+    assert plan._program.workspace_alignment(torch.device("cuda")) == 128
+    assert plan._program.workspace_alignment(torch.device("cpu")) == 16
+    if q.device.type != "cuda":
+        return
+    raw = torch.empty(plan.workspace_size + 256, dtype=torch.uint8, device=q.device)
+    aligned = raw[-raw.data_ptr() % 128:]
+    outs = plan.allocate_outputs()
+    plan.execute(q, k, v, **outs, workspace=aligned[:plan.workspace_size])
+    with pytest.raises(ValidationError, match=r"workspace: expected a data pointer aligned to 128"):
+        plan.execute(q, k, v, **outs, workspace=aligned[16:16 + plan.workspace_size])
+
+
+@pytest.mark.parametrize("features_m", [False, True], ids=["keys-as-M", "features-as-M"])
+@pytest.mark.parametrize("backend", KERNELS)
 @pytest.mark.parametrize("case", EDGE_CASES, ids=lambda c: "-".join(map(str, c.values())))
-def test_dkdv_kernel_masks_exactly_the_edge_blocks(backend, case):
+def test_dkdv_kernel_masks_exactly_the_edge_blocks(backend, case, features_m):
     """The dk/dv kernel skips the mask arithmetic on the query blocks that see every key of its
     key block (``unmasked_queries``) and walks the blocks from the last one down: with small
     tiles each mask shape has such blocks between masked ones, and every gradient matches the
-    reference."""
+    reference, with dk and dv held either way round."""
     from fusedops.backends.triton import attention as kernels
     opts = {k_: v_ for k_, v_ in case.items() if k_ not in ("sq", "sk")}
     q, k, v, do = qkv(2, case["sq"], case["sk"], 4, 2, 32, seed=13)
     expected = run("torch", q, k, v, do, **opts)
     plan = GQAAttentionBackward(q, k, v, expected["o"], expected["lse"], do, backend=backend, **opts)
     tiles = kernels.backward_tiles(plan.problem)
-    config = kernels.BackwardTiles(kernels.Tiles(16, 32, 4), tiles.dq)
+    config = kernels.BackwardTiles(kernels.Tiles(16, 32, 4), tiles.dq, features_m)
     plan._program, plan._launch = kernels.backward_program(plan.problem, config=config), None
     got = plan.compile().execute(q, k, v, expected["o"], expected["lse"], do,
                                  **plan.allocate_outputs(), workspace=plan.allocate_workspace())

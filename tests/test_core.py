@@ -225,6 +225,52 @@ def test_staged_program_binds_by_name_and_checks_at_build():
         Program(stages=(Stage(Kernel(("x",)), dict(y=1)),)).build(torch.device("cpu"), frozenset({"x"}))
 
 
+def test_triton_descriptor_scratch_comes_from_the_workspace():
+    """A spec whose programs make tensor descriptors takes the ``global_scratch`` workspace piece
+    (bound by default), sized descriptors x 128 bytes x programs and shared by a program's
+    stages; Triton's allocator then answers that region for the launch and refuses a larger
+    request, and a compiled kernel using more scratch than its spec declares is refused."""
+    pytest.importorskip("triton")
+    from types import SimpleNamespace
+    from fusedops.backends.triton import attention as kernels
+    from fusedops.backends.triton.runtime import _ScratchRegion, _scratch, check_scratch
+    from fusedops.core.program import SCRATCH
+    from fusedops.core.target import compiling_for
+    q = TensorDesc((2, 300, 4, 64), torch.bfloat16, device="cpu")
+    kv = TensorDesc((2, 300, 2, 64), torch.bfloat16, device="cpu")
+    problem = fusedops.GQAAttentionForward(q, kv, kv, causal=True, backend="torch").problem
+    for arch, descriptors in (("sm_90", 3), ("sm_80", 0)):
+        with compiling_for(arch):
+            program = kernels.forward_program(problem)
+        spec = program.stages[-1].kernel
+        programs = spec.grid[0] * spec.grid[1] * spec.grid[2]
+        assert spec.descriptors == descriptors and spec.scratch_bytes == descriptors * 128 * programs
+        assert (spec.runtime_arg_names()[-1] == SCRATCH.name) == bool(descriptors)
+        assert (SCRATCH.name in program.workspace) == bool(descriptors)
+        if descriptors:
+            assert program.workspace.offsets[SCRATCH.name][2] == spec.scratch_bytes
+    with compiling_for("sm_90"):
+        spec = kernels.forward_program(problem).stages[-1].kernel
+        specs = kernels.backward_specs(problem)
+        workspace = kernels.backward_workspace(problem)
+    assert workspace.offsets[SCRATCH.name][2] == max(s.scratch_bytes for s in specs.values())
+    raw = torch.empty(4096 + 128, dtype=torch.uint8)
+    buffer = raw[-raw.data_ptr() % 128:]                   # 128-byte aligned, as CUDA's are
+    region = Layout([("global_scratch", torch.uint8, 1024)]).carve(buffer, "global_scratch")
+    from triton.runtime import _allocation
+    before = _allocation._allocator.get()
+    with _scratch(spec, region):
+        allocator = _allocation._allocator.get()
+        assert allocator(1024, 128, None).data_ptr() == buffer.data_ptr()
+        with pytest.raises(RuntimeError, match="asks for 2048 bytes of global scratch"):
+            allocator(2048, 128, None)
+    assert _allocation._allocator.get() is before
+    check_scratch(spec, SimpleNamespace(metadata=SimpleNamespace(global_scratch_size=384)))
+    with pytest.raises(RuntimeError, match="declares 3 tensor descriptors"):
+        check_scratch(spec, SimpleNamespace(metadata=SimpleNamespace(global_scratch_size=512)))
+    assert isinstance(allocator, _ScratchRegion)
+
+
 def test_backend_selection_reasons(monkeypatch):
     cpu = torch.device("cpu")
     assert select_backend("op", "auto", cpu, None, "engram", ("torch",), ("triton", "torch"))[0] == "torch"

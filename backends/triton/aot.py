@@ -9,7 +9,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 
-from .runtime import KernelSpec, compile_spec
+from .runtime import KernelSpec, check_scratch, compile_spec  # noqa: F401 (the AOT API)
 
 
 @dataclass(frozen=True)

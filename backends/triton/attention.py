@@ -12,6 +12,10 @@ to execute, in units of a 16-byte vector, multiplied in the kernel by the conste
 views go in and out without copies; a packed tensor's batch stride is 0. The compile cache keys
 on none of them (one compile serves every layout).
 
+TMA (``uses_tma``: sm_90 and sm_100, not a paged prefill): the training kernels make tensor
+descriptors of each sequence on the device (3 a program forward, 2 dk/dv, 4 dq), kept in the
+workspace's ``global_scratch`` piece (``runtime.scratch_piece``).
+
 Tiles: per-architecture tables (attention_tiles.py: the entry of the plan's architecture, or a
 ``config=`` of the programs; ``forward_candidates``, ``backward_candidates`` and
 ``decode_candidates`` for autotune); every kernel carries its cost model (attention_cost.py).
@@ -44,7 +48,7 @@ from . import attention_kernels as K
 from . import interpreter_active
 from .attention_tiles import (BackwardTiles, DecodeTiles, Tiles, backward_tiles, decode_tiles,
                               forward_tiles)
-from .runtime import KernelSpec, numerics, pointer_type
+from .runtime import KernelSpec, numerics, pointer_type, scratch_piece
 
 LOG2E = math.log2(math.e)
 DELTA_CHUNK = 128        # head-dim features per step of the delta kernel (d = 256: two)
@@ -155,6 +159,20 @@ def _wide(problem) -> bool:
     return problem.packed or problem.softcap > 0
 
 
+def uses_tma(problem) -> bool:
+    """Whether the training kernels read their tiles through tensor descriptors made per
+    program (TMA on sm_90 and sm_100: no per-thread addresses, no masks, tokens past a sequence
+    read as zeros): every architecture but sm_80 (Ampere has no TMA), and not a paged prefill
+    (its keys come from a block table, row by row)."""
+    return target_arch(problem.device) != "sm_80" and not problem.paged
+
+
+def _descriptors(problem, count: int) -> dict:
+    """The TMA constexpr and the spec's descriptor count (0 without TMA)."""
+    tma = uses_tma(problem)
+    return dict(constexpr=dict(TMA=tma), descriptors=count if tma else 0)
+
+
 def _paging(problem) -> dict:
     return dict(PAGED=problem.paged, PAGE=max(problem.page_size, 1), MAX_PAGES=max(problem.max_pages, 1))
 
@@ -169,13 +187,15 @@ def forward_spec(problem, config: Tiles | None = None) -> KernelSpec:
             *_stride_args("q", "k", "v", "o"), ("SEQ_Q", "i32"), ("SEQ_K", "i32"),
             ("TOTAL_Q", "i32"), ("PAGES", "i32"), ("scale", "fp32"), ("cap_in", "fp32"),
             ("cap_out", "fp32"))
+    tma = _descriptors(problem, 3)                  # q, k, v
     return KernelSpec.make(K.attn_fwd_kernel, args,
                            dict(_common(problem, tiles.bm, tiles.bn, bd), **_paging(problem),
                                 TABLE_BLOCK=TABLE_BLOCK, TABLE_BIT=int(Status.BLOCK_TABLE),
-                                HAS_STATUS=problem.has_status and problem.paged),
+                                HAS_STATUS=problem.has_status and problem.paged,
+                                **tma["constexpr"]),
                            (_rows(problem, tiles.bm), problem.batch * problem.heads_q),
                            num_warps=tiles.warps, num_stages=tiles.stages,
-                           maxnreg=tiles.budget(_wide(problem)),
+                           maxnreg=tiles.budget(_wide(problem)), descriptors=tma["descriptors"],
                            cost=C.forward_cost(problem, tiles, bd, target_arch(problem.device)))
 
 
@@ -187,6 +207,7 @@ def backward_specs(problem, config: BackwardTiles | None = None) -> dict[str, Ke
     cu_q, cu_k = _cu_seqlens(problem)
     seq = (("SEQ_Q", "i32"), ("SEQ_K", "i32"), ("TOTAL_Q", "i32"))
     scales = (("scale", "fp32"), ("cap_in", "fp32"), ("cap_out", "fp32"))
+    tma_dkdv, tma_dq = _descriptors(problem, 2), _descriptors(problem, 4)   # q, do; q, do, k, v
     delta = KernelSpec.make(
         K.attn_bwd_delta_kernel,
         (("o_ptr", t), ("do_ptr", t), ("delta_ptr", "*fp32"), cu_q, *_stride_args("o", "do"),
@@ -200,18 +221,21 @@ def backward_specs(problem, config: BackwardTiles | None = None) -> dict[str, Ke
         (("q_ptr", t), ("k_ptr", t), ("v_ptr", t), ("do_ptr", t), ("lse_ptr", "*fp32"),
          ("delta_ptr", "*fp32"), cu_q, cu_k, ("dk_ptr", t), ("dv_ptr", t),
          *_stride_args("q", "k", "v", "do", "dk", "dv"), *seq, ("TOTAL_K", "i32"), *scales),
-        _common(problem, kv.bm, kv.bn, bd),
+        dict(_common(problem, kv.bm, kv.bn, bd), FEATURES_M=tiles.features_m,
+             **tma_dkdv["constexpr"]),
         (triton.cdiv(max(problem.seqlen_k, 1), kv.bn), problem.batch * problem.heads_kv),
         num_warps=kv.warps, num_stages=kv.stages, maxnreg=kv.budget(_wide(problem)),
-        cost=C.dkdv_cost(problem, kv, bd, target_arch(problem.device)))
+        descriptors=tma_dkdv["descriptors"],
+        cost=C.dkdv_cost(problem, kv, bd, target_arch(problem.device), tiles.features_m))
     dq = KernelSpec.make(
         K.attn_bwd_dq_kernel,
         (("q_ptr", t), ("k_ptr", t), ("v_ptr", t), ("do_ptr", t), ("lse_ptr", "*fp32"),
          ("delta_ptr", "*fp32"), cu_q, cu_k, ("dq_ptr", t),
          *_stride_args("q", "k", "v", "do", "dq"), *seq, *scales),
-        _common(problem, qt.bm, qt.bn, bd),
+        dict(_common(problem, qt.bm, qt.bn, bd), **tma_dq["constexpr"]),
         (_rows(problem, qt.bm), problem.batch * problem.heads_q), num_warps=qt.warps,
-        num_stages=qt.stages, maxnreg=qt.budget(_wide(problem)), cost=C.dq_cost(problem, qt, bd, target_arch(problem.device)))
+        num_stages=qt.stages, maxnreg=qt.budget(_wide(problem)), descriptors=tma_dq["descriptors"],
+        cost=C.dq_cost(problem, qt, bd, target_arch(problem.device)))
     return dict(delta=delta, dkdv=dkdv, dq=dq)
 
 
@@ -241,16 +265,18 @@ def unsupported_arch_reason(problem, arch: str) -> str | None:
     return None
 
 
-def forward_workspace(problem) -> Layout:
-    """The sanitised offsets (packed; nothing otherwise)."""
-    return Layout(offsets_workspace(problem))
+def forward_workspace(problem, config: Tiles | None = None) -> Layout:
+    """The sanitised offsets (packed); the tensor descriptors (TMA: ``scratch_piece``)."""
+    return Layout([*offsets_workspace(problem), scratch_piece(forward_spec(problem, config))])
 
 
-def backward_workspace(problem) -> Layout:
+def backward_workspace(problem, config: BackwardTiles | None = None) -> Layout:
     """delta = rowsum(do ∘ o): fp32, one per query row and head (laid out like lse); the
-    sanitised offsets (packed)."""
+    sanitised offsets (packed); the tensor descriptors of the dk/dv or the dq launch, whichever
+    needs more (TMA: ``scratch_piece``)."""
     rows = problem.heads_q * (problem.total_q if problem.packed else problem.batch * problem.seqlen_q)
-    return Layout([("delta", torch.float32, rows), *offsets_workspace(problem)])
+    return Layout([("delta", torch.float32, rows), *offsets_workspace(problem),
+                   scratch_piece(*backward_specs(problem, config).values())])
 
 
 def _lengths(problem) -> dict:
@@ -265,7 +291,7 @@ def _kv_strides(problem, *tensors: str) -> dict:
 
 
 def forward_program(problem, config: Tiles | None = None) -> Program:
-    return Program(workspace=forward_workspace(problem), stages=(
+    return Program(workspace=forward_workspace(problem, config), stages=(
         *_sanitise_stage(problem),
         Stage(forward_spec(problem, config), dict(
             _lengths(problem), **_sanitised(problem), **_strides(problem, "q", "o"),
@@ -279,7 +305,7 @@ def backward_program(problem, config: BackwardTiles | None = None) -> Program:
     delta = workspace_piece("delta")
     lengths = dict(_lengths(problem), **_sanitised(problem))
     scales = dict(scale=problem.scale, **_softcap(problem))
-    return Program(workspace=backward_workspace(problem), stages=(
+    return Program(workspace=backward_workspace(problem, config), stages=(
         *_sanitise_stage(problem),
         Stage(specs["delta"], dict(delta_ptr=delta, SEQ_Q=problem.seqlen_q, TOTAL_Q=problem.total_q,
                                    **_strides(problem, "o", "do"),

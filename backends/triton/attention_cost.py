@@ -76,12 +76,14 @@ def _query_blocks(n0, n1, len_q, len_k, bm, causal, window) -> range:
 def _programs(problem, block: int, by_keys: bool):
     """(sequence, (queries, keys), head, first row) of a training grid's working programs in
     launch order: the grid (cdiv(s, block), nseq·heads) runs the block fastest, then the head
-    (h_q, or h_kv ``by_keys``), then the sequence. Blocks past a sequence's length exit at once
-    and take no slot."""
+    (h_q, or h_kv ``by_keys``), then the sequence; a causal forward or dq takes its query blocks
+    from the last one down (``query_block``). Blocks past a sequence's length exit at once and
+    take no slot."""
     heads = problem.heads_kv if by_keys else problem.heads_q
     for i, lengths in enumerate(sequence_lengths(problem)):
+        rows = range(0, lengths[1 if by_keys else 0], block)
         for h in range(heads):
-            for r0 in range(0, lengths[1 if by_keys else 0], block):
+            for r0 in (rows[::-1] if problem.causal and not by_keys else rows):
                 yield i, lengths, h, r0
 
 
@@ -173,14 +175,16 @@ def forward_cost(problem, tiles, bd: int, arch: str) -> Cost:
     """attn_fwd_kernel, one program per (query block of bm rows, batch, query head).
 
     Order: the grid (cdiv(s_q, bm), b·h_q) runs the query block fastest: every query block of
-    one query head, then the next; the h_q/h_kv heads of a KV head are consecutive.
+    one query head (causal: the last first, ``query_block``), then the next; the h_q/h_kv heads
+    of a KV head are consecutive.
 
     Reuse: k and v of a key block are shared by every program on the same KV head and sequence
     that visits it (``key_range``; causal: the blocks up to the diagonal). Within a head the
-    next query block re-reads them 1 program later: a hit. The next query head's query block i
-    first visits the key blocks of the diagonal i + 1 programs after the previous head's last
-    query block: a hit while i + 1 <= G, so a causal KV head's late key blocks count again for
-    each of its heads (not causal: every query block visits every key block, and all hit). At
+    next query block re-reads them 1 program later: a hit. Causal, key block j (of the
+    diagonal of query block j) is last read by a head's query block j and first read again by
+    the next head's first program, j + 1 programs later: a hit while j + 1 <= G, so a causal KV
+    head's late key blocks count again for each of its heads (not causal: every query block
+    visits every key block, and all hit). At
     s = 4096, d = 128, causal on sm_90 (bm = 128: 32 query blocks; a program moves 1.1 MB,
     G = 22) the diagonal key blocks of the last 11 query blocks count again: K and V 2.0x once
     per KV head; d = 256 (bm = 128: 32 query blocks; 2.3 MB a program, G = 11) 3.1x. Alone: the
@@ -229,7 +233,7 @@ def delta_cost(problem, rows: int) -> Cost:
 
 
 @functools.lru_cache(maxsize=128)
-def dkdv_cost(problem, tiles, bd: int, arch: str) -> Cost:
+def dkdv_cost(problem, tiles, bd: int, arch: str, features_m: bool = False) -> Cost:
     """attn_bwd_dkdv_kernel, one program per (key block of bn keys, batch, KV head).
 
     Order: the grid (cdiv(s_k, bn), b·h_kv) runs the key block fastest: every key block of one
@@ -251,11 +255,15 @@ def dkdv_cost(problem, tiles, bd: int, arch: str) -> Cost:
     dv += Pᵀ do and dk += dSᵀ q, [bn, BD], Pᵀ and dSᵀ the register A operand; 5 FLOPs per
     score; each times its ``duplication`` (the score work with Sᵀ's: at bn = 64 on 8 warps both
     Hopper warpgroups would compute the whole Sᵀ, which is why sm_90 takes 128 keys on 8 warps
-    or 64 on 4)."""
+    or 64 on 4). ``features_m`` (d = 256): S = q kᵀ and dP = do vᵀ, [bm, bn], with the query
+    block as M, then dvᵀ += doᵀ P and dkᵀ += qᵀ dS, [BD, bn], with the head dim as M."""
     p, e, d = problem, element_size(problem.dtype), problem.head_dim
     bm, bn, g = tiles.bm, tiles.bn, problem.heads_q // problem.heads_kv
-    dups = duplication(arch, tiles.warps, [(bn, bm, True), (bn, bm, True), (bn, bd, False),
-                                           (bn, bd, False)], 3)
+    if features_m:
+        products = [(bm, bn, True), (bm, bn, True), (bd, bn, False), (bd, bn, False)]
+    else:
+        products = [(bn, bm, True), (bn, bm, True), (bn, bd, False), (bn, bd, False)]
+    dups = duplication(arch, tiles.warps, products, 3)
     grid = _Grid(p, bn, bm, True, arch)
     w, every = grid.programs, every_program(grid.programs)
     w.load("q, do, lse, delta", grid.prog, grid.tile(grid.head, p.heads_kv, p.seqlen_q),
@@ -267,7 +275,7 @@ def dkdv_cost(problem, tiles, bd: int, arch: str) -> Cost:
     visits, programs = g * int(grid.visits.sum()), w.programs
     mma = visits * 2 * bm * bn * bd * sum(dups)
     cuda = visits * SCORE_FLOPS_BWD * bm * bn * dups[0] + programs * bn * bd
-    return Cost(mma + cuda, read, written, mma_flops=mma, mma_rows=bn,
+    return Cost(mma + cuda, read, written, mma_flops=mma, mma_rows=bm if features_m else bn,
                 mma_duplication=sum(dups) / len(dups))
 
 
@@ -275,12 +283,13 @@ def dkdv_cost(problem, tiles, bd: int, arch: str) -> Cost:
 def dq_cost(problem, tiles, bd: int, arch: str) -> Cost:
     """attn_bwd_dq_kernel, one program per (query block of bm rows, batch, query head).
 
-    Order: the grid (cdiv(s_q, bm), b·h_q) runs the query block fastest, as the forward's.
+    Order: the grid (cdiv(s_q, bm), b·h_q) runs the query block fastest, as the forward's
+    (causal: the last first).
 
     Reuse: k and v of each key block ``key_range`` lets a program see are shared by the
     programs on the same KV head and sequence, counted as the forward's (``forward_cost``): the
-    next query head's query block i re-reads its diagonal key blocks i + 1 programs after the
-    previous head's last query block, a miss when i + 1 > G (at s = 4096, d = 128, causal on
+    next query head re-reads key block j j + 1 programs after the previous head last read it, a
+    miss when j + 1 > G (at s = 4096, d = 128, causal on
     sm_90: 64 query blocks of 64 rows, 1.1 MB a program, G = 22: K and V 3.0x once per KV
     head). Alone: the block's q, do, lse and delta (rows·(2·d·e + 8); lse and delta passed
     through HBM: counted); stored: dq. Packed: the offsets once.
@@ -372,11 +381,12 @@ def split_cost(problem, tiles, bm: int, bd: int, split_len: int, arch: str) -> C
     (rows T·h_q/h_kv padded to bm), and bm lse values, every split (empty ones included), read
     back by the combine kernel.
 
-    FLOPs per step of bn positions: q kᵀ and P v on tensor cores, 2·bm·bn·BD each on the
-    padded rows; 5 FLOPs per score; each times its ``duplication``."""
+    FLOPs per step of bn positions: Sᵀ = k qᵀ and oᵀ += vᵀ Pᵀ on tensor cores (the positions
+    and the features as M), 2·bm·bn·BD each on the padded rows; 5 FLOPs per score; each times
+    its ``duplication``."""
     p, e, ce = problem, element_size(problem.dtype), element_size(problem.cache_dtype)
     bn, d, g = tiles.bn, problem.head_dim, problem.heads_q // problem.heads_kv
-    dups = duplication(arch, tiles.warps, [(bm, bn, True), (bm, bd, False)], 1)
+    dups = duplication(arch, tiles.warps, [(bn, bm, True), (bd, bm, False)], 1)
     total = min(decode_context(p) + p.tokens, p.capacity)
     heads = p.batch * p.heads_kv
     w = Programs((heads, p.num_splits), machine(arch).l2_bytes)
@@ -398,7 +408,7 @@ def split_cost(problem, tiles, bm: int, bd: int, split_len: int, arch: str) -> C
     steps = int((-(-keys // bn)).sum())
     mma = steps * 2 * bm * bn * bd * sum(dups)
     cuda = steps * (SCORE_FLOPS_FWD * bm * bn * dups[0] + bm * bd) + heads * p.num_splits * bm * bd
-    return Cost(mma + cuda, read, written, mma_flops=mma, mma_rows=bm,
+    return Cost(mma + cuda, read, written, mma_flops=mma, mma_rows=bn,
                 mma_duplication=sum(dups) / len(dups))
 
 

@@ -197,6 +197,52 @@ def decode_append_kernel(q_ptr, k_new_ptr, v_new_ptr, k_cache_ptr, v_cache_ptr, 
 
 
 @triton.jit
+def _split_scores(b_q, n0, o_bn, m_r, m_d, in_k, in_vt, end, first, diagonal, row, i_b,
+                  k_cache_ptr, v_cache_ptr, block_table_ptr, stride_kcb, stride_kcs, stride_vcb,
+                  stride_vcs, qk_scale, cap_in, cap_out, BM: tl.constexpr, BN: tl.constexpr,
+                  PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, PAGED: tl.constexpr,
+                  CAUSAL: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+                  SOFTCAP: tl.constexpr, FP8: tl.constexpr, VEC_C: tl.constexpr,
+                  UPCAST: tl.constexpr, IEEE: tl.constexpr):
+    """(Sᵀ [BN, BM] in the log2 domain, -inf where a position is hidden or outside [first,
+    end); vᵀ [BD, BN] in q's dtype) of the BN cache positions from n0 (one page's: BN divides
+    PAGE)."""
+    o_n = n0 + o_bn
+    m_n = (o_n < end) & (o_n >= first)
+    k0 = cache_offset(row, n0, block_table_ptr, i_b, stride_kcb, stride_kcs, PAGE, MAX_PAGES,
+                      PAGED, VEC_C)
+    v0 = cache_offset(row, n0, block_table_ptr, i_b, stride_vcb, stride_vcs, PAGE, MAX_PAGES,
+                      PAGED, VEC_C)
+    b_k = tl.load(k_cache_ptr + k0 + in_k, mask=m_n[:, None] & m_d[None, :], other=0.0)
+    b_vt = tl.load(v_cache_ptr + v0 + in_vt, mask=m_n[None, :] & m_d[:, None], other=0.0)
+    if FP8:
+        b_k = b_k.to(b_q.dtype)
+        b_vt = b_vt.to(b_q.dtype)
+    b_st, _ = log2_scores(mm(b_k, tl.trans(b_q), tl.zeros([BN, BM], dtype=tl.float32), UPCAST,
+                             IEEE), qk_scale, cap_in, cap_out, SOFTCAP)           # [BN, BM]
+    ok = m_n[:, None] & m_r[None, :]
+    if CAUSAL:
+        ok &= o_n[:, None] <= diagonal[None, :]
+    if LEFT >= 0:
+        ok &= o_n[:, None] >= diagonal[None, :] - LEFT
+    if RIGHT >= 0:
+        ok &= o_n[:, None] <= diagonal[None, :] + RIGHT
+    return tl.where(ok, b_st, float("-inf")), b_vt
+
+
+@triton.jit
+def _split_softmax(b_st, b_m, b_l, b_acc, dtype: tl.constexpr):
+    """The online softmax down the columns of Sᵀ: the new running max and sum per query row,
+    oᵀ rescaled to the new max, and Pᵀ in ``dtype``."""
+    b_m_new = tl.maximum(b_m, tl.max(b_st, axis=0))
+    b_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
+    b_pt = tl.exp2(b_st - b_safe[None, :])
+    b_alpha = tl.exp2(b_m - b_safe)
+    b_l = b_l * b_alpha + tl.sum(b_pt, axis=0)
+    return b_m_new, b_l, b_acc * b_alpha[None, :], b_pt.to(dtype)
+
+
+@triton.jit
 def decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cache_seqlens_ptr, block_table_ptr,
                         cache_batch_idx_ptr, cache_leftpad_ptr, k_scale_ptr, v_scale_ptr,
                         row_ok_ptr, o_part_ptr, lse_part_ptr, stride_qb, stride_qt, stride_qh,
@@ -256,45 +302,41 @@ def decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, cache_seqlens_ptr, bloc
     # head, small int32 offsets computed once
     o_bn = tl.arange(0, BN)
     in_k = (o_bn * stride_kcs * VEC_C + i_kh * stride_kch * VEC_C)[:, None] + o_d[None, :]
-    in_v = (o_bn * stride_vcs * VEC_C + i_kh * stride_vch * VEC_C)[:, None] + o_d[None, :]
+    in_vt = (o_bn * stride_vcs * VEC_C + i_kh * stride_vch * VEC_C)[None, :] + o_d[:, None]
+    # every product transposed, the BN cache positions (and then the BD features) as M: the
+    # T·G query rows (16 at the production shapes) are below wgmma's and tcgen05's 64, the
+    # positions and features are not; the softmax runs down the columns
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
-    b_acc = tl.zeros([BM, BD], dtype=tl.float32)
-    for n0 in range(start, end, BN):
-        o_n = n0 + o_bn
-        m_n = (o_n < end) & (o_n >= first)
-        k0 = cache_offset(row, n0, block_table_ptr, i_b, stride_kcb, stride_kcs, PAGE, MAX_PAGES,
-                          PAGED, VEC_C)                                  # BN divides PAGE
-        v0 = cache_offset(row, n0, block_table_ptr, i_b, stride_vcb, stride_vcs, PAGE, MAX_PAGES,
-                          PAGED, VEC_C)
-        b_k = tl.load(k_cache_ptr + k0 + in_k, mask=m_n[:, None] & m_d[None, :], other=0.0)
-        b_v = tl.load(v_cache_ptr + v0 + in_v, mask=m_n[:, None] & m_d[None, :], other=0.0)
-        if FP8:
-            b_k = b_k.to(b_q.dtype)
-            b_v = b_v.to(b_q.dtype)
-        b_s, b_gate = log2_scores(mm(b_q, tl.trans(b_k), tl.zeros([BM, BN], dtype=tl.float32), UPCAST,
-                                IEEE), qk_scale, cap_in, cap_out, SOFTCAP)
-        ok = m_r[:, None] & m_n[None, :]
-        if CAUSAL:
-            ok &= o_n[None, :] <= diagonal[:, None]
-        if LEFT >= 0:
-            ok &= o_n[None, :] >= diagonal[:, None] - LEFT
-        if RIGHT >= 0:
-            ok &= o_n[None, :] <= diagonal[:, None] + RIGHT
-        b_s = tl.where(ok, b_s, float("-inf"))
-        b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
-        b_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
-        b_p = tl.exp2(b_s - b_safe[:, None])
-        b_alpha = tl.exp2(b_m - b_safe)
-        b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-        b_acc = mm(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], UPCAST, IEEE)
-        b_m = b_m_new
+    b_acc = tl.zeros([BD, BM], dtype=tl.float32)                               # oᵀ
+    # each step issues this block's scores, then the previous block's vᵀ Pᵀ, then the softmax
+    # of this block, which runs while the tensor cores compute that product
+    b_pt = tl.zeros([BN, BM], dtype=b_q.dtype)
+    b_vt = tl.zeros([BD, BN], dtype=b_q.dtype)
+    if start < end:
+        b_st, b_vt = _split_scores(b_q, start, o_bn, m_r, m_d, in_k, in_vt, end, first, diagonal,
+                                   row, i_b, k_cache_ptr, v_cache_ptr, block_table_ptr, stride_kcb,
+                                   stride_kcs, stride_vcb, stride_vcs, qk_scale, cap_in, cap_out,
+                                   BM, BN, PAGE, MAX_PAGES, PAGED, CAUSAL, LEFT, RIGHT, SOFTCAP,
+                                   FP8, VEC_C, UPCAST, IEEE)
+        b_m, b_l, b_acc, b_pt = _split_softmax(b_st, b_m, b_l, b_acc, b_q.dtype)
+    for n0 in range(start + BN, end, BN):
+        b_st, b_vt_next = _split_scores(b_q, n0, o_bn, m_r, m_d, in_k, in_vt, end, first, diagonal,
+                                        row, i_b, k_cache_ptr, v_cache_ptr, block_table_ptr,
+                                        stride_kcb, stride_kcs, stride_vcb, stride_vcs, qk_scale,
+                                        cap_in, cap_out, BM, BN, PAGE, MAX_PAGES, PAGED, CAUSAL,
+                                        LEFT, RIGHT, SOFTCAP, FP8, VEC_C, UPCAST, IEEE)
+        b_acc = mm(b_vt, b_pt, b_acc, UPCAST, IEEE)                 # [BD, BN] @ [BN, BM]
+        b_m, b_l, b_acc, b_pt = _split_softmax(b_st, b_m, b_l, b_acc, b_q.dtype)
+        b_vt = b_vt_next
+    if start < end:
+        b_acc = mm(b_vt, b_pt, b_acc, UPCAST, IEEE)
     if FP8:
         b_acc *= v_scale
     seen = b_l > 0
-    b_o = b_acc / tl.where(seen, b_l, 1.0)[:, None]
+    b_o = b_acc / tl.where(seen, b_l, 1.0)[None, :]                          # [BD, BM]
     part = i_bk.to(tl.int64) * SPLITS + i_s
-    tl.store(o_part_ptr + (part * BM + o_r)[:, None] * BD + o_d[None, :], b_o)
+    tl.store(o_part_ptr + (part * BM + o_r)[None, :] * BD + o_d[:, None], b_o)
     tl.store(lse_part_ptr + part * BM + o_r,
              tl.where(seen, b_m + tl.log2(tl.where(seen, b_l, 1.0)), float("-inf")))
 

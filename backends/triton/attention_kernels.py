@@ -11,6 +11,11 @@ knows each row starts 16-byte aligned and keeps vector loads: views of a fused Q
 and outputs written into slices of wider buffers need no copy. A paged prefill (PAGED) reads
 key j of sequence i from row j % PAGE of page block_table[i, j // PAGE] (the k, v batch stride
 is the page stride). SOFTCAP: scores c·tanh(scale·q kᵀ / c), the backward's dS times 1 - tanh².
+TMA (sm_90, sm_100; not paged): each program makes tensor descriptors of its sequence's q, k,
+v (do) in the kernel (``rows_source``: the sequence's extent, so tokens past it read as zeros
+and no tile needs a mask or per-thread addresses; the descriptors live in the launch's global
+scratch, carved from the workspace), and the forward issues a block's scores before the
+previous block's P·V, so its softmax runs while the tensor cores work (``_fwd_step``).
 
 Packed offsets are index data (docs/plans.md, "Index data"): a sanitising kernel writes c' =
 clamp(cummax(c), 0, total) of cu_seqlens_q/k to the workspace (and reports invalid offsets in the
@@ -135,6 +140,39 @@ def steps(N: tl.constexpr, stride_s, VEC: tl.constexpr):
     """int32 element offsets [N] of N consecutive tokens from the first (row stride in VEC
     units): computed once per program, small enough for int32 (N·stride < 2^31)."""
     return tl.arange(0, N) * stride_s * VEC
+
+
+@triton.jit
+def rows_source(ptr, i_b, start, length, stride_b, stride_s, stride_h, HEADS: tl.constexpr,
+                D: tl.constexpr, BM: tl.constexpr, BD: tl.constexpr, VEC: tl.constexpr,
+                TMA: tl.constexpr):
+    """What ``rows`` reads tiles of BM tokens of one head from, for sequence i_b (its ``length``
+    tokens from ``start``) of a [.., h, d] tensor (strides in VEC-element units). TMA: a tensor
+    descriptor over (head, token, feature) of this sequence alone, in [1, BM, BD] blocks:
+    tokens past ``length`` and features past D read as zeros, so no tile needs a mask and no
+    thread holds an address (each descriptor takes 128 bytes of the launch's global scratch);
+    else the pointer to the sequence's first token."""
+    base = ptr + (i_b.to(tl.int64) * stride_b + start * stride_s) * VEC
+    if TMA:
+        return tl.make_tensor_descriptor(base, [HEADS, tl.maximum(length, 1), D],
+                                         [stride_h * VEC, stride_s * VEC, 1], [1, BM, BD])
+    else:
+        return base
+
+
+@triton.jit
+def rows(src, m0, i_h, length, stride_s, stride_h, token_steps, m_d, BM: tl.constexpr,
+         BD: tl.constexpr, VEC: tl.constexpr, TMA: tl.constexpr):
+    """The [BM, BD] tile of tokens [m0, m0 + BM) of head i_h from ``rows_source``'s ``src``
+    (zeros past the sequence's ``length`` tokens and the D features m_d marks; token_steps:
+    ``steps(BM, stride_s, VEC)``, unused with TMA)."""
+    if TMA:
+        return src.load([i_h, m0, 0]).reshape(BM, BD)
+    else:
+        o = m0 + tl.arange(0, BM)
+        first = src + (m0.to(tl.int64) * stride_s + i_h * stride_h) * VEC
+        return tl.load(tile(first, token_steps, BD), mask=(o < length)[:, None] & m_d[None, :],
+                       other=0.0)
 
 
 @triton.jit
@@ -298,6 +336,17 @@ def unmasked_queries(n0, n1, lo, hi, len_q, len_k, BM: tl.constexpr, CAUSAL: tl.
 
 
 @triton.jit
+def query_block(CAUSAL: tl.constexpr):
+    """The query block of a forward or dq program (grid dimension 0): causal, the last first,
+    so the programs that visit the most key blocks start first and the grid ends on the
+    shortest (FlashAttention's order); else in launch order."""
+    if CAUSAL:
+        return tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        return tl.program_id(0)
+
+
+@triton.jit
 def lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ: tl.constexpr, PACKED: tl.constexpr):
     if PACKED:
         return i_h.to(tl.int64) * TOTAL_Q + q_start + o_m
@@ -306,45 +355,97 @@ def lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ: tl.constexpr, PACKED
 
 
 @triton.jit
-def _fwd_block(b_q, b_m, b_l, b_acc, n0, o_m, o_d, m_d, k_ptr, v_ptr, block_table_ptr, i_b, i_kh,
-               k_start, len_q, len_k, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-               stride_vh, qk_scale, cap_in, cap_out, MASKED: tl.constexpr, BM: tl.constexpr,
-               BN: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
-               MAX_PAGES: tl.constexpr, VEC: tl.constexpr, UPCAST: tl.constexpr,
-               IEEE: tl.constexpr):
-    """One key block of the forward's online softmax: the running max b_m, sum b_l and output
-    accumulator b_acc after keys [n0, n0 + BN). MASKED: the visibility mask applied (the window
-    edges, the diagonal, keys past len_k); else every key of the block is visible to every row."""
+def _fwd_scores(b_q, n0, o_m, o_d, m_d, k_ptr, block_table_ptr, i_b, i_kh, k_start, len_q, len_k,
+                stride_kb, stride_ks, stride_kh, qk_scale, cap_in, cap_out, MASKED: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr,
+                RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, PAGED: tl.constexpr,
+                PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, VEC: tl.constexpr,
+                UPCAST: tl.constexpr, IEEE: tl.constexpr, BD: tl.constexpr, TMA: tl.constexpr):
+    """The log2-domain scores [BM, BN] of keys [n0, n0 + BN). MASKED: -inf where the visibility
+    mask hides a key (the window edges, the diagonal, keys past len_k); else every key of the
+    block is visible to every row. TMA: k_ptr is the sequence's tensor descriptor."""
     o_n = n0 + tl.arange(0, BN)
-    m_n = o_n < len_k
-    if PAGED:
-        p_kt = k_ptr + paged_rows(i_b, o_n, len_k, i_kh, block_table_ptr, stride_kb,
-                                  stride_ks, stride_kh, VEC, PAGE, MAX_PAGES)[None, :] + \
-            o_d[:, None]
+    if TMA:
+        b_kt = tl.trans(rows(k_ptr, n0, i_kh, len_k, stride_ks, stride_kh, None, m_d, BN, BD,
+                             VEC, TMA))                                    # [BD, BN]
     else:
-        p_kt = k_ptr + row_offsets(i_b, k_start + o_n, i_kh, stride_kb, stride_ks, stride_kh,
-                                   VEC)[None, :] + o_d[:, None]
-    b_kt = tl.load(p_kt, mask=m_d[:, None] & m_n[None, :], other=0.0)   # [BD, BN]
+        if PAGED:
+            p_kt = k_ptr + paged_rows(i_b, o_n, len_k, i_kh, block_table_ptr, stride_kb,
+                                      stride_ks, stride_kh, VEC, PAGE, MAX_PAGES)[None, :] + \
+                o_d[:, None]
+        else:
+            p_kt = k_ptr + row_offsets(i_b, k_start + o_n, i_kh, stride_kb, stride_ks, stride_kh,
+                                       VEC)[None, :] + o_d[:, None]
+        b_kt = tl.load(p_kt, mask=m_d[:, None] & (o_n < len_k)[None, :], other=0.0)   # [BD, BN]
     b_s, _ = log2_scores(mm(b_q, b_kt, tl.zeros([BM, BN], dtype=tl.float32), UPCAST, IEEE),
                          qk_scale, cap_in, cap_out, SOFTCAP)
     if MASKED:
         b_s = tl.where(visible(o_m, o_n, len_q, len_k, CAUSAL, LEFT, RIGHT), b_s, float("-inf"))
+    return b_s
+
+
+@triton.jit
+def _fwd_softmax(b_s, b_m, b_l, dtype: tl.constexpr):
+    """The online softmax after scores b_s: the new running max and sum, the factor that
+    rescales the accumulator to the new max, and the block's probabilities in ``dtype``."""
     b_m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
     b_safe = tl.where(b_m_new == float("-inf"), 0.0, b_m_new)
     b_p = tl.exp2(b_s - b_safe[:, None])
     b_alpha = tl.exp2(b_m - b_safe)
     b_l = b_l * b_alpha + tl.sum(b_p, axis=1)
-    if PAGED:
-        p_v = v_ptr + paged_rows(i_b, o_n, len_k, i_kh, block_table_ptr, stride_vb,
-                                 stride_vs, stride_vh, VEC, PAGE, MAX_PAGES)[:, None] + \
-            o_d[None, :]
+    return b_m_new, b_l, b_alpha, b_p.to(dtype)
+
+
+@triton.jit
+def _fwd_values(b_acc, b_p, n0, o_d, m_d, v_ptr, block_table_ptr, i_b, i_kh, k_start, len_k,
+                stride_vb, stride_vs, stride_vh, BN: tl.constexpr, PAGED: tl.constexpr,
+                PAGE: tl.constexpr, MAX_PAGES: tl.constexpr, VEC: tl.constexpr,
+                UPCAST: tl.constexpr, IEEE: tl.constexpr, BD: tl.constexpr, TMA: tl.constexpr):
+    """b_acc + P v for the probabilities b_p [BM, BN] of keys [n0, n0 + BN)."""
+    if TMA:
+        b_v = rows(v_ptr, n0, i_kh, len_k, stride_vs, stride_vh, None, m_d, BN, BD, VEC, TMA)
     else:
-        p_v = v_ptr + row_offsets(i_b, k_start + o_n, i_kh, stride_vb, stride_vs, stride_vh,
-                                  VEC)[:, None] + o_d[None, :]
-    b_v = tl.load(p_v, mask=m_n[:, None] & m_d[None, :], other=0.0)
-    b_acc = mm(b_p.to(b_v.dtype), b_v, b_acc * b_alpha[:, None], UPCAST, IEEE)  # [BM, BN] @ [BN, BD]
-    return b_m_new, b_l, b_acc
+        o_n = n0 + tl.arange(0, BN)
+        if PAGED:
+            p_v = v_ptr + paged_rows(i_b, o_n, len_k, i_kh, block_table_ptr, stride_vb,
+                                     stride_vs, stride_vh, VEC, PAGE, MAX_PAGES)[:, None] + \
+                o_d[None, :]
+        else:
+            p_v = v_ptr + row_offsets(i_b, k_start + o_n, i_kh, stride_vb, stride_vs, stride_vh,
+                                      VEC)[:, None] + o_d[None, :]
+        b_v = tl.load(p_v, mask=(o_n < len_k)[:, None] & m_d[None, :], other=0.0)
+    return mm(b_p, b_v, b_acc, UPCAST, IEEE)                            # [BM, BN] @ [BN, BD]
+
+
+@triton.jit
+def _fwd_step(b_q, b_m, b_l, b_acc, b_p, n0, o_m, o_d, m_d, k_ptr, v_ptr, block_table_ptr, i_b,
+              i_kh, k_start, len_q, len_k, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+              stride_vh, qk_scale, cap_in, cap_out, MASKED: tl.constexpr, BM: tl.constexpr,
+              BN: tl.constexpr, CAUSAL: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
+              SOFTCAP: tl.constexpr, PAGED: tl.constexpr, PAGE: tl.constexpr,
+              MAX_PAGES: tl.constexpr, VEC: tl.constexpr, UPCAST: tl.constexpr,
+              IEEE: tl.constexpr, BD: tl.constexpr, TMA: tl.constexpr, SHIFT: tl.constexpr):
+    """Key block [n0, n0 + BN) of the online softmax. SHIFT (TMA: wgmma and tcgen05 run
+    asynchronously): issues its scores, then the previous block's P·V (b_p), then its softmax,
+    which runs while the tensor cores compute that P·V, and returns its own probabilities for
+    the next step; else scores, softmax and its own P·V in order (b_p passed through, so the
+    loops carry nothing more)."""
+    b_s = _fwd_scores(b_q, n0, o_m, o_d, m_d, k_ptr, block_table_ptr, i_b, i_kh, k_start, len_q,
+                      len_k, stride_kb, stride_ks, stride_kh, qk_scale, cap_in, cap_out, MASKED,
+                      BM, BN, CAUSAL, LEFT, RIGHT, SOFTCAP, PAGED, PAGE, MAX_PAGES, VEC, UPCAST,
+                      IEEE, BD, TMA)
+    if SHIFT:
+        b_acc = _fwd_values(b_acc, b_p, n0 - BN, o_d, m_d, v_ptr, block_table_ptr, i_b, i_kh,
+                            k_start, len_k, stride_vb, stride_vs, stride_vh, BN, PAGED, PAGE,
+                            MAX_PAGES, VEC, UPCAST, IEEE, BD, TMA)
+        b_m, b_l, b_alpha, b_p = _fwd_softmax(b_s, b_m, b_l, b_q.dtype)
+        b_acc = b_acc * b_alpha[:, None]
+    else:
+        b_m, b_l, b_alpha, b_pj = _fwd_softmax(b_s, b_m, b_l, b_q.dtype)
+        b_acc = _fwd_values(b_acc * b_alpha[:, None], b_pj, n0, o_d, m_d, v_ptr, block_table_ptr,
+                            i_b, i_kh, k_start, len_k, stride_vb, stride_vs, stride_vh, BN, PAGED,
+                            PAGE, MAX_PAGES, VEC, UPCAST, IEEE, BD, TMA)
+    return b_m, b_l, b_acc, b_p
 
 
 @triton.jit
@@ -357,8 +458,12 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_q_ptr, cu_se
                     RIGHT: tl.constexpr, PACKED: tl.constexpr, SOFTCAP: tl.constexpr,
                     PAGED: tl.constexpr, PAGE: tl.constexpr, MAX_PAGES: tl.constexpr,
                     TABLE_BLOCK: tl.constexpr, TABLE_BIT: tl.constexpr, HAS_STATUS: tl.constexpr,
-                    VEC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+                    VEC: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                    TMA: tl.constexpr):
+    """o and lse of one block of BM query rows of one head (per key block ``_fwd_step``). TMA
+    (not paged): q, k and v read through tensor descriptors of the sequence (``rows_source``:
+    three per program)."""
+    i_m, i_bh = query_block(CAUSAL), tl.program_id(1)
     i_b, i_h = i_bh // HQ, i_bh % HQ
     i_kh = i_h // (HQ // HKV)
     q_start, len_q, q_end = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
@@ -377,8 +482,17 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_q_ptr, cu_se
     o_d = tl.arange(0, BD)
     m_d = o_d < D
     m_q = (o_m < len_q)[:, None] & m_d[None, :]
-    q_rows = row_offsets(i_b, q_start + i_m * BM, i_h, stride_qb, stride_qs, stride_qh, VEC)
-    b_q = tl.load(tile(q_ptr + q_rows, steps(BM, stride_qs, VEC), BD), mask=m_q, other=0.0)
+    if TMA:
+        b_q = rows(rows_source(q_ptr, i_b, q_start, len_q, stride_qb, stride_qs, stride_qh, HQ, D,
+                               BM, BD, VEC, TMA), i_m * BM, i_h, len_q, stride_qs, stride_qh,
+                   None, m_d, BM, BD, VEC, TMA)
+        k_ptr = rows_source(k_ptr, i_b, k_start, len_k, stride_kb, stride_ks, stride_kh, HKV, D,
+                            BN, BD, VEC, TMA)
+        v_ptr = rows_source(v_ptr, i_b, k_start, len_k, stride_vb, stride_vs, stride_vh, HKV, D,
+                            BN, BD, VEC, TMA)
+    else:
+        q_rows = row_offsets(i_b, q_start + i_m * BM, i_h, stride_qb, stride_qs, stride_qh, VEC)
+        b_q = tl.load(tile(q_ptr + q_rows, steps(BM, stride_qs, VEC), BD), mask=m_q, other=0.0)
     qk_scale = scale * LOG2E
     b_m = tl.full([BM], float("-inf"), dtype=tl.float32)
     b_l = tl.zeros([BM], dtype=tl.float32)
@@ -386,27 +500,46 @@ def attn_fwd_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, cu_seqlens_q_ptr, cu_se
     lo, hi = key_range(i_m * BM, (i_m + 1) * BM, len_q, len_k, BN, CAUSAL, LEFT, RIGHT)
     full_lo, full_hi = unmasked_keys(i_m * BM, (i_m + 1) * BM, lo, hi, len_q, len_k, BN, CAUSAL,
                                      LEFT, RIGHT)
-    # the blocks every query of the tile sees whole run without mask arithmetic; the window's
-    # left edge before them and the diagonal (and the last partial block) after them are masked
+    # with TMA (SHIFT, ``_fwd_step``) the first block runs alone (masked: its mask is right for
+    # any block) and its P·V waits for the next step, the last block's follows the loops; then
+    # the blocks every query of the tile sees whole run without mask arithmetic, the window's
+    # left edge before them and the diagonal (and the last partial block) after them masked
+    SHIFT: tl.constexpr = TMA
+    b_p = tl.zeros([BM, BN], dtype=b_q.dtype)
+    start, mid, last = lo, full_lo, full_hi
+    if SHIFT:
+        if lo < hi:
+            b_s = _fwd_scores(b_q, lo, o_m, o_d, m_d, k_ptr, block_table_ptr, i_b, i_kh, k_start,
+                              len_q, len_k, stride_kb, stride_ks, stride_kh, qk_scale, cap_in,
+                              cap_out, True, BM, BN, CAUSAL, LEFT, RIGHT, SOFTCAP, PAGED, PAGE,
+                              MAX_PAGES, VEC, UPCAST, IEEE, BD, TMA)
+            b_m, b_l, b_alpha, b_p = _fwd_softmax(b_s, b_m, b_l, b_q.dtype)   # b_acc: still 0
+        start = lo + BN
+        mid, last = tl.maximum(full_lo, start), tl.maximum(full_hi, start)
     if LEFT >= 0:     # without a window full_lo is lo
-        for n0 in range(lo, full_lo, BN):
-            b_m, b_l, b_acc = _fwd_block(
-                b_q, b_m, b_l, b_acc, n0, o_m, o_d, m_d, k_ptr, v_ptr, block_table_ptr, i_b, i_kh,
-                k_start, len_q, len_k, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-                stride_vh, qk_scale, cap_in, cap_out, True, BM, BN, CAUSAL, LEFT, RIGHT, SOFTCAP,
-                PAGED, PAGE, MAX_PAGES, VEC, UPCAST, IEEE)
-    for n0 in range(full_lo, full_hi, BN):
-        b_m, b_l, b_acc = _fwd_block(
-            b_q, b_m, b_l, b_acc, n0, o_m, o_d, m_d, k_ptr, v_ptr, block_table_ptr, i_b, i_kh,
-            k_start, len_q, len_k, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-            stride_vh, qk_scale, cap_in, cap_out, False, BM, BN, CAUSAL, LEFT, RIGHT, SOFTCAP, PAGED,
-            PAGE, MAX_PAGES, VEC, UPCAST, IEEE)
-    for n0 in range(full_hi, hi, BN):
-        b_m, b_l, b_acc = _fwd_block(
-            b_q, b_m, b_l, b_acc, n0, o_m, o_d, m_d, k_ptr, v_ptr, block_table_ptr, i_b, i_kh,
-            k_start, len_q, len_k, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
-            stride_vh, qk_scale, cap_in, cap_out, True, BM, BN, CAUSAL, LEFT, RIGHT, SOFTCAP, PAGED,
-            PAGE, MAX_PAGES, VEC, UPCAST, IEEE)
+        for n0 in range(start, full_lo, BN):
+            b_m, b_l, b_acc, b_p = _fwd_step(
+                b_q, b_m, b_l, b_acc, b_p, n0, o_m, o_d, m_d, k_ptr, v_ptr, block_table_ptr, i_b,
+                i_kh, k_start, len_q, len_k, stride_kb, stride_ks, stride_kh, stride_vb,
+                stride_vs, stride_vh, qk_scale, cap_in, cap_out, True, BM, BN, CAUSAL, LEFT,
+                RIGHT, SOFTCAP, PAGED, PAGE, MAX_PAGES, VEC, UPCAST, IEEE, BD, TMA, SHIFT)
+    for n0 in range(mid, full_hi, BN):
+        b_m, b_l, b_acc, b_p = _fwd_step(
+            b_q, b_m, b_l, b_acc, b_p, n0, o_m, o_d, m_d, k_ptr, v_ptr, block_table_ptr, i_b,
+            i_kh, k_start, len_q, len_k, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+            stride_vh, qk_scale, cap_in, cap_out, False, BM, BN, CAUSAL, LEFT, RIGHT, SOFTCAP,
+            PAGED, PAGE, MAX_PAGES, VEC, UPCAST, IEEE, BD, TMA, SHIFT)
+    for n0 in range(last, hi, BN):
+        b_m, b_l, b_acc, b_p = _fwd_step(
+            b_q, b_m, b_l, b_acc, b_p, n0, o_m, o_d, m_d, k_ptr, v_ptr, block_table_ptr, i_b,
+            i_kh, k_start, len_q, len_k, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs,
+            stride_vh, qk_scale, cap_in, cap_out, True, BM, BN, CAUSAL, LEFT, RIGHT, SOFTCAP,
+            PAGED, PAGE, MAX_PAGES, VEC, UPCAST, IEEE, BD, TMA, SHIFT)
+    if SHIFT:
+        if lo < hi:
+            b_acc = _fwd_values(b_acc, b_p, lo + (hi - lo - 1) // BN * BN, o_d, m_d, v_ptr,
+                                block_table_ptr, i_b, i_kh, k_start, len_k, stride_vb, stride_vs,
+                                stride_vh, BN, PAGED, PAGE, MAX_PAGES, VEC, UPCAST, IEEE, BD, TMA)
     seen = b_l > 0
     b_o = b_acc / tl.where(seen, b_l, 1.0)[:, None]
     o_rows = row_offsets(i_b, q_start + i_m * BM, i_h, stride_ob, stride_os, stride_oh, VEC)
@@ -460,41 +593,60 @@ def probabilities(b_q, b_kt, b_lse, o_m, o_n, len_q, len_k, qk_scale, cap_in, ca
 
 
 @triton.jit
-def _dkdv_block(b_dk, b_dv, b_k, b_v, m0, o_n, m_d, q_ptr, do_ptr, lse_ptr, delta_ptr, i_b, i_h,
-                q_start, len_q, len_k, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
-                stride_doh, q_steps, do_steps, SEQ_Q, TOTAL_Q, qk_scale, cap_in, cap_out,
-                masked, HQ: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr,
-                CAUSAL: tl.constexpr, LEFT: tl.constexpr, RIGHT: tl.constexpr,
-                PACKED: tl.constexpr, SOFTCAP: tl.constexpr, VEC: tl.constexpr,
-                UPCAST: tl.constexpr, IEEE: tl.constexpr):
-    """dk, dv of the key block after query rows [m0, m0 + BM) of head i_h, every product with
-    the key block's BN rows as M (transposed: Sᵀ = k qᵀ, dPᵀ = v doᵀ): Pᵀ = exp2(Sᵀ·scale·log2 e
-    - lse) with lse broadcast along the keys, dv += Pᵀ do and dk += dSᵀ q with Pᵀ and dSᵀ =
-    Pᵀ ∘ (dPᵀ - delta) as the register A operand. ``masked`` (a runtime flag, so that one loop
-    body serves every block): the visibility mask applied; else every query of the block sees
-    every key of the key block (``unmasked_queries``)."""
+def _dkdv_block(b_dk, b_dv, b_k, b_v, m0, o_n, m_d, q_src, do_src, lse_ptr, delta_ptr, i_b, i_h,
+                q_start, len_q, len_k, stride_qs, stride_qh, stride_dos, stride_doh, q_steps,
+                do_steps, SEQ_Q, TOTAL_Q, qk_scale, cap_in, cap_out, masked, HQ: tl.constexpr,
+                BM: tl.constexpr, BN: tl.constexpr, BD: tl.constexpr, CAUSAL: tl.constexpr,
+                LEFT: tl.constexpr, RIGHT: tl.constexpr, PACKED: tl.constexpr,
+                SOFTCAP: tl.constexpr, VEC: tl.constexpr, UPCAST: tl.constexpr,
+                IEEE: tl.constexpr, FEATURES_M: tl.constexpr, TMA: tl.constexpr):
+    """dk, dv of the key block after query rows [m0, m0 + BM) of head i_h (q and do from
+    ``rows_source``'s q_src and do_src). ``masked`` (a runtime flag, so that one loop body
+    serves every block): the visibility mask applied; else every query of the block sees every
+    key of the key block (``unmasked_queries``).
+
+    Keys as M (FEATURES_M False; b_k, b_v [BN, BD], b_dk, b_dv [BN, BD]): every product has the
+    key block's BN rows as M (Sᵀ = k qᵀ, dPᵀ = v doᵀ): Pᵀ = exp2(Sᵀ·scale·log2 e - lse) with
+    lse broadcast along the keys, dv += Pᵀ do and dk += dSᵀ q with Pᵀ and dSᵀ = Pᵀ ∘ (dPᵀ -
+    delta) as the register A operand.
+    Features as M (FEATURES_M True; b_k, b_v as kᵀ, vᵀ [BD, BN], b_dk, b_dv as dkᵀ, dvᵀ
+    [BD, BN]): S = q kᵀ and dP = do vᵀ with the query block as M, then dvᵀ += doᵀ P and dkᵀ +=
+    qᵀ dS with the head dim as M (P and dS through shared memory as the B operand): the
+    accumulators hold BD·BN values rather than the keys-as-M BN·BD over BN/64 warpgroups."""
     o_m = m0 + tl.arange(0, BM)
-    m_q = (o_m < len_q)[:, None] & m_d[None, :]
-    b_q = tl.load(tile(q_ptr + row_offsets(i_b, q_start + m0, i_h, stride_qb, stride_qs,
-                                           stride_qh, VEC), q_steps, BD), mask=m_q, other=0.0)
-    b_do = tl.load(tile(do_ptr + row_offsets(i_b, q_start + m0, i_h, stride_dob, stride_dos,
-                                             stride_doh, VEC), do_steps, BD), mask=m_q, other=0.0)
+    b_q = rows(q_src, m0, i_h, len_q, stride_qs, stride_qh, q_steps, m_d, BM, BD, VEC, TMA)
+    b_do = rows(do_src, m0, i_h, len_q, stride_dos, stride_doh, do_steps, m_d, BM, BD, VEC, TMA)
     p_row = lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ, PACKED)
     b_lse = tl.load(lse_ptr + p_row, mask=o_m < len_q, other=float("-inf"))
     b_delta = tl.load(delta_ptr + p_row, mask=o_m < len_q, other=0.0)
-    b_st, b_gate = log2_scores(mm(b_k, tl.trans(b_q), tl.zeros([BN, BM], dtype=tl.float32),
-                                  UPCAST, IEEE), qk_scale, cap_in, cap_out, SOFTCAP)   # [BN, BM]
     # a row without keys (lse = -inf) gets exp2(s - inf) = 0
-    b_pt = tl.exp2(b_st - tl.where(b_lse != float("-inf"), b_lse * LOG2E, float("inf"))[None, :])
-    if masked:
-        b_pt = tl.where(visible_pairs(o_m[None, :], o_n[:, None], len_q, len_k, CAUSAL, LEFT,
-                                      RIGHT), b_pt, 0.0)
-    b_dv = mm(b_pt.to(b_do.dtype), b_do, b_dv, UPCAST, IEEE)              # [BN, BM] @ [BM, BD]
-    b_dpt = mm(b_v, tl.trans(b_do), tl.zeros([BN, BM], dtype=tl.float32), UPCAST, IEEE)
-    b_dst = b_pt * (b_dpt - b_delta[None, :])
-    if SOFTCAP:
-        b_dst = b_dst * b_gate
-    b_dk = mm(b_dst.to(b_q.dtype), b_q, b_dk, UPCAST, IEEE)               # [BN, BM] @ [BM, BD]
+    b_off = tl.where(b_lse != float("-inf"), b_lse * LOG2E, float("inf"))
+    if FEATURES_M:
+        b_s, b_gate = log2_scores(mm(b_q, b_k, tl.zeros([BM, BN], dtype=tl.float32), UPCAST,
+                                     IEEE), qk_scale, cap_in, cap_out, SOFTCAP)   # [BM, BN]
+        b_dp = mm(b_do, b_v, tl.zeros([BM, BN], dtype=tl.float32), UPCAST, IEEE)
+        b_p = tl.exp2(b_s - b_off[:, None])
+        if masked:
+            b_p = tl.where(visible(o_m, o_n, len_q, len_k, CAUSAL, LEFT, RIGHT), b_p, 0.0)
+        b_dv = mm(tl.trans(b_do), b_p.to(b_do.dtype), b_dv, UPCAST, IEEE)  # [BD, BM] @ [BM, BN]
+        b_ds = b_p * (b_dp - b_delta[:, None])
+        if SOFTCAP:
+            b_ds = b_ds * b_gate
+        b_dk = mm(tl.trans(b_q), b_ds.to(b_q.dtype), b_dk, UPCAST, IEEE)  # [BD, BM] @ [BM, BN]
+    else:
+        b_st, b_gate = log2_scores(mm(b_k, tl.trans(b_q), tl.zeros([BN, BM], dtype=tl.float32),
+                                      UPCAST, IEEE), qk_scale, cap_in, cap_out, SOFTCAP)  # [BN, BM]
+        # dPᵀ issued before the exponentials, which run while the tensor cores compute it
+        b_dpt = mm(b_v, tl.trans(b_do), tl.zeros([BN, BM], dtype=tl.float32), UPCAST, IEEE)
+        b_pt = tl.exp2(b_st - b_off[None, :])
+        if masked:
+            b_pt = tl.where(visible_pairs(o_m[None, :], o_n[:, None], len_q, len_k, CAUSAL, LEFT,
+                                          RIGHT), b_pt, 0.0)
+        b_dv = mm(b_pt.to(b_do.dtype), b_do, b_dv, UPCAST, IEEE)          # [BN, BM] @ [BM, BD]
+        b_dst = b_pt * (b_dpt - b_delta[None, :])
+        if SOFTCAP:
+            b_dst = b_dst * b_gate
+        b_dk = mm(b_dst.to(b_q.dtype), b_q, b_dk, UPCAST, IEEE)           # [BN, BM] @ [BM, BD]
     return b_dk, b_dv
 
 
@@ -509,11 +661,13 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seq
                          BN: tl.constexpr, BD: tl.constexpr, CAUSAL: tl.constexpr,
                          LEFT: tl.constexpr, RIGHT: tl.constexpr, PACKED: tl.constexpr,
                          SOFTCAP: tl.constexpr, VEC: tl.constexpr, UPCAST: tl.constexpr,
-                         IEEE: tl.constexpr):
+                         IEEE: tl.constexpr, FEATURES_M: tl.constexpr, TMA: tl.constexpr):
     """dk, dv of one key block of one KV head, summed over the group's query heads and query
     blocks in fp32, in a fixed order (the query blocks from the last down, the G heads within
-    each): deterministic, no atomics. The key block is every product's M side (``_dkdv_block``):
-    64 keys per warpgroup reach wgmma (tcgen05) whatever the query block."""
+    each): deterministic, no atomics. Every product reaches wgmma (tcgen05) with 64 rows per
+    warpgroup whatever the other side: the key block as M (``_dkdv_block``), or with FEATURES_M
+    the query block as the scores' M and the head dim as dk's and dv's (stored transposed).
+    TMA: q and do read through tensor descriptors of the sequence (two per program)."""
     i_n, i_bh = tl.program_id(0), tl.program_id(1)
     i_b, i_kh = i_bh // HKV, i_bh % HKV
     q_start, len_q, _ = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
@@ -528,19 +682,30 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seq
     o_n = i_n * BN + tl.arange(0, BN)
     o_d = tl.arange(0, BD)
     m_d = o_d < D
-    m_kv = (o_n < len_k)[:, None] & m_d[None, :]
     n_first = k_start + i_n * BN
-    b_k = tl.load(tile(k_ptr + row_offsets(i_b, n_first, i_kh, stride_kb, stride_ks, stride_kh,
-                                           VEC), steps(BN, stride_ks, VEC), BD),
-                  mask=m_kv, other=0.0)                                          # [BN, BD]
-    b_v = tl.load(tile(v_ptr + row_offsets(i_b, n_first, i_kh, stride_vb, stride_vs, stride_vh,
-                                           VEC), steps(BN, stride_vs, VEC), BD),
-                  mask=m_kv, other=0.0)
+    p_k = k_ptr + row_offsets(i_b, n_first, i_kh, stride_kb, stride_ks, stride_kh, VEC)
+    p_v = v_ptr + row_offsets(i_b, n_first, i_kh, stride_vb, stride_vs, stride_vh, VEC)
+    p_dk = dk_ptr + row_offsets(i_b, n_first, i_kh, stride_dkb, stride_dks, stride_dkh, VEC)
+    p_dv = dv_ptr + row_offsets(i_b, n_first, i_kh, stride_dvb, stride_dvs, stride_dvh, VEC)
+    if FEATURES_M:                                                               # [BD, BN]
+        m_kv = m_d[:, None] & (o_n < len_k)[None, :]
+        b_k = tl.load(tile_t(p_k, steps(BN, stride_ks, VEC), BD), mask=m_kv, other=0.0)
+        b_v = tl.load(tile_t(p_v, steps(BN, stride_vs, VEC), BD), mask=m_kv, other=0.0)
+        b_dk = tl.zeros([BD, BN], dtype=tl.float32)
+        b_dv = tl.zeros([BD, BN], dtype=tl.float32)
+    else:                                                                        # [BN, BD]
+        m_kv = (o_n < len_k)[:, None] & m_d[None, :]
+        b_k = tl.load(tile(p_k, steps(BN, stride_ks, VEC), BD), mask=m_kv, other=0.0)
+        b_v = tl.load(tile(p_v, steps(BN, stride_vs, VEC), BD), mask=m_kv, other=0.0)
+        b_dk = tl.zeros([BN, BD], dtype=tl.float32)
+        b_dv = tl.zeros([BN, BD], dtype=tl.float32)
     q_steps = steps(BM, stride_qs, VEC)
     do_steps = steps(BM, stride_dos, VEC)
+    q_src = rows_source(q_ptr, i_b, q_start, len_q, stride_qb, stride_qs, stride_qh, HQ, D, BM, BD,
+                        VEC, TMA)
+    do_src = rows_source(do_ptr, i_b, q_start, len_q, stride_dob, stride_dos, stride_doh, HQ, D,
+                         BM, BD, VEC, TMA)
     qk_scale = scale * LOG2E
-    b_dk = tl.zeros([BN, BD], dtype=tl.float32)
-    b_dv = tl.zeros([BN, BD], dtype=tl.float32)
     lo, hi = query_range(i_n * BN, (i_n + 1) * BN, len_q, len_k, BM, CAUSAL, LEFT, RIGHT)
     full_lo, full_hi = unmasked_queries(i_n * BN, (i_n + 1) * BN, lo, hi, len_q, len_k, BM,
                                         CAUSAL, LEFT, RIGHT)
@@ -554,17 +719,21 @@ def attn_bwd_dkdv_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seq
         g = t - j * G
         m0 = lo + (blocks - 1 - j) * BM
         b_dk, b_dv = _dkdv_block(
-            b_dk, b_dv, b_k, b_v, m0, o_n, m_d, q_ptr, do_ptr, lse_ptr, delta_ptr, i_b,
-            i_kh * G + g, q_start, len_q, len_k, stride_qb, stride_qs, stride_qh, stride_dob,
-            stride_dos, stride_doh, q_steps, do_steps, SEQ_Q, TOTAL_Q, qk_scale, cap_in, cap_out,
+            b_dk, b_dv, b_k, b_v, m0, o_n, m_d, q_src, do_src, lse_ptr, delta_ptr, i_b,
+            i_kh * G + g, q_start, len_q, len_k, stride_qs, stride_qh, stride_dos, stride_doh,
+            q_steps, do_steps, SEQ_Q, TOTAL_Q, qk_scale, cap_in, cap_out,
             (m0 < full_lo) | (m0 >= full_hi), HQ, BM, BN, BD, CAUSAL, LEFT, RIGHT, PACKED, SOFTCAP,
-            VEC, UPCAST, IEEE)
-    tl.store(tile(dk_ptr + row_offsets(i_b, n_first, i_kh, stride_dkb, stride_dks, stride_dkh,
-                                       VEC), steps(BN, stride_dks, VEC), BD),
-             (b_dk * scale).to(dk_ptr.dtype.element_ty), mask=m_kv)
-    tl.store(tile(dv_ptr + row_offsets(i_b, n_first, i_kh, stride_dvb, stride_dvs, stride_dvh,
-                                       VEC), steps(BN, stride_dvs, VEC), BD),
-             b_dv.to(dv_ptr.dtype.element_ty), mask=m_kv)
+            VEC, UPCAST, IEEE, FEATURES_M, TMA)
+    if FEATURES_M:
+        tl.store(tile_t(p_dk, steps(BN, stride_dks, VEC), BD),
+                 (b_dk * scale).to(dk_ptr.dtype.element_ty), mask=m_kv)
+        tl.store(tile_t(p_dv, steps(BN, stride_dvs, VEC), BD),
+                 b_dv.to(dv_ptr.dtype.element_ty), mask=m_kv)
+    else:
+        tl.store(tile(p_dk, steps(BN, stride_dks, VEC), BD),
+                 (b_dk * scale).to(dk_ptr.dtype.element_ty), mask=m_kv)
+        tl.store(tile(p_dv, steps(BN, stride_dvs, VEC), BD),
+                 b_dv.to(dv_ptr.dtype.element_ty), mask=m_kv)
 
 
 @triton.jit
@@ -577,9 +746,10 @@ def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seqle
                        BN: tl.constexpr, BD: tl.constexpr, CAUSAL: tl.constexpr,
                        LEFT: tl.constexpr, RIGHT: tl.constexpr, PACKED: tl.constexpr,
                        SOFTCAP: tl.constexpr, VEC: tl.constexpr, UPCAST: tl.constexpr,
-                       IEEE: tl.constexpr):
-    """dq of one query block of one head: sum over key blocks of dS·k (no atomics)."""
-    i_m, i_bh = tl.program_id(0), tl.program_id(1)
+                       IEEE: tl.constexpr, TMA: tl.constexpr):
+    """dq of one query block of one head: sum over key blocks of dS·k (no atomics). TMA: q, do,
+    k and v read through tensor descriptors of the sequence (four per program)."""
+    i_m, i_bh = query_block(CAUSAL), tl.program_id(1)
     i_b, i_h = i_bh // HQ, i_bh % HQ
     i_kh = i_h // (HQ // HKV)
     q_start, len_q, q_end = sequence_span(i_b, cu_seqlens_q_ptr, SEQ_Q, PACKED)
@@ -594,29 +764,43 @@ def attn_bwd_dq_kernel(q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, cu_seqle
     m_d = o_d < D
     m_q = (o_m < len_q)[:, None] & m_d[None, :]
     m_first = q_start + i_m * BM
-    b_q = tl.load(tile(q_ptr + row_offsets(i_b, m_first, i_h, stride_qb, stride_qs, stride_qh,
-                                           VEC), steps(BM, stride_qs, VEC), BD),
-                  mask=m_q, other=0.0)
-    b_do = tl.load(tile(do_ptr + row_offsets(i_b, m_first, i_h, stride_dob, stride_dos,
-                                             stride_doh, VEC), steps(BM, stride_dos, VEC), BD),
-                   mask=m_q, other=0.0)
+    q_src = rows_source(q_ptr, i_b, q_start, len_q, stride_qb, stride_qs, stride_qh, HQ, D, BM, BD,
+                        VEC, TMA)
+    do_src = rows_source(do_ptr, i_b, q_start, len_q, stride_dob, stride_dos, stride_doh, HQ, D,
+                         BM, BD, VEC, TMA)
+    b_q = rows(q_src, i_m * BM, i_h, len_q, stride_qs, stride_qh, steps(BM, stride_qs, VEC), m_d,
+               BM, BD, VEC, TMA)
+    b_do = rows(do_src, i_m * BM, i_h, len_q, stride_dos, stride_doh, steps(BM, stride_dos, VEC),
+                m_d, BM, BD, VEC, TMA)
     p_row = lse_offsets(i_b, i_h, q_start, o_m, SEQ_Q, TOTAL_Q, HQ, PACKED)
     b_lse = tl.load(lse_ptr + p_row, mask=o_m < len_q, other=float("-inf"))
     b_delta = tl.load(delta_ptr + p_row, mask=o_m < len_q, other=0.0)
     qk_scale = scale * LOG2E
     b_dq = tl.zeros([BM, BD], dtype=tl.float32)
     lo, hi = key_range(i_m * BM, (i_m + 1) * BM, len_q, len_k, BN, CAUSAL, LEFT, RIGHT)
-    p_kt = tile_t(k_ptr + row_offsets(i_b, k_start + lo, i_kh, stride_kb, stride_ks, stride_kh,
-                                      VEC), steps(BN, stride_ks, VEC), BD)          # [BD, BN]
-    p_vt = tile_t(v_ptr + row_offsets(i_b, k_start + lo, i_kh, stride_vb, stride_vs, stride_vh,
-                                      VEC), steps(BN, stride_vs, VEC), BD)
+    if TMA:
+        k_src = rows_source(k_ptr, i_b, k_start, len_k, stride_kb, stride_ks, stride_kh, HKV, D,
+                            BN, BD, VEC, TMA)
+        v_src = rows_source(v_ptr, i_b, k_start, len_k, stride_vb, stride_vs, stride_vh, HKV, D,
+                            BN, BD, VEC, TMA)
+    else:
+        p_kt = tile_t(k_ptr + row_offsets(i_b, k_start + lo, i_kh, stride_kb, stride_ks,
+                                          stride_kh, VEC), steps(BN, stride_ks, VEC), BD)  # [BD, BN]
+        p_vt = tile_t(v_ptr + row_offsets(i_b, k_start + lo, i_kh, stride_vb, stride_vs,
+                                          stride_vh, VEC), steps(BN, stride_vs, VEC), BD)
     for n0 in range(lo, hi, BN):
         o_n = n0 + tl.arange(0, BN)
-        m_kv = m_d[:, None] & (o_n < len_k)[None, :]
-        b_kt = tl.load(p_kt, mask=m_kv, other=0.0)
-        b_vt = tl.load(p_vt, mask=m_kv, other=0.0)
-        p_kt += BN * stride_ks * VEC
-        p_vt += BN * stride_vs * VEC
+        if TMA:
+            b_kt = tl.trans(rows(k_src, n0, i_kh, len_k, stride_ks, stride_kh, None, m_d, BN, BD,
+                                 VEC, TMA))
+            b_vt = tl.trans(rows(v_src, n0, i_kh, len_k, stride_vs, stride_vh, None, m_d, BN, BD,
+                                 VEC, TMA))
+        else:
+            m_kv = m_d[:, None] & (o_n < len_k)[None, :]
+            b_kt = tl.load(p_kt, mask=m_kv, other=0.0)
+            b_vt = tl.load(p_vt, mask=m_kv, other=0.0)
+            p_kt += BN * stride_ks * VEC
+            p_vt += BN * stride_vs * VEC
         b_p, b_gate = probabilities(b_q, b_kt, b_lse, o_m, o_n, len_q, len_k, qk_scale, cap_in,
                                     cap_out, CAUSAL, LEFT, RIGHT, SOFTCAP, UPCAST, IEEE, BM, BN)
         b_dp = mm(b_do, b_vt, tl.zeros([BM, BN], dtype=tl.float32), UPCAST, IEEE)

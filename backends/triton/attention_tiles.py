@@ -39,10 +39,13 @@ class Tiles:
 @dataclass(frozen=True)
 class BackwardTiles:
     """The backward's dk/dv kernel (a key block of bn keys against query blocks of bm rows) and
-    dq kernel (a query block of bm rows against key blocks of bn keys)."""
+    dq kernel (a query block of bm rows against key blocks of bn keys). ``features_m``: dk and
+    dv accumulated transposed, [d, bn] with the head dim as their products' M and the query
+    block as the scores' (else every product has the key block as M)."""
 
     dkdv: Tiles
     dq: Tiles
+    features_m: bool = False
 
 
 @dataclass(frozen=True)
@@ -75,21 +78,23 @@ FORWARD = {
              "a 128 budget for 4 CTAs spilled 8 bytes)"),
         128: (Tiles(128, 64, 8, 3, None, WIDE_TILE_REGISTERS), "128 query rows on 8 warps: each "
               "warpgroup owns one 64-row wgmma slab (no duplicated QKᵀ or softmax: 2/3 of the "
-              "64-row tile's tensor-core work, half its exponentials); 184 registers, 1 CTA per "
-              "SM, 128 KiB of shared memory for 3 stages (2026-12-01, `fusedops kernels`)"),
+              "64-row tile's tensor-core work, half its exponentials); with TMA tiles and the "
+              "previous block's P·V under this block's softmax 164 registers (154 packed; 184 "
+              "before), 1 CTA per SM, 145 KiB of shared memory for 3 stages; 128 keys per step "
+              "takes 249 (2026-12-04, `fusedops kernels`)"),
         256: (Tiles(128, 32, 8, 3), "128 query rows on 8 warps, each warpgroup its own 64-row "
               "slab (the 64-row tile on 8 warps had both warpgroups compute the whole QKᵀ and "
-              "softmax: 1.5x the tensor-core work, 2x the exponentials), 32 keys per step: 235 "
-              "registers (250 packed, 212 softcapped), no spill (the 64-row tile's packed "
-              "variant spilled 40 bytes at its 192 budget), 160 KiB of shared memory for 3 "
-              "stages, 1 CTA per SM as before; 64 keys per step spills 48 bytes at 255 "
-              "(2026-12-02, `fusedops kernels`)"),
+              "softmax: 1.5x the tensor-core work, 2x the exponentials), 32 keys per step: 198 "
+              "registers with TMA (235 with pointer loads, 2026-12-02), no spill, 168 KiB of "
+              "shared memory for 3 stages, 1 CTA per SM (2026-12-04, `fusedops kernels`)"),
     },
     "sm_100": {
-        64: (Tiles(64, 64, 4), "today's tiles: tcgen05 from one thread, 3 CTAs per SM"),
+        64: (Tiles(64, 64, 4), "today's tiles: tcgen05 from one thread; 127 registers with TMA, "
+             "4 CTAs per SM (3 before)"),
         128: (Tiles(64, 64, 8, 2, WIDE_TILE_REGISTERS), "today's tiles; one thread issues each "
               "tcgen05 MMA for the CTA and the warps share the score tile's softmax (no "
-              "duplicated work, unlike sm_90's wgmma); 192 registers keep ptxas from spilling"),
+              "duplicated work, unlike sm_90's wgmma); 94 registers with TMA (122 before), 2 "
+              "CTAs per SM; the 192 budget keeps the wide variants from spilling"),
         256: (Tiles(128, 32, 8, 3), "128 query rows on 8 warps (tcgen05's full 128-row MMA), "
               "32 keys per step, 3 stages: 238 registers (246 packed, 254 softcapped), no spill, "
               "161 KiB of shared memory, 1 CTA per SM as the 64-row tile it replaces (166 "
@@ -121,17 +126,21 @@ BACKWARD = {
               "dk/dv: 128 keys on 8 warps, each warpgroup its own 64 keys as every product's M "
               "(FlashAttention-3's Hopper tiles: no product below wgmma's 64 rows, none computed twice; 64 "
               "keys on 8 warps would compute Sᵀ on both warpgroups), 32 query rows per step "
-              "(at 64 ptxas spills 96-240 bytes at 255 registers); 239 registers, 1 CTA per "
-              "SM. dq: 64 query rows on one warpgroup, every product a wgmma (20 HGMMA, 199 "
-              "registers, 209 packed, 2 CTAs per SM, 96 KiB of shared memory)"),
-        256: (BackwardTiles(Tiles(32, 16, 4), Tiles(128, 32, 8)),
-              "dk/dv: 16 keys x 32 query rows on 4 warps, mma.sync (wgmma needs 64 keys per "
-              "warpgroup, whose [64, 256] fp32 dk and dv take 256 registers a thread; 128 query "
-              "rows as S's M with 64 keys split over two warpgroups spills 200-256 bytes); "
-              "240 registers, 2 CTAs per SM, no duplicated product (the 16 x 32 tiles on 8 warps "
-              "computed S and dP twice). dq: 128 query rows on 8 warps, each warpgroup its own "
-              "64 rows, every product a wgmma (220 registers, 192 KiB of shared memory, 1 CTA per "
-              "SM; at 64 rows on 4 warps it spilled)"),
+              "(at 64 ptxas spills 96-240 bytes at 255 registers); 230 registers with TMA (239 "
+              "before), 1 CTA per SM. dq: 64 query rows on one warpgroup, every product a wgmma "
+              "(20 HGMMA, 159 registers with TMA, 199 before, 2 CTAs per SM by its 96 KiB of "
+              "shared memory) (2026-12-04)"),
+        256: (BackwardTiles(Tiles(128, 32, 8, 1), Tiles(128, 32, 8), True),
+              "dk/dv with dkᵀ and dvᵀ [256, 32] accumulated (the head dim as their products' M, "
+              "split over the two warpgroups; S and dP [128, 32] with the query rows as M, 64 a "
+              "warpgroup): every product a wgmma, none computed twice, 242 registers, 168 KiB "
+              "of shared memory (one stage; two need 297), 1 CTA per SM. Keys as M need 64 keys "
+              "a warpgroup, whose [64, 256] fp32 dk and dv take 256 registers a thread (the "
+              "former 16 x 32 mma.sync tiles, 240 registers, 2 CTAs); 64 x 32 on one warpgroup "
+              "spills 72 bytes with dP issued before the exponentials (255 registers, no "
+              "overlap, without). dq: 128 query rows on 8 warps, each warpgroup its own 64 "
+              "rows, every product a wgmma (211 registers, 192 KiB of shared memory, 1 CTA per "
+              "SM) (2026-12-04, `fusedops kernels`)"),
     },
     "sm_100": {
         64: (BackwardTiles(Tiles(32, 64, 4), Tiles(64, 64, 4)), "as sm_90: every product "
@@ -142,9 +151,11 @@ BACKWARD = {
               "128 keys would double a wave's keys and its wave would no longer fit the L2 at "
               "h_kv = 2 (the model: 2.0 -> 16x the floor). dq at 64 rows all tcgen05 (147 "
               "registers, 112 KiB of shared memory: 2 CTAs per SM)"),
-        256: (BackwardTiles(Tiles(32, 16, 4), Tiles(128, 32, 8)),
-              "dk/dv as sm_90 (mma.sync: tcgen05 needs 64 rows); dq: 128 query rows on 8 warps, "
-              "all tcgen05 (186 registers, 208 KiB of shared memory)"),
+        256: (BackwardTiles(Tiles(64, 32, 4, 1), Tiles(128, 32, 8), True),
+              "dk/dv with dkᵀ and dvᵀ accumulated in tensor memory (as sm_90's; 64 query rows "
+              "on 4 warps, tcgen05 issued once per CTA): 239 registers, 100 KiB of shared "
+              "memory, 2 CTAs per SM (two stages need 233 KiB); dq: 128 query rows on 8 warps, "
+              "all tcgen05 (169 registers, 208 KiB of shared memory) (2026-12-04)"),
     },
     "sm_80": {
         64: (BackwardTiles(Tiles(32, 32, 4, 2, STRIDED_FOUR_CTAS), Tiles(32, 64, 4)), "sm_80's "
@@ -163,12 +174,19 @@ BACKWARD = {
 }
 
 DECODE = {
-    "sm_90": (DecodeTiles(64, 4, 2), "today's tiles: 64 cache positions per step, 4 warps; the "
-              "T·h_q/h_kv query rows (16 at T = 1..4, G = 4) are below wgmma's 64, so mma.sync; "
-              "the step is bound by reading the cache"),
-    "sm_100": (DecodeTiles(64, 4, 2), "today's tiles (as sm_90); ptxas's own register count (a "
-               "168 budget for 3 CTAs per SM spilled 24 bytes on the paged FP8 cache)"),
-    "sm_80": (DecodeTiles(64, 4, 2), "today's tiles: mma.sync; 4 CTAs per SM by shared memory"),
+    "sm_90": (DecodeTiles(64, 4, 2, 168), "64 cache positions per step on one warpgroup, every "
+              "product transposed (Sᵀ = k qᵀ with the positions as M, oᵀ += vᵀ Pᵀ with the "
+              "features as M: the T·h_q/h_kv query rows, 16 at T = 1..4, G = 4, are below "
+              "wgmma's 64), wgmma, the previous step's vᵀ Pᵀ under this step's softmax; a 168 "
+              "budget keeps 3 CTAs per SM with no spill (147 bf16, 168 paged FP8, which took "
+              "214 without it); the step is bound by reading the cache (2026-12-04)"),
+    "sm_100": (DecodeTiles(64, 4, 2), "as sm_90, tcgen05, ptxas's own register count: 196 (bf16, "
+               "2 CTAs per SM), 160 (paged FP8, 3); a 168 budget holds the bf16 kernel to 3 CTAs "
+               "without spilling on triton 3.9 but spills 144 bytes on 3.6 (2026-12-04)"),
+    "sm_80": (DecodeTiles(64, 4, 2), "64 positions per step, mma.sync on the same transposed "
+              "products: 184 registers, 2 CTAs per SM (128 and 4 before they were transposed; "
+              "budgets of 128 and 168 spill 152 and 16 bytes), each keeping two stages of 32 KiB "
+              "of cache in flight, more than reading the cache needs (2026-12-04)"),
 }
 
 
@@ -192,7 +210,7 @@ def forward_tiles(problem, config: Tiles | None = None) -> Tiles:
 
 def backward_tiles(problem, config: BackwardTiles | None = None) -> BackwardTiles:
     entry = config or BACKWARD[target_arch(problem.device)][head_class(problem.head_dim)][0]
-    return BackwardTiles(_fit(entry.dkdv, problem), _fit(entry.dq, problem))
+    return replace(entry, dkdv=_fit(entry.dkdv, problem), dq=_fit(entry.dq, problem))
 
 
 def decode_tiles(problem, config: DecodeTiles | None = None) -> DecodeTiles:
@@ -223,15 +241,20 @@ def forward_candidates(problem) -> list[Tiles]:
 def backward_candidates(problem) -> list[BackwardTiles]:
     """The entry, then (d <= 128) dk/dv on 128 keys over two warpgroups and on 64 keys of one
     warpgroup (32 query rows per step), at 64 query rows, dq on 64-row tiles of 4 warps, and one
-    more pipeline stage for both; (d = 256) dk/dv on 32 x 32 tiles of 8 warps, dq on 32 x 32
-    tiles of 4 warps, and one more stage for dk/dv (the dq entry's 192 KiB of shared memory
-    leave no room for a third)."""
+    more pipeline stage for both; (d = 256, dk and dv transposed: sm_90, sm_100) dk/dv on 128
+    query rows over two warpgroups (each holding half of dkᵀ and dvᵀ's features) and on 16 keys
+    with two stages, dq on 32 x 32 tiles of 4 warps; (d = 256, keys as M: sm_80) dk/dv on 32 x
+    32 tiles of 8 warps, dq on 32 x 32 tiles of 4 warps, and one more stage for dk/dv (the dq
+    entry's 192 KiB of shared memory leave no room for a third)."""
     head = head_class(problem.head_dim)
     base = BACKWARD[target_arch(problem.device)][head][0]
     if head <= 128:
         out = [base, replace(base, dkdv=Tiles(32, 128, 8)), replace(base, dkdv=Tiles(32, 64, 4)),
                replace(base, dkdv=replace(base.dkdv, bm=64)), replace(base, dq=Tiles(64, 64, 4)),
-               BackwardTiles(replace(base.dkdv, stages=3), replace(base.dq, stages=3))]
+               replace(base, dkdv=replace(base.dkdv, stages=3), dq=replace(base.dq, stages=3))]
+    elif base.features_m:
+        out = [base, replace(base, dkdv=Tiles(128, 32, 8, 1)),
+               replace(base, dkdv=Tiles(64, 16, 4, 2)), replace(base, dq=Tiles(32, 32, 4))]
     else:
         out = [base, replace(base, dkdv=Tiles(32, 32, 8)), replace(base, dq=Tiles(32, 32, 4)),
                replace(base, dkdv=replace(base.dkdv, stages=3))]
@@ -239,7 +262,9 @@ def backward_candidates(problem) -> list[BackwardTiles]:
 
 
 def decode_candidates(problem) -> list[DecodeTiles]:
-    """The entry, then 128 and 32 positions per step, and 8 warps."""
+    """The entry, then 128 positions per step on one warpgroup and on two (64 positions each:
+    every score product keeps 64 positions per warpgroup as its M), and three stages."""
     base = DECODE[target_arch(problem.device)][0]
-    out = [base, replace(base, bn=128), replace(base, bn=32), replace(base, warps=8)]
+    out = [base, replace(base, bn=128, maxnreg=None), replace(base, bn=128, warps=8, maxnreg=None),
+           replace(base, stages=3)]
     return list(dict.fromkeys(out))

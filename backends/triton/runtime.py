@@ -6,10 +6,19 @@ and the launch grid. The GPU launcher and the AOT compile for sm_90/sm_100 both 
 ``compile_spec``, so what CI compiles without a GPU is exactly what runs on one. Runtime sizes
 (token counts) are plain ``i32`` arguments: one compile serves every size, and the grid is not
 part of the specialisation (two specs that differ only in grid compare equal).
+
+Tensor descriptors a kernel makes on the device (``tl.make_tensor_descriptor``: TMA on sm_90 and
+later) live in Triton's global scratch memory, DESCRIPTOR_BYTES per descriptor per program,
+which Triton's launcher asks its allocator for at every launch. A spec declares how many each
+program makes (``descriptors``); its launcher then takes one more runtime argument,
+``global_scratch`` (a workspace piece of ``scratch_bytes``: ``scratch_piece`` sizes it for a
+program's stages), and hands that region to Triton for the launch, so execute() still allocates
+nothing and a CUDA Graph captures the same addresses.
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -18,9 +27,13 @@ import torch
 
 from fusedops.core.cache import COMPILE_CACHE
 from fusedops.core.cost import Cost
+from fusedops.core.program import SCRATCH
 from fusedops.core.workspace import Region
 
 from . import interpreter_active
+
+SCRATCH_ARG = SCRATCH.name
+DESCRIPTOR_BYTES = 128      # Triton's global scratch per device-made tensor descriptor (a CUtensorMap)
 
 TRITON_POINTER_TYPES = {torch.bfloat16: "*bf16", torch.float16: "*fp16", torch.float32: "*fp32",
                         torch.bool: "*i1", torch.uint8: "*u8", torch.int32: "*i32",
@@ -49,7 +62,9 @@ class KernelSpec:
     ``signature`` lists (argument name, Triton type) in the kernel's argument order, with type
     ``"constexpr"`` for compile-time arguments whose values are in ``constexprs`` (an absent
     optional operand is a constexpr None: compiled out, never aliased); ``aligned`` names the
-    pointer arguments guaranteed 16-byte aligned (the plans check it at execute). ``grid`` and
+    pointer arguments guaranteed 16-byte aligned (the plans check it at execute);
+    ``descriptors`` how many tensor descriptors each program makes (the module docstring: global
+    scratch from the workspace). ``grid`` and
     ``cost`` (the launch's FLOPs and HBM bytes at the plan's sizes) are not part of the
     specialisation.
     """
@@ -61,6 +76,7 @@ class KernelSpec:
     num_warps: int = 4
     num_stages: int = 1
     maxnreg: int | None = None      # a register budget for ptxas where its own choice spills
+    descriptors: int = 0            # tensor descriptors each program makes (global scratch)
     grid: tuple[int, int, int] = field(default=(1, 1, 1), compare=False)
     cost: Cost | None = field(default=None, compare=False)
 
@@ -80,10 +96,16 @@ class KernelSpec:
         object.__setattr__(self, "signature", tuple((n, given[n]) for n in params))
         object.__setattr__(self, "grid", tuple(int(g) for g in self.grid))
 
+    @property
+    def scratch_bytes(self) -> int:
+        """Bytes of global scratch a launch on ``grid`` needs (0 without descriptors)."""
+        return self.descriptors * DESCRIPTOR_BYTES * self.grid[0] * self.grid[1] * self.grid[2]
+
     @classmethod
     def make(cls, kernel, args: Sequence[tuple[str, str | None]], constexprs: Mapping[str, Any],
              grid: Sequence[int], *, num_warps: int = 4, num_stages: int = 1,
-             maxnreg: int | None = None, cost: Cost | None = None) -> KernelSpec:
+             maxnreg: int | None = None, descriptors: int = 0,
+             cost: Cost | None = None) -> KernelSpec:
         """A spec from runtime ``args`` (name, Triton type; type None: an absent optional operand,
         compiled out as a constexpr None) and ``constexprs``. Floating-point pointers are
         16-byte aligned (plans check it; workspace pieces are 128-byte aligned); integer and
@@ -94,7 +116,7 @@ class KernelSpec:
         return cls(kernel, present + tuple((n, "constexpr") for n, _ in values), values,
                    aligned=tuple(n for n, t in present if t in _FLOAT_POINTERS),
                    num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,
-                   grid=tuple(grid) + (1,) * (3 - len(grid)), cost=cost)
+                   descriptors=descriptors, grid=tuple(grid) + (1,) * (3 - len(grid)), cost=cost)
 
     @property
     def name(self) -> str:
@@ -105,10 +127,13 @@ class KernelSpec:
         return dict(self.constexprs)[name]
 
     def runtime_arg_names(self) -> tuple[str, ...]:
-        return tuple(n for n, t in self.signature if t != "constexpr")
+        """The kernel's runtime arguments, then ``global_scratch`` when it makes descriptors."""
+        names = tuple(n for n, t in self.signature if t != "constexpr")
+        return names + (SCRATCH_ARG,) if self.descriptors else names
 
     def full_args(self, runtime_args: Sequence[Any]) -> list[Any]:
-        """All kernel arguments in order: ``runtime_args`` with the constexpr values put back."""
+        """All kernel arguments in order: ``runtime_args`` (without the scratch) with the
+        constexpr values put back."""
         constexprs = dict(self.constexprs)
         it = iter(runtime_args)
         return [constexprs[n] if t == "constexpr" else next(it) for n, t in self.signature]
@@ -153,7 +178,9 @@ def make_launcher(spec: KernelSpec, device: torch.device) -> Callable[..., None]
 
         def interpret(*runtime_args, stream):
             # the interpreter reads memory through the tensor's dtype: reinterpret buffers handed
-            # as raw bytes (workspace and saved pieces)
+            # as raw bytes (workspace and saved pieces); it keeps descriptors in host memory
+            if spec.descriptors:
+                runtime_args = runtime_args[:-1]
             args = [a.tensor() if isinstance(a, Region) else a for a in runtime_args]
             args = [_reinterpret(a, pointer_dtypes[n]) if n in pointer_dtypes else a
                     for n, a in zip(names, args)]
@@ -174,8 +201,47 @@ def make_launcher(spec: KernelSpec, device: torch.device) -> Callable[..., None]
         args = list(template)
         for slot, value in zip(runtime_slots, runtime_args):
             args[slot] = value.address() if isinstance(value, Region) else value
-        runner(*args, stream=stream)
+        if spec.descriptors:
+            with _scratch(spec, runtime_args[-1]):
+                runner(*args, stream=stream)
+        else:
+            runner(*args, stream=stream)
     return launch
+
+
+class _ScratchRegion:
+    """Triton's allocator for one launch: the workspace region bound as its global scratch."""
+
+    def __init__(self, spec: KernelSpec, region: Region) -> None:
+        self.spec, self.region = spec, region
+
+    def data_ptr(self) -> int:
+        return self.region.address()
+
+    def __call__(self, size: int, alignment: int, stream) -> _ScratchRegion:
+        if size > self.region.numel or self.region.address() % alignment:
+            raise RuntimeError(f"{self.spec.name}: Triton asks for {size} bytes of global scratch "
+                               f"aligned to {alignment}; the workspace piece holds "
+                               f"{self.region.numel} at {self.region.address():#x}")
+        return self
+
+
+@contextlib.contextmanager
+def _scratch(spec: KernelSpec, region: Region):
+    """Triton's allocator answers ``region`` for launches in the block (a context variable,
+    restored after: a caller's own allocator is untouched)."""
+    from triton.runtime import _allocation
+    token = _allocation._allocator.set(_ScratchRegion(spec, region))
+    try:
+        yield
+    finally:
+        _allocation._allocator.reset(token)
+
+
+def scratch_piece(*specs: KernelSpec) -> tuple[str, torch.dtype, int]:
+    """The workspace piece the ``global_scratch`` of a program's stages takes: the stages run
+    one after another on one stream, so they share it, sized for the largest."""
+    return (SCRATCH_ARG, torch.uint8, max((s.scratch_bytes for s in specs), default=0))
 
 
 def _reinterpret(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -190,9 +256,18 @@ def _compile_for_device(spec: KernelSpec, device: torch.device):
     from triton.runtime import driver
     with torch.cuda.device(device):
         compiled = compile_spec(spec, driver.active.get_current_target())
-    scratch = [getattr(compiled.metadata, f, 0) or 0
-               for f in ("global_scratch_size", "profile_scratch_size")]
-    if any(scratch):
-        raise RuntimeError(f"{spec.name} needs Triton global scratch memory, which would make "
-                           "execute() allocate; the kernel must be restructured")
+    check_scratch(spec, compiled)
     return compiled
+
+
+def check_scratch(spec: KernelSpec, compiled) -> None:
+    """Refuses a compiled kernel whose global scratch exceeds what its spec declares (the
+    workspace carries only that: Triton would otherwise allocate at launch) or that wants
+    profiling scratch."""
+    used = getattr(compiled.metadata, "global_scratch_size", 0) or 0
+    profile = getattr(compiled.metadata, "profile_scratch_size", 0) or 0
+    if used > spec.descriptors * DESCRIPTOR_BYTES or profile:
+        raise RuntimeError(f"{spec.name} needs {used} bytes of Triton global scratch per program "
+                           f"(and {profile} of profiling scratch); its spec declares "
+                           f"{spec.descriptors} tensor descriptors ({spec.descriptors * DESCRIPTOR_BYTES} "
+                           "bytes): the workspace must carry all of it, or execute() would allocate")

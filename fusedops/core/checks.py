@@ -153,7 +153,8 @@ def check_no_overlap(inputs: Mapping[str, torch.Tensor | None],
         seen.append((name, tensor))
 
 
-def check_workspace(workspace, required: int, device: torch.device) -> None:
+def check_workspace(workspace, required: int, device: torch.device,
+                    alignment: int = ALIGNMENT) -> None:
     if required == 0 and workspace is None:
         return
     if not isinstance(workspace, torch.Tensor):
@@ -167,4 +168,4 @@ def check_workspace(workspace, required: int, device: torch.device) -> None:
             f"workspace: expected a contiguous uint8 tensor of at least {required} bytes on {device}, "
             f"got {dtype_name(workspace.dtype)} of {nbytes} bytes on {workspace.device}"
             f"{'' if workspace.is_contiguous() else ' (not contiguous)'}")
-    expect_aligned("workspace", workspace)
+    expect_aligned("workspace", workspace, alignment)

@@ -9,7 +9,8 @@ was handed.
 
 A stage names a kernel (a Triton ``KernelSpec`` or a CuTe ``CuteKernel``: both carry their
 launch grid) and where each of its runtime arguments comes from. By default an argument takes
-the plan tensor of its own name (a trailing ``_ptr`` dropped); ``bind`` overrides that with
+the plan tensor of its own name (a trailing ``_ptr`` dropped; ``global_scratch``, the workspace
+piece of that name); ``bind`` overrides that with
 another tensor name, a piece of a caller buffer (``Piece``), a stride of a bound tensor
 (``Stride``: strided views go in without a copy), or a plan-time scalar. The same
 stage list gives the AOT compiles, the kernel report and the benchmark's kernel list.
@@ -23,7 +24,8 @@ from typing import Any, Protocol
 
 import torch
 
-from .workspace import EMPTY, Layout
+from .checks import ALIGNMENT
+from .workspace import EMPTY, PIECE_ALIGNMENT, Layout
 
 Binding = Mapping[str, Any]
 Launch = Callable[[Binding, "int | None"], None]
@@ -65,6 +67,12 @@ def workspace_piece(name: str) -> Piece:
     return Piece("workspace", name)
 
 
+SCRATCH = workspace_piece("global_scratch")
+"""Where a kernel's ``global_scratch`` argument comes from unless its stage binds it: the
+workspace piece of that name (memory the kernel itself keeps state in during a launch, such as
+the tensor descriptors a Triton kernel makes)."""
+
+
 def saved_piece(name: str) -> Piece:
     """Piece ``name`` of the saved buffer."""
     return Piece("saved", name)
@@ -97,6 +105,14 @@ class Program:
     stages: tuple[Stage, ...] = ()
     run: Callable[[Binding, Any], None] | None = None
 
+    def workspace_alignment(self, device: torch.device) -> int:
+        """The alignment execute() requires of the workspace's address on ``device``: its
+        pieces' (128 bytes) when it carries ``global_scratch`` for a GPU (Triton aligns the
+        tensor descriptors it keeps there to 128 bytes; the CPU interpreter keeps them in host
+        memory), else the 16 of every buffer."""
+        scratch = SCRATCH.name in self.workspace and device.type == "cuda"
+        return PIECE_ALIGNMENT if scratch else ALIGNMENT
+
     @property
     def kernels(self) -> tuple[Any, ...]:
         """The kernels of the stages, in launch order."""
@@ -124,7 +140,7 @@ class Program:
         return tuple(self._getter(stage, arg, names) for arg in stage.kernel.runtime_arg_names())
 
     def _getter(self, stage: Stage, arg: str, names: frozenset[str]) -> Callable[[Binding], Any]:
-        source = stage.bind.get(arg, arg.removesuffix("_ptr"))
+        source = stage.bind.get(arg, SCRATCH if arg == SCRATCH.name else arg.removesuffix("_ptr"))
         if isinstance(source, Piece):
             layout = {"workspace": self.workspace, "saved": self.saved}[source.buffer]
             if source.name not in layout:

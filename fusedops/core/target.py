@@ -48,12 +48,20 @@ def arch_of_capability(capability: tuple[int, int]) -> str:
 
 def target_arch(device: torch.device) -> str:
     """The tile-table family kernels for ``device`` are specialised for."""
-    override = _OVERRIDE.get() or os.environ.get(TARGET_ENV)
+    override = target_override()
     if override:
-        return normalise_arch(override)
+        return override
     if device.type == "cuda":
         return arch_of_capability(device_capability(device.index))
     return "sm_90"
+
+
+def target_override() -> str | None:
+    """The tile-table family forced for every device (``compiling_for``, else
+    ``FUSEDOPS_TARGET_ARCH``), or None when each device's capability decides: part of every
+    cache key of plans built from tile tables."""
+    override = _OVERRIDE.get() or os.environ.get(TARGET_ENV)
+    return normalise_arch(override) if override else None
 
 
 def multiprocessors(device: torch.device) -> int:

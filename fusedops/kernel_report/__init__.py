@@ -81,7 +81,8 @@ class KernelRow:
                    stages=self.stages, ctas_per_sm=self.occupancy.ctas_per_sm,
                    occupancy_limited_by=self.occupancy.limited_by,
                    waves=round(self.occupancy.waves, 3), grid_ctas=self.grid_ctas, mma=c.mma,
-                   wgmma_async=c.wgmma_async, copies=c.copies, barriers=c.barriers)
+                   wgmma_async=c.wgmma_async, wgmma_in_flight=c.wgmma_in_flight,
+                   wgmma_overlap=c.wgmma_overlap, copies=c.copies, barriers=c.barriers)
         if self.cost is not None:
             out.update(flops=self.cost.flops, mma_flops=self.cost.mma_flops,
                        bytes_read=self.cost.bytes_read, bytes_written=self.cost.bytes_written,

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 def mma_text(row: dict, sep: str = " ") -> str:
     """A kernel's tensor-core instructions by kind ("wgmma 4 async, mma.sync 32"): a wgmma kernel
-    says whether any wait leaves a group in flight (async) or every one is waited for at once
-    (sync); "-" without MMA."""
+    says whether its products overlap other work (async: a wait leaves a group in flight, or
+    float math issues under one, ``compiled.Compiled.wgmma_async``) or not (sync); "-" without
+    MMA."""
     def one(kind, n):
         mode = {True: " async", False: " sync"}.get(row.get("wgmma_async")) if kind == "wgmma" else ""
         return f"{kind}{sep}{n}{mode or ''}"

@@ -38,6 +38,7 @@ from ..core.device import bind_device
 from ..core.options import Option
 from ..core.program import Program
 from ..core.stream import allocation_stream, resolve_stream
+from ..core.target import target_override
 from ..core.tupledict import TupleDict
 from ..errors import PlanStateError, UnsupportedError, ValidationError
 from .autotune import autotune_requested, tune
@@ -295,7 +296,8 @@ class Plan:
             binding[name] = value
             (written if operand.is_written else read)[name] = value
         workspace = args.get("workspace")
-        check_workspace(workspace, self.workspace_size, self._device)
+        check_workspace(workspace, self.workspace_size, self._device,
+                        self._program.workspace_alignment(self._device))
         if self.workspace_size:
             written["workspace"] = workspace
         check_no_overlap(read, written)
@@ -320,11 +322,13 @@ class Plan:
     @classmethod
     def cached(cls, tensors: Mapping[str, Any], *, backend: str = "auto", **options) -> Plan:
         """The compiled plan for these tensors (tensors or TensorDescs) and options, from the
-        process-wide eager plan cache. Options are validated before the lookup."""
+        process-wide eager plan cache (keyed also by a forced tile-table family: see
+        ``core.target.target_override``). Options are validated before the lookup."""
         values = cls.normalise_options(options)
         descs = {name: _describe(name, value) for name, value in tensors.items()
                  if name in cls._constructor_tensors}
-        key = (cls, tuple(sorted(descs.items())), tuple(values.items()), backend)
+        key = (cls, tuple(sorted(descs.items())), tuple(values.items()), backend,
+               target_override())
         return EAGER_PLANS.get(key, lambda: cls(**descs, **values, backend=backend).compile())
 
     @classmethod

@@ -63,8 +63,6 @@ ARCHS = ("sm_90a", "sm_100a")   # CI's; `fusedops kernels` adds sm_80 for the Tr
 
 # (rule, family) pairs today's kernels break, and why.
 KNOWN = {
-    ("wgmma_only", "relu2_moe"):
-        "the grouped GEMM's 16- and 32-row tiles (decode-sized token counts) compile to mma.sync",
     ("wgmma_async", "mamba2_scan"):
         "the state walks and the d(C·B) and dA-cumsum kernels wait for each product: "
         "each feeds an in-register scaling of the next product's operand",

@@ -32,8 +32,8 @@ from fusedops.core.workspace import EMPTY, Layout
 
 from . import moe_cost as C
 from . import moe_kernels as K
-from .moe_tiles import (MoETiles, candidates, dense_bm, gemm_blocks, max_rows, routed_bm, row_tile,
-                        tiles_for, wgrad_blocks)
+from .moe_tiles import (MoETiles, candidates, dense_bm, gemm_blocks, gemm_tile, max_rows,
+                        routed_bm, row_tile, tiles_for, wgrad_blocks)
 from .runtime import KernelSpec, numerics, pointer_type
 
 BLOCK_A = 256        # assignments per dispatch program
@@ -82,14 +82,27 @@ def saved_layout(problem) -> Layout:
     return Layout(_dispatch_pieces(problem) + _u_pieces(problem))
 
 
-def forward_workspace(problem) -> Layout:
-    """Dispatch block counts [NB, E_pad] int32, (the dispatch and u for is_inference), and the
-    weighted expert outputs per assignment [t·k, H] in x's dtype (the same for every
-    candidate: the row tile is the table's)."""
+def forward_workspace(problem, tiles: MoETiles | None = None) -> Layout:
+    """Dispatch block counts [NB, E_pad] int32, (the dispatch and u for is_inference), the
+    weighted expert outputs per assignment [t·k, H] in x's dtype and, where the routed down GEMM
+    computes its product transposed (``down_reads_act``), a = relu(u)² [t·k, I] in x's dtype."""
+    tiles = tiles or tiles_for(problem)
     pieces = [("part", torch.int32, _dispatch_blocks(problem) * _experts_padded(problem))]
     if problem.is_inference:
         pieces += _dispatch_pieces(problem) + _u_pieces(problem)
+    if down_reads_act(problem, tiles):
+        pieces.append(("act", problem.dtype, problem.assignments * problem.intermediate))
     return Layout(pieces + [("rows", problem.dtype, problem.assignments * problem.hidden)])
+
+
+def down_reads_act(problem, tiles: MoETiles) -> bool:
+    """Whether the routed down GEMM reads a = relu(u)², written by the up GEMM's epilogue, rather
+    than forming it from u on its register operand: when it computes its product transposed
+    (``swapped``), which puts u on the shared-memory side (decode-sized row tiles on sm_90 and
+    sm_100)."""
+    bm = routed_bm(problem, tiles)
+    bn = gemm_blocks(problem, problem.intermediate, problem.hidden, bm, tiles, relu2=True)[1]
+    return swapped(problem, bm, bn)
 
 
 def _column_tiles(problem, tiles: MoETiles) -> int:
@@ -148,27 +161,37 @@ def _epilogue_flops(epilogue: int, weighted: bool, top_k: int) -> int:
     return 7 if weighted else 3
 
 
+def swapped(problem, bm: int, bn: int) -> bool:
+    """Whether a grouped GEMM computes its product transposed (``SWAP``): on sm_90 and sm_100,
+    whose warpgroup and tcgen05 MMAs need 64 rows, when its row tile has fewer and its column
+    tile at least 64 (sm_80's mma.sync takes 16-row tiles as they are)."""
+    return target_arch(problem.device) != "sm_80" and bm < 64 <= bn
+
+
 def gemm_stage(problem, tiles: MoETiles, *, routed: bool, kdim: int, ndim: int, strides,
                epilogue: int, a_source: int, a, b, out, a_relu2: bool = False,
-               weighted: bool = False, u=None, part=None, rows=None,
+               weighted: bool = False, u=None, part=None, rows=None, act=None,
                home=saved_piece) -> Stage:
     """One grouped GEMM launch: A (``a``, read by ``a_source``: BY_TOKEN gathered, BY_ASSIGNMENT,
     BY_ROW; ``a_relu2``: relu(A)² in registers) times W[e] (``b`` through ``strides``) into
     ``out`` with ``epilogue`` (EPI_*). ``u``: the u buffer the DGRAD_ACT epilogue reads;
     ``part``: the <g, a> partials; ``rows``: the per-assignment rows a COMBINE epilogue adds
-    (``out`` is then the strided out or d_x); ``weighted``: scale by the routing weights;
-    ``home``: where the dispatch lives. Absent operands are compiled out."""
+    (``out`` is then the strided out or d_x); ``act``: where an UP epilogue also writes relu(u)²;
+    ``weighted``: scale by the routing weights; ``home``: where the dispatch lives. Absent
+    operands are compiled out."""
     combine = epilogue == EPI_COMBINE
     bm = routed_bm(problem, tiles) if routed else dense_bm(problem, tiles)
-    bm, bn, bk, warps, stages = gemm_blocks(problem, kdim, ndim, bm, tiles,
-                                            fused=combine or epilogue == EPI_DGRAD_ACT,
+    fused = combine or epilogue == EPI_DGRAD_ACT
+    bm, bn, bk, warps, stages = gemm_blocks(problem, kdim, ndim, bm, tiles, fused=fused,
                                             relu2=a_relu2)
+    maxnreg = gemm_tile(tiles, bm, fused, a_relu2).maxnreg if warps == 8 else None
     group_m = tiles.group_m if routed else tiles.dense_group_m
     t = pointer_type(problem.dtype)
     index = "*i32" if routed else None
     args = (("a_ptr", t), ("b_ptr", t), ("sorted_ptr", index), ("offsets_ptr", index),
             ("counts_ptr", index), ("weight_ptr", "*fp32" if weighted else None),
             ("u_ptr", None if u is None else t), ("out_ptr", t),
+            ("act_ptr", None if act is None else t),
             ("part_ptr", None if part is None else "*fp32"),
             ("rows_ptr", t if combine else None), ("ids_ptr", "*i32" if combine else None),
             ("T", "i32"), ("M_TILES", "i32"),
@@ -179,16 +202,19 @@ def gemm_stage(problem, tiles: MoETiles, *, routed: bool, kdim: int, ndim: int, 
                  STRIDE_BK=bks, STRIDE_BN=bns, ROUTED=routed, A_SOURCE=a_source, A_RELU2=a_relu2,
                  EPILOGUE=epilogue, WEIGHTED=weighted, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
                  STEPS=max(1, math.ceil(math.log2(max(problem.experts, 2)))) + 1,
-                 VEC=problem.row_vector, **_numerics(problem))
+                 VEC=problem.row_vector, SWAP=swapped(problem, bm, bn),
+                 QUARTERS=fused and tiles.epilogue_quarters,
+                 **_numerics(problem))
     m_tiles = triton.cdiv(max_rows(problem) if routed else problem.tokens, bm)
     cost = C.gemm_cost(problem, routed=routed, kdim=kdim, ndim=ndim, bm=bm, bn=bn, bk=bk,
                        group_m=group_m, grid_m_tiles=m_tiles,
                        row_tile=row_tile(problem, tiles), arch=target_arch(problem.device),
                        epilogue_read="u" if u is not None else "rows" if combine else None,
                        a_relu2=a_relu2, weighted=weighted, part=part is not None,
-                       epilogue_flops=_epilogue_flops(epilogue, weighted, problem.top_k))
+                       epilogue_flops=_epilogue_flops(epilogue, weighted, problem.top_k),
+                       swap=const["SWAP"], act=act is not None)
     spec = KernelSpec.make(K.moe_gemm_kernel, args, const, (m_tiles * triton.cdiv(ndim, bn),),
-                           num_warps=warps, num_stages=stages, cost=cost)
+                           num_warps=warps, num_stages=stages, maxnreg=maxnreg, cost=cost)
     bind = dict(a_ptr=a, b_ptr=b, out_ptr=out, T=problem.tokens, M_TILES=m_tiles)
     if a_source == BY_TOKEN:
         bind["stride_a"] = _row_stride(problem, a)
@@ -198,6 +224,8 @@ def gemm_stage(problem, tiles: MoETiles, *, routed: bool, kdim: int, ndim: int, 
         bind["weight_ptr"] = "topk_weights"
     if u is not None:
         bind["u_ptr"] = u
+    if act is not None:
+        bind["act_ptr"] = act
     if part is not None:
         bind["part_ptr"] = part
     if combine:
@@ -313,12 +341,14 @@ def _forward_stages(problem, tiles: MoETiles, home) -> list[Stage]:
     u = workspace_piece if problem.is_inference else saved_piece
     rows = workspace_piece("rows")
     st = _weight_strides(problem, False)
+    act = workspace_piece("act") if down_reads_act(problem, tiles) else None
     stages = [
         gemm_stage(problem, tiles, routed=True, kdim=H, ndim=I, strides=st["up"],
-                   epilogue=EPI_UP, a_source=BY_TOKEN, a="x", b="w_up", out=u("u"), home=home),
+                   epilogue=EPI_UP, a_source=BY_TOKEN, a="x", b="w_up", out=u("u"), act=act,
+                   home=home),
         gemm_stage(problem, tiles, routed=True, kdim=I, ndim=H, strides=st["down"],
-                   epilogue=EPI_SCATTER, a_source=BY_ASSIGNMENT, a_relu2=True, a=u("u"),
-                   b="w_down", out=rows, weighted=True, home=home)]
+                   epilogue=EPI_SCATTER, a_source=BY_ASSIGNMENT, a_relu2=act is None,
+                   a=act or u("u"), b="w_down", out=rows, weighted=True, home=home)]
     if not problem.has_shared:
         return stages + [combine_stage(problem, rows, "out")]
     st = _weight_strides(problem, True)
@@ -334,7 +364,7 @@ def _forward_stages(problem, tiles: MoETiles, home) -> list[Stage]:
 def forward_program(problem, config: MoETiles | None = None) -> Program:
     tiles = config or tiles_for(problem)
     home = workspace_piece if problem.is_inference else saved_piece
-    return Program(workspace=forward_workspace(problem),
+    return Program(workspace=forward_workspace(problem, tiles),
                    saved=EMPTY if problem.is_inference else saved_layout(problem),
                    stages=(*dispatch_stages(problem, home), *_forward_stages(problem, tiles, home)))
 

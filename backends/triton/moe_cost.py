@@ -128,7 +128,8 @@ def grouped_order(m_tiles: int, n_tiles: int, group_m: int) -> tuple[torch.Tenso
 def gemm_cost(problem, *, routed: bool, kdim: int, ndim: int, bm: int, bn: int, bk: int,
               group_m: int, grid_m_tiles: int, row_tile: int, arch: str,
               epilogue_read: str | None = None, a_relu2: bool = False, weighted: bool = False,
-              part: bool = False, epilogue_flops: int = 0) -> Cost:
+              part: bool = False, epilogue_flops: int = 0, swap: bool = False,
+              act: bool = False) -> Cost:
     """One grouped (``routed``) or dense (the shared expert: every token one row) GEMM launch.
 
     Order: the 1-D grid of M_TILES × NT programs (NT = ceil(N / BN)) runs in GROUP_M groups: a
@@ -148,7 +149,9 @@ def gemm_cost(problem, *, routed: bool, kdim: int, ndim: int, bm: int, bn: int, 
          per-assignment rows, d_u or out, all in x's dtype), the <g, a> partial (part) 4·v.
     FLOPs: working row tiles · BM × NT·BN × ceil(K / BK)·BK × 2 on tensor cores (whole tiles),
     plus ``epilogue_flops`` per output element and, with ``a_relu2``, relu(u)² (2 per element
-    of A, redone for every column tile) on the CUDA cores.
+    of A, redone for every column tile) on the CUDA cores. ``swap``: the product computed
+    transposed, the column tile the MMA's M (the same FLOPs). ``act``: the UP epilogue also
+    writes relu(u)², v·c·e more (2 FLOPs an element).
     """
     e = element_size(problem.dtype)
     box = machine(arch)
@@ -168,15 +171,16 @@ def gemm_cost(problem, *, routed: bool, kdim: int, ndim: int, bm: int, bn: int, 
     k = problem.top_k
     alone = {None: torch.zeros_like(v), "u": v * c * e,
              "rows": v * k * (c * e + INDEX)}[epilogue_read]
-    written = v * c * e + (INDEX * v if part else 0)
+    written = v * c * e * (1 + act) + (INDEX * v if part else 0)
     read, stored = reuse_traffic(programs, loads, alone, written, box.l2_bytes)
     if routed:
         read += _index_once(problem)
     mma = 2 * (tiles.count * bm) * (n_tiles * bn) * (triton.cdiv(kdim, bk) * bk)
     rows = routed_rows(problem) if routed else problem.tokens
     transform = 2 * float((v * kdim).sum()) if a_relu2 else 0
-    return Cost(mma + epilogue_flops * rows * ndim + transform, read, stored, mma_flops=mma,
-                mma_rows=bm)
+    epilogue = (epilogue_flops + 2 * act) * rows * ndim
+    return Cost(mma + epilogue + transform, read, stored, mma_flops=mma,
+                mma_rows=bn if swap else bm)
 
 
 # -- the weight-gradient GEMMs -------------------------------------------------------------------

@@ -19,7 +19,7 @@ offsets; tiles past offsets[E] exit at once (experts without tokens cost nothing
 expert e holds assignment a = sorted[r] of token a // k. The operand A is read by token (x,
 d_out: gathered), by assignment (u, turned into a = relu(u)² in registers on its way to the
 MMA: no a buffer) or by row (d_u); B is W[e] through strides, so one kernel serves
-    forward up      x[token]      · W_up[e]ᵀ     epilogue UP:        u[a]
+    forward up      x[token]      · W_up[e]ᵀ     epilogue UP:        u[a] (and relu(u[a])²)
     forward down    relu(u[a])²   · W_down[e]ᵀ   epilogue SCATTER:   w_a · y -> rows[a]
     backward down   d_out[token]  · W_down[e]    epilogue DGRAD_ACT: d_u[r] and <g, a> partials
     backward up     d_u[r]        · W_up[e]      epilogue SCATTER:   rows[a]
@@ -174,14 +174,23 @@ def relu2(u, DTYPE: tl.constexpr, EXACT: tl.constexpr):
 
 @triton.jit
 def moe_gemm_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_ptr, u_ptr,
-                    out_ptr, part_ptr, rows_ptr, ids_ptr, T, M_TILES, stride_a, stride_out,
+                    out_ptr, act_ptr, part_ptr, rows_ptr, ids_ptr, T, M_TILES, stride_a,
+                    stride_out,
                     K_TOP: tl.constexpr, E: tl.constexpr, KDIM: tl.constexpr, NDIM: tl.constexpr,
                     STRIDE_BE: tl.constexpr, STRIDE_BK: tl.constexpr, STRIDE_BN: tl.constexpr,
                     ROUTED: tl.constexpr, A_SOURCE: tl.constexpr, A_RELU2: tl.constexpr,
                     EPILOGUE: tl.constexpr, WEIGHTED: tl.constexpr,
                     BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                     STEPS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                    EXACT: tl.constexpr, VEC: tl.constexpr):
+                    EXACT: tl.constexpr, VEC: tl.constexpr, SWAP: tl.constexpr,
+                    QUARTERS: tl.constexpr):
+    """One (row tile, column tile) of a grouped or dense GEMM (the module docstring). SWAP (row
+    tiles below wgmma's and tcgen05's 64 rows: decode-sized batches): the product is computed
+    transposed, Cᵀ [BN, BM] += W[e]ᵀ·Aᵀ with the column tile as M, and turned back in registers
+    before the epilogue. act_ptr (EPI_UP; None elsewhere): a = relu(u)² by assignment written
+    beside u, for a down GEMM that cannot form it on its register operand (SWAP puts A on the
+    shared-memory side). QUARTERS: the DGRAD_ACT and COMBINE epilogues, which read a second
+    tile (u, or the k rows), run on a quarter of the columns at a time (``_column_quarters``)."""
     # grouped ordering: GROUP_M row tiles run through every column tile before the next group,
     # so a group's rows and its experts' weight columns stay in L2
     pid = tl.program_id(0)
@@ -202,41 +211,120 @@ def moe_gemm_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_pt
             + kk[None, :]
         b_ptrs = (b_ptr + e.to(tl.int64) * STRIDE_BE + kk[:, None] * STRIDE_BK
                   + n[None, :] * STRIDE_BN)
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        if SWAP:
+            acc_t = tl.zeros([BN, BM], dtype=tl.float32)
+        else:
+            acc = tl.zeros([BM, BN], dtype=tl.float32)
         for k0 in range(0, KDIM, BK):
             a = tl.load(a_ptrs, mask=valid[:, None] & (k0 + kk < KDIM)[None, :], other=0.0)
             if A_RELU2:                     # a = relu(u)² in registers: the MMA's A operand
                 a = relu2(a, dtype, EXACT)
             b = tl.load(b_ptrs, mask=(k0 + kk < KDIM)[:, None] & (n < NDIM)[None, :], other=0.0)
-            acc = mm(a, b, acc, UPCAST, IEEE)
+            if SWAP:
+                acc_t = mm(tl.trans(b), tl.trans(a), acc_t, UPCAST, IEEE)  # [BN, BK] @ [BK, BM]
+            else:
+                acc = mm(a, b, acc, UPCAST, IEEE)                            # [BM, BK] @ [BK, BN]
             a_ptrs += BK
             b_ptrs += BK * STRIDE_BK
+        if SWAP:
+            acc = tl.trans(acc_t)
         ok = valid[:, None] & (n < NDIM)[None, :]
         by_row = r[:, None].to(tl.int64) * NDIM + n[None, :]
         by_assignment = assign[:, None].to(tl.int64) * NDIM + n[None, :]
         if EPILOGUE == EPI_UP:
-            tl.store(out_ptr + by_assignment, round_to(acc, dtype, EXACT), mask=ok)
+            u_tile = round_to(acc, dtype, EXACT)
+            tl.store(out_ptr + by_assignment, u_tile, mask=ok)
+            if act_ptr is not None:
+                tl.store(act_ptr + by_assignment, relu2(u_tile, dtype, EXACT), mask=ok)
         elif EPILOGUE == EPI_SCATTER:
             if WEIGHTED:
                 acc = acc * tl.load(weight_ptr + assign, mask=valid, other=0.0)[:, None]
             tl.store(out_ptr + by_assignment, round_to(acc, dtype, EXACT), mask=ok)
         elif EPILOGUE == EPI_DGRAD_ACT:
-            relu_u = tl.maximum(tl.load(u_ptr + by_assignment, mask=ok, other=0.0).to(tl.float32), 0.0)
+            w = tl.load(weight_ptr + assign, mask=valid, other=0.0) if WEIGHTED else None
+            if QUARTERS:
+                q0, q1, q2, q3 = _column_quarters(acc, BM, BN)
+                Q: tl.constexpr = BN // 4
+                partial = _dgrad_act(q0, pid_n * BN + tl.arange(0, Q), r, assign, valid,
+                                     w, u_ptr, out_ptr, NDIM, WEIGHTED, EXACT)
+                partial += _dgrad_act(q1, pid_n * BN + Q + tl.arange(0, Q), r,
+                                      assign, valid, w, u_ptr, out_ptr, NDIM, WEIGHTED, EXACT)
+                partial += _dgrad_act(q2, pid_n * BN + 2 * Q + tl.arange(0, Q), r,
+                                      assign, valid, w, u_ptr, out_ptr, NDIM, WEIGHTED, EXACT)
+                partial += _dgrad_act(q3, pid_n * BN + 3 * Q + tl.arange(0, Q), r,
+                                      assign, valid, w, u_ptr, out_ptr, NDIM, WEIGHTED, EXACT)
+            else:
+                partial = _dgrad_act(acc, n, r, assign, valid, w, u_ptr, out_ptr, NDIM, WEIGHTED,
+                                     EXACT)
             if WEIGHTED:
-                act = round_to(relu_u * relu_u, dtype, EXACT).to(tl.float32)
-                tl.store(part_ptr + pid_n * (T * K_TOP) + assign, tl.sum(acc * act, axis=1),
-                         mask=valid)
-                acc = acc * tl.load(weight_ptr + assign, mask=valid, other=0.0)[:, None]
-            tl.store(out_ptr + by_row, round_to(acc * 2.0 * relu_u, dtype, EXACT), mask=ok)
-        else:       # EPI_COMBINE (the dense shared expert: row = token): its product, then
-            for j in range(K_TOP):                  # the rows j = 0..k-1, in that order
-                a_j = token.to(tl.int64) * K_TOP + j
-                ex = tl.load(ids_ptr + a_j, mask=valid, other=-1)
-                kept = valid & (ex >= 0) & (ex < E)
-                acc += tl.load(rows_ptr + a_j[:, None] * NDIM + n[None, :],
-                               mask=kept[:, None] & (n < NDIM)[None, :], other=0.0).to(tl.float32)
-            tl.store(out_ptr + token[:, None].to(tl.int64) * (stride_out * VEC) + n[None, :],
-                     round_to(acc, out_ptr.dtype.element_ty, EXACT), mask=ok)
+                tl.store(part_ptr + pid_n * (T * K_TOP) + assign, partial, mask=valid)
+        else:       # EPI_COMBINE (the dense shared expert: row = token)
+            if QUARTERS:
+                q0, q1, q2, q3 = _column_quarters(acc, BM, BN)
+                Q: tl.constexpr = BN // 4
+                _combine(q0, pid_n * BN + tl.arange(0, Q), token, valid, rows_ptr, ids_ptr,
+                         out_ptr, stride_out, NDIM, K_TOP, E, VEC, EXACT)
+                _combine(q1, pid_n * BN + Q + tl.arange(0, Q), token, valid, rows_ptr, ids_ptr,
+                         out_ptr, stride_out, NDIM, K_TOP, E, VEC, EXACT)
+                _combine(q2, pid_n * BN + 2 * Q + tl.arange(0, Q), token, valid, rows_ptr,
+                         ids_ptr, out_ptr, stride_out, NDIM, K_TOP, E, VEC, EXACT)
+                _combine(q3, pid_n * BN + 3 * Q + tl.arange(0, Q), token, valid, rows_ptr,
+                         ids_ptr, out_ptr, stride_out, NDIM, K_TOP, E, VEC, EXACT)
+            else:
+                _combine(acc, n, token, valid, rows_ptr, ids_ptr, out_ptr, stride_out, NDIM,
+                         K_TOP, E, VEC, EXACT)
+
+
+@triton.jit
+def _column_halves(acc, BM: tl.constexpr, BN: tl.constexpr):
+    """The left and right [BM, BN / 2] halves of a [BM, BN] tile."""
+    return tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN // 2]), [0, 2, 1]))
+
+
+@triton.jit
+def _column_quarters(acc, BM: tl.constexpr, BN: tl.constexpr):
+    """The four [BM, BN / 4] column quarters of a [BM, BN] tile, left to right: an epilogue
+    that reads a second tile (u, the k rows, the gradient it adds to) runs on one quarter at a
+    time, so only a quarter of that tile is live beside the accumulator."""
+    left, right = _column_halves(acc, BM, BN)
+    q0, q1 = _column_halves(left, BM, BN // 2)
+    q2, q3 = _column_halves(right, BM, BN // 2)
+    return q0, q1, q2, q3
+
+
+@triton.jit
+def _dgrad_act(acc, n, r, assign, valid, w, u_ptr, out_ptr, NDIM: tl.constexpr,
+               WEIGHTED: tl.constexpr, EXACT: tl.constexpr):
+    """EPI_DGRAD_ACT on columns n of the tile: d_u = w·g·2·relu(u) by row (w: the routing
+    weights, WEIGHTED); returns the <g, a> partial of those columns (0 without weights)."""
+    ok = valid[:, None] & (n < NDIM)[None, :]
+    relu_u = tl.maximum(tl.load(u_ptr + assign[:, None].to(tl.int64) * NDIM + n[None, :],
+                                mask=ok, other=0.0).to(tl.float32), 0.0)
+    dtype = out_ptr.dtype.element_ty
+    partial = tl.zeros_like(valid.to(tl.float32))
+    if WEIGHTED:
+        act = round_to(relu_u * relu_u, dtype, EXACT).to(tl.float32)
+        partial = tl.sum(acc * act, axis=1)
+        acc = acc * w[:, None]
+    tl.store(out_ptr + r[:, None].to(tl.int64) * NDIM + n[None, :],
+             round_to(acc * 2.0 * relu_u, dtype, EXACT), mask=ok)
+    return partial
+
+
+@triton.jit
+def _combine(acc, n, token, valid, rows_ptr, ids_ptr, out_ptr, stride_out, NDIM: tl.constexpr,
+             K_TOP: tl.constexpr, E: tl.constexpr, VEC: tl.constexpr, EXACT: tl.constexpr):
+    """EPI_COMBINE on columns n of the tile: the shared expert's product, then the rows j =
+    0..k-1 of each token's kept assignments in that order, rounded once into out (d_x)."""
+    for j in range(K_TOP):
+        a_j = token.to(tl.int64) * K_TOP + j
+        ex = tl.load(ids_ptr + a_j, mask=valid, other=-1)
+        kept = valid & (ex >= 0) & (ex < E)
+        acc += tl.load(rows_ptr + a_j[:, None] * NDIM + n[None, :],
+                       mask=kept[:, None] & (n < NDIM)[None, :], other=0.0).to(tl.float32)
+    tl.store(out_ptr + token[:, None].to(tl.int64) * (stride_out * VEC) + n[None, :],
+             round_to(acc, out_ptr.dtype.element_ty, EXACT),
+             mask=valid[:, None] & (n < NDIM)[None, :])
 
 
 # -- weight gradients ----------------------------------------------------------------------------
@@ -250,7 +338,8 @@ def moe_wgrad_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_p
                      UPCAST: tl.constexpr, IEEE: tl.constexpr, EXACT: tl.constexpr,
                      VEC: tl.constexpr):
     """grad[e][m, n] (grad[e][n, m] when TRANSPOSED) (+)= the sum over e's rows r, in dispatch
-    order (starting from the buffer's value when ACCUMULATE), of A[r, m] · B[token_r, n]: A = d_u by row, or a = relu(u)² (times the routing weight
+    order, of A[r, m] · B[token_r, n] (added to the buffer's value at the end, a quarter of the
+    columns at a time, when ACCUMULATE): A = d_u by row, or a = relu(u)² (times the routing weight
     when A_WEIGHTED, rounded) by assignment, loaded as [BM, BK] so that its transform happens
     on the MMA's register operand; B = x or d_out gathered by token (a view, stride_b vectors a
     row). One program per (expert, BM × BN tile), the expert slowest; inside an expert GROUP_M
@@ -271,16 +360,7 @@ def moe_wgrad_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_p
     else:
         start = e * 0
         rows = T + e * 0
-    base = grad_ptr + e.to(tl.int64) * (M * N)
-    if TRANSPOSED:
-        out = base + n[None, :].to(tl.int64) * M + m[:, None]
-    else:
-        out = base + m[:, None].to(tl.int64) * N + n[None, :]
-    in_grad = (m < M)[:, None] & (n < N)[None, :]
-    if ACCUMULATE:      # the sum starts from the buffer's gradient (no second tile at the end)
-        acc = tl.load(out, mask=in_grad, other=0.0).to(tl.float32)
-    else:
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
     kk = tl.arange(0, BK)
     dtype = a_ptr.dtype.element_ty
     for r0 in range(0, rows, BK):
@@ -302,10 +382,32 @@ def moe_wgrad_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_p
         b = tl.load(b_ptr + token[:, None].to(tl.int64) * (stride_b * VEC) + n[None, :],
                     mask=ok[:, None] & (n < N)[None, :], other=0.0)      # [BK, BN]
         acc = mm(a, b, acc, UPCAST, IEEE)                                # [BM, BK] @ [BK, BN]
-    if grad_ptr.dtype.element_ty == tl.float32:
+    base = grad_ptr + e.to(tl.int64) * (M * N)
+    n0 = tile % per_group // group_rows * BN
+    q0, q1, q2, q3 = _column_quarters(acc, BM, BN)
+    Q: tl.constexpr = BN // 4
+    _wgrad_out(q0, base, m, n0 + tl.arange(0, Q), M, N, TRANSPOSED, ACCUMULATE, EXACT)
+    _wgrad_out(q1, base, m, n0 + Q + tl.arange(0, Q), M, N, TRANSPOSED, ACCUMULATE, EXACT)
+    _wgrad_out(q2, base, m, n0 + 2 * Q + tl.arange(0, Q), M, N, TRANSPOSED, ACCUMULATE, EXACT)
+    _wgrad_out(q3, base, m, n0 + 3 * Q + tl.arange(0, Q), M, N, TRANSPOSED, ACCUMULATE, EXACT)
+
+
+@triton.jit
+def _wgrad_out(acc, base, m, n, M: tl.constexpr, N: tl.constexpr, TRANSPOSED: tl.constexpr,
+               ACCUMULATE: tl.constexpr, EXACT: tl.constexpr):
+    """Columns n of a weight-gradient tile into grad[e] (``base``; [n, m] when TRANSPOSED),
+    added to the buffer's gradient when ACCUMULATE, rounded once to the buffer's dtype."""
+    if TRANSPOSED:
+        out = base + n[None, :].to(tl.int64) * M + m[:, None]
+    else:
+        out = base + m[:, None].to(tl.int64) * N + n[None, :]
+    in_grad = (m < M)[:, None] & (n < N)[None, :]
+    if ACCUMULATE:
+        acc += tl.load(out, mask=in_grad, other=0.0).to(tl.float32)
+    if base.dtype.element_ty == tl.float32:
         tl.store(out, acc, mask=in_grad)
     else:
-        tl.store(out, round_to(acc, grad_ptr.dtype.element_ty, EXACT), mask=in_grad)
+        tl.store(out, round_to(acc, base.dtype.element_ty, EXACT), mask=in_grad)
 
 
 # -- fixed-order sums ----------------------------------------------------------------------------

@@ -25,13 +25,14 @@ from fusedops.core.target import target_arch
 class GemmTile:
     """One grouped GEMM's column tile, K step (16-bit inputs; fp32 takes half), warps (for a
     tile of at least ``wide`` elements, default the table's ``wide_tile``; smaller tiles take
-    4) and pipeline stages."""
+    4), pipeline stages and a register budget for ptxas (None: its own choice)."""
 
     bn: int
     bk: int
     warps: int
     stages: int
     wide: int | None = None
+    maxnreg: int | None = None
 
 
 @dataclass(frozen=True)
@@ -51,14 +52,15 @@ class MoETiles:
     shared expert's). wgrad_*: the weight-gradient GEMM's tile of the gradient (bm × bn), its
     step over the expert's rows (bk, 16-bit; fp32 takes half), warps, stages and the row tiles
     of its L2 group inside an expert (dense_wgrad_group_m: the shared expert's, which walks
-    every token), and a register budget for ptxas where its own choice spills.
+    every token), and a register budget for ptxas. epilogue_quarters: the epilogues that read a
+    second tile run on a quarter of the columns at a time (``moe_kernels._column_quarters``).
     """
 
     row_tiles: tuple[tuple[int, int], ...] = ((128, 96), (64, 48), (32, 24))
     min_row_tile: int = 16
     bm_split: int = 1
     plain: GemmTile = GemmTile(128, 64, 8, 3)
-    fused: GemmTile = GemmTile(128, 64, 8, 3, wide=128 * 128)
+    fused: GemmTile = GemmTile(128, 64, 8, 3, wide=128 * 128, maxnreg=128)
     relu2: GemmTile = GemmTile(128, 32, 8, 4)
     small: GemmTile = GemmTile(64, 128, 4, 4)
     small_rows: int = 32
@@ -72,11 +74,14 @@ class MoETiles:
     wgrad_stages: int = 3
     wgrad_group_m: int = 16
     dense_wgrad_group_m: int = 4
-    wgrad_maxnreg: int | None = None
+    wgrad_maxnreg: int | None = 128
+    epilogue_quarters: bool = True
 
 
 HOPPER = MoETiles()
-AMPERE = MoETiles(small=GemmTile(64, 64, 4, 3), wgrad_maxnreg=255)
+AMPERE = MoETiles(small=GemmTile(64, 64, 4, 3), fused=GemmTile(128, 64, 8, 3, wide=128 * 128),
+                  wgrad_maxnreg=128)
+"""sm_80: its fused GEMMs take ptxas's own count (at 128 they spill 56-112 bytes)."""
 VLLM_LARGE = GemmTile(256, 64, 8, 4)
 """vLLM's published fused-MoE configuration for E = 128, N = 1856 at >= 3072 tokens on H100 (and
 >= 1536 on B200): 128 x 256 x 64, 8 warps, 4 stages."""
@@ -85,8 +90,10 @@ TILES = {
     "sm_80": (AMPERE, "A100 (108 SMs, 164 KiB shared memory per CTA, mma.sync, cp.async): "
               "128x128x64 over 3 stages (96 KiB) for every large-tile GEMM; decode-sized row "
               "tiles 64 columns wide with a K step of 64 over 3 stages; the weight gradients "
-              "with the whole register file (ptxas's own choice, 128 registers for two CTAs "
-              "per SM, spills 8 bytes)"),
+              "held to 128 registers for two CTAs per SM since they add to the gradient a "
+              "quarter of the columns at a time (126-128, no spill; 141-168 and one CTA "
+              "without the budget; they used the whole register file, 154, before) "
+              "(2026-12-04)"),
     "sm_90": (HOPPER, "H100/H200 (132 SMs, 227 KiB shared memory, wgmma on 64-row warpgroup "
               "tiles): 128x128x64 over 8 warps (two warpgroups of 64 rows) and 3 stages (96 "
               "KiB: two CTAs per SM fit where the registers allow); vLLM's published H100 "
@@ -95,13 +102,19 @@ TILES = {
               "N = 1856 to 2048 and 2688 to 2816 (10.3% and 4.8% more tensor-core work; 128 "
               "columns pad 3.4% and 0%), and the GEMMs whose epilogue holds a second tile spill "
               "at 256; decode-sized row tiles on vLLM's small-batch shape (64 columns, K step "
-              "128, 4 warps); L2 groups of 6 row tiles, a whole number of the production "
-              "experts' 3 (384 rows at t = 8192), so a group reads each expert's weights once "
-              "under balanced routing"),
+              "128, 4 warps), their products transposed (the column tile as wgmma's M); L2 "
+              "groups of 6 row tiles, a whole number of the production experts' 3 (384 rows at "
+              "t = 8192), so a group reads each expert's weights once under balanced routing "
+              "(the shared expert's groups of 8: 10 models 1% less traffic, 12 and 16 re-read "
+              "x, 1.8x); the GEMMs whose epilogue reads a second tile and the weight gradients "
+              "held to 128 registers for two CTAs per SM, their epilogues a quarter of the "
+              "columns at a time (2026-12-04: 96-126 registers, no spill; the dgrad-down took "
+              "243 and the combining GEMMs 170 with whole-tile epilogues, one CTA per SM)"),
     "sm_100": (HOPPER, "B200 (148 SMs, 227 KiB shared memory, tcgen05 MMA accumulating in "
-               "tensor memory): as sm_90; vLLM's published B200 configuration for E=128, "
-               "N=1856 at >= 1536 tokens (the same 128x256x64, 8 warps, 4 stages) is the "
-               "first autotune candidate"),
+               "tensor memory): as sm_90 (its GEMMs 56-126 registers and weight gradients "
+               "62-78 under the same budgets, no spill); vLLM's published B200 configuration "
+               "for E=128, N=1856 at >= 1536 tokens (the same 128x256x64, 8 warps, 4 stages) "
+               "is the first autotune candidate"),
 }
 
 

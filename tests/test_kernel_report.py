@@ -64,8 +64,12 @@ ARCHS = ("sm_90a", "sm_100a")   # CI's; `fusedops kernels` adds sm_80 for the Tr
 # (rule, family) pairs today's kernels break, and why.
 KNOWN = {
     ("wgmma_async", "mamba2_scan"):
-        "the state walks and the d(C·B) and dA-cumsum kernels wait for each product: "
-        "each feeds an in-register scaling of the next product's operand",
+        "the backward state walk and the d(C·B) and dA-cumsum kernels wait for each product: "
+        "the walk forms both of its operands in registers (dy·silu(z) and the decay-weighted "
+        "C; weighting dy·silu(z) instead spills at the 128 registers its 4 CTAs per SM need), "
+        "and issuing d(C·B)'s next head before weighing this one took it from 3 or 4 CTAs per "
+        "SM to 2 (the forward walk weighs x, its register operand, and is asynchronous since "
+        "2026-12-04)",
 }
 
 

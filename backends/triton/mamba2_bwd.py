@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .mamba2_fwd import (accumulate_state, block_pair, segment_bounds, segment_runs,
-                          sequence_segments, token_runs, weighted_rows)
+                          sequence_segments, token_runs, token_weights)
 from .ssm_math import softplus
 from .tiles import mm
 
@@ -56,9 +56,15 @@ def accumulate_gated_state(b_acc, p_dy, p_z, p_y, p_dyg, p_dz, p_c, acum_ptr, ru
         tl.store(p_dz + tok[None, :] * (stride_dz_l * VX) + o_p[:, None],
                  (b_dy * b_y * sig * (1.0 + b_z * (1.0 - sig))).to(p_dz.dtype.element_ty),
                  mask=m_store)
-        b_c = weighted_rows(p_c, acum_ptr, acum_ptr, runs_ptr, p_seg, row, start, o_k, m_k, tok, L,
-                            0.0, r_keep, o_n, m_n, stride_C_l, True, HAS_SEQ, VB)
-        b_acc = mm(b_g, b_c.to(b_g.dtype), b_acc, UPCAST, IEEE)     # [BP, BK] @ [BK, BN]
+        b_w = token_weights(acum_ptr, acum_ptr, runs_ptr, p_seg, row, start, o_k, m_k, L, 0.0,
+                            r_keep, True, HAS_SEQ)
+        b_c = tl.load(p_c + tok[:, None] * (stride_C_l * VB) + o_n[None, :],
+                      mask=m_k[:, None] & m_n[None, :], other=0.0)
+        # both operands are formed in registers here, so the weights go with C (through shared
+        # memory: the product is waited for); weighting dy·silu(z) instead took the walk past
+        # its 128-register budget (8 bytes of spill: 3 CTAs per SM, 1.29 waves)
+        b_wc = (b_c.to(tl.float32) * b_w[:, None]).to(b_g.dtype)
+        b_acc = mm(b_g, b_wc, b_acc, UPCAST, IEEE)                  # [BP, BK] @ [BK, BN]
     return b_acc
 
 

@@ -267,15 +267,12 @@ def ssd_cb_kernel(C_ptr, B_ptr, cu_ptr, off_ptr, runs_ptr, cb_ptr, stride_C_b, s
 
 
 @triton.jit
-def weighted_rows(p_b, dts_ptr, acum_ptr, runs_ptr, p_seg, row, start, o_k, m_k, tok, L,
-                  acum_last, r_keep, o_n, m_n, stride_B_l, FROM_START: tl.constexpr,
-                  HAS_SEQ: tl.constexpr, VB: tl.constexpr):
-    """The [BK, BN] rows B_j (columns o_n at p_b) of the block's tokens start + o_k, each times
-    its weight in fp32: w_j = exp(Acum_last - Acum_j) dt_j (its own contribution to its end
-    state) or, FROM_START, w_j = exp(Acum_j) (what x = dy, B = C send back into its entering
-    state). Sequence ids: only the tokens of run r_keep count."""
-    b_b = tl.load(p_b + tok[:, None] * (stride_B_l * VB) + o_n[None, :],
-                  mask=m_k[:, None] & m_n[None, :], other=0.0)
+def token_weights(dts_ptr, acum_ptr, runs_ptr, p_seg, row, start, o_k, m_k, L, acum_last, r_keep,
+                  FROM_START: tl.constexpr, HAS_SEQ: tl.constexpr):
+    """The [BK] fp32 weights of the block's tokens start + o_k in a state walk: w_j =
+    exp(Acum_last - Acum_j) dt_j (its own contribution to its end state) or, FROM_START, w_j =
+    exp(Acum_j) (what x = dy, B = C send back into its entering state). Sequence ids: only the
+    tokens of run r_keep count."""
     b_acum = tl.load(acum_ptr + p_seg + o_k)
     if FROM_START:
         b_w = tl.exp(tl.minimum(b_acum, 0.0))
@@ -283,7 +280,7 @@ def weighted_rows(p_b, dts_ptr, acum_ptr, runs_ptr, p_seg, row, start, o_k, m_k,
         b_w = tl.exp(tl.minimum(acum_last - b_acum, 0.0)) * tl.load(dts_ptr + p_seg + o_k)
     if HAS_SEQ:
         b_w = tl.where(token_runs(runs_ptr, row, start, o_k, m_k, L) == r_keep, b_w, 0.0)
-    return b_b * b_w[:, None]
+    return b_w
 
 
 @triton.jit
@@ -293,16 +290,21 @@ def accumulate_state(b_acc, p_x, p_b, dts_ptr, acum_ptr, runs_ptr, p_seg, row, s
                      IEEE: tl.constexpr, HAS_SEQ: tl.constexpr, VX: tl.constexpr,
                      VB: tl.constexpr):
     """b_acc [BP, BN] + sum_j w_j x_j ⊗ B_j over the segment's tokens [start, end) (x rows o_p
-    at p_x, B columns o_n at p_b; w_j as ``weighted_rows``)."""
+    at p_x, B columns o_n at p_b; w_j as ``token_weights``). The weights scale x, the register
+    operand of each product (rounded to x's dtype there), so B goes to the tensor cores as
+    loaded and the products stay asynchronous."""
     for k0 in range(0, end - start, BK):
         o_k = k0 + tl.arange(0, BK)
         m_k = start + o_k < end
         tok = (start + o_k).to(tl.int64)
         b_xt = tl.load(p_x + tok[None, :] * (stride_x_l * VX) + o_p[:, None],
                        mask=m_p[:, None] & m_k[None, :], other=0.0)
-        b_b = weighted_rows(p_b, dts_ptr, acum_ptr, runs_ptr, p_seg, row, start, o_k, m_k, tok, L,
-                            acum_last, r_keep, o_n, m_n, stride_B_l, FROM_START, HAS_SEQ, VB)
-        b_acc = mm(b_xt, b_b.to(b_xt.dtype), b_acc, UPCAST, IEEE)   # [BP, BK] @ [BK, BN]
+        b_w = token_weights(dts_ptr, acum_ptr, runs_ptr, p_seg, row, start, o_k, m_k, L,
+                            acum_last, r_keep, FROM_START, HAS_SEQ)
+        b_b = tl.load(p_b + tok[:, None] * (stride_B_l * VB) + o_n[None, :],
+                      mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_a = (b_xt.to(tl.float32) * b_w[None, :]).to(b_xt.dtype)
+        b_acc = mm(b_a, b_b, b_acc, UPCAST, IEEE)                   # [BP, BK] @ [BK, BN]
     return b_acc
 
 

@@ -25,7 +25,7 @@ import math
 import torch
 import triton
 
-from fusedops.core.dtypes import element_size, kernel_dtype_reason
+from fusedops.core.dtypes import kernel_dtype_reason
 from fusedops.core.program import Program, Stage, Stride, saved_piece, workspace_piece
 from fusedops.core.target import target_arch
 from fusedops.core.workspace import EMPTY, Layout

@@ -229,7 +229,6 @@ def moe_gemm_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_pt
         if SWAP:
             acc = tl.trans(acc_t)
         ok = valid[:, None] & (n < NDIM)[None, :]
-        by_row = r[:, None].to(tl.int64) * NDIM + n[None, :]
         by_assignment = assign[:, None].to(tl.int64) * NDIM + n[None, :]
         if EPILOGUE == EPI_UP:
             u_tile = round_to(acc, dtype, EXACT)

@@ -259,7 +259,7 @@ def test_triton_descriptor_scratch_comes_from_the_workspace():
     region = Layout([("global_scratch", torch.uint8, 1024)]).carve(buffer, "global_scratch")
     from triton.runtime import _allocation
     before = _allocation._allocator.get()
-    with _scratch(spec, region):
+    with _scratch(_allocation._allocator, spec, region):
         allocator = _allocation._allocator.get()
         assert allocator(1024, 128, None).data_ptr() == buffer.data_ptr()
         with pytest.raises(RuntimeError, match="asks for 2048 bytes of global scratch"):

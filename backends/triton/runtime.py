@@ -196,13 +196,15 @@ def make_launcher(spec: KernelSpec, device: torch.device) -> Callable[..., None]
     template = [constexprs[spec.signature[i][0]] if i in constexpr_slots else None
                 for i in range(len(spec.signature))]
     runtime_slots = tuple(i for i in range(len(template)) if i not in constexpr_slots)
+    from triton.runtime import _allocation
+    allocator = _allocation._allocator      # the context variable Triton's launcher reads
 
     def launch(*runtime_args, stream):
         args = list(template)
         for slot, value in zip(runtime_slots, runtime_args):
             args[slot] = value.address() if isinstance(value, Region) else value
         if spec.descriptors:
-            with _scratch(spec, runtime_args[-1]):
+            with _scratch(allocator, spec, runtime_args[-1]):
                 runner(*args, stream=stream)
         else:
             runner(*args, stream=stream)
@@ -227,15 +229,14 @@ class _ScratchRegion:
 
 
 @contextlib.contextmanager
-def _scratch(spec: KernelSpec, region: Region):
-    """Triton's allocator answers ``region`` for launches in the block (a context variable,
-    restored after: a caller's own allocator is untouched)."""
-    from triton.runtime import _allocation
-    token = _allocation._allocator.set(_ScratchRegion(spec, region))
+def _scratch(allocator, spec: KernelSpec, region: Region):
+    """Triton's allocator (the context variable ``allocator``) answers ``region`` for launches
+    in the block, restored after: a caller's own allocator is untouched."""
+    token = allocator.set(_ScratchRegion(spec, region))
     try:
         yield
     finally:
-        _allocation._allocator.reset(token)
+        allocator.reset(token)
 
 
 def scratch_piece(*specs: KernelSpec) -> tuple[str, torch.dtype, int]:

@@ -8,6 +8,7 @@ repr, generic graph capture) is tested for every plan in test_plan_contract.py."
 
 from __future__ import annotations
 
+import dataclasses
 import pytest
 import torch
 
@@ -524,10 +525,15 @@ def test_cost_model_at_nano_shapes():
     assert shared_down.bytes_read > rows + t * Is * e + H * Is * e
     assert shared_down.bytes_written == t * H * e
     bwd = plans[("moe nano t8192", "ReLU2MoEBackward", ("accumulate",))]
-    wgrads = [s.kernel.cost for s in bwd.kernel_program("triton").stages
-              if s.name == "moe_wgrad_kernel"][:2]              # the routed d_W_down, d_W_up
+    routed = [(dict(s.kernel.constexprs)["SPLIT"], s.kernel.cost)
+              for s in bwd.kernel_program("triton").stages
+              if s.name == "moe_wgrad_kernel" and dict(s.kernel.constexprs)["ROUTED"]]
+    assert [split for split, _ in routed] == [1, 2, 3, 1, 2, 3]   # d_W_down, then d_W_up
     grads = p.experts * H * I * 4
-    for wgrad in wgrads:                  # A: u or d_u [R, I], B: d_out or x gathered [R, H]
+    for split, wgrad in routed:           # A: u or d_u [R, I], B: d_out or x gathered [R, H]
+        if split > 1:                     # balanced routing: no expert passes the chunk
+            assert wgrad.bytes_written == 0 and wgrad.mma_flops == 0
+            continue
         assert wgrad.bytes_written == grads
         assert grads + u + rows < wgrad.bytes_read < grads + u + rows + 0.01e9
     for key, plan in plans.items():
@@ -588,6 +594,84 @@ def test_every_candidate_computes_the_same_results(backend):
         result = run()
         for name, value in reference.items():     # sums in another order: another rounding
             assert_close(result[name], value, EXPERT_TOLERANCE[torch.float16], f"{config} {name}")
+
+
+def _skewed_case(dtype):
+    """300 tokens, 5 experts, k = 2: every token's first expert is 0 and 250 tokens' second is 1
+    (every 7th token's second dropped), so experts 0 and 1 pass the split-K chunk."""
+    case = experts_case(300, 32, 5, 48, 2, shared=16, dtype=dtype, seed=3)
+    ids = case["topk_ids"]
+    ids[:, 0] = 0
+    ids[:250, 1] = 1
+    ids[250:, 1] = torch.arange(50, dtype=ids.dtype, device=ids.device) % 3 + 2
+    ids[::7, 1] = -1
+    return case
+
+
+def test_wgrad_split_items_cover_every_row_within_the_slots():
+    """moe_cost.wgrad_items, the model of moe_kernels._wgrad_work: the two launches together
+    take every row of every expert exactly once, no program more than ``chunk`` rows, and the
+    chunks past a split expert's first fit the slots, whatever the counts; chunk = t·k / slots
+    rounded up to the K step, off where it reaches t."""
+    pytest.importorskip("triton")
+    from fusedops.backends.triton.moe_cost import wgrad_items
+    from fusedops.backends.triton.moe_tiles import HOPPER, wgrad_split
+    generator = torch.Generator().manual_seed(0)
+    for trial in range(50):
+        E, slots, chunk = 1 + trial % 9, 1 + trial % 8, 16 * (1 + trial % 4)
+        total = chunk * slots                       # the bound chunk >= t·k / slots allows
+        counts = torch.multinomial(torch.rand(E, generator=generator) ** 4, total,
+                                   replacement=True, generator=generator).bincount(minlength=E)
+        launches = [wgrad_items(counts, split, chunk, slots) for split in (1, 2, 3)]
+        covered = torch.zeros(E, dtype=torch.int64)
+        for items in launches:
+            covered.index_add_(0, items.expert, items.rows)
+        assert torch.equal(covered, counts), (counts, chunk, slots)
+        whole, chunks, firsts = launches
+        assert chunks.to_slot.all() and not (whole.to_slot.any() or firsts.to_slot.any())
+        assert len(whole.expert) == E and torch.equal(whole.rows == 0, (counts > chunk) | (counts == 0))
+        assert len(chunks.expert) == int(firsts.parts.sum()) <= slots
+        assert int(torch.cat([items.rows for items in launches]).max()) <= chunk
+    nano = _moe_problem(8192, 2688, 128, 1856, 6)
+    assert wgrad_split(nano, HOPPER, 64) == (8, 6144)              # 49152 / 8
+    assert wgrad_split(_moe_problem(8192, 2688, 512, 1856, 22), HOPPER, 64) == (0, 0)
+
+
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_skewed_routing_splits_the_weight_gradients_deterministically(backend, dtype):
+    """A hot expert's rows go to split-K chunks (fp32 slots, added in chunk order): the results
+    match the torch backend, repeat bit for bit, add to accumulated gradients once, and agree
+    with the unsplit kernels (another order of fp32 sums)."""
+    from fusedops.backends.triton import moe as kernels
+    from fusedops.backends.triton.moe_tiles import tiles_for
+    case = _skewed_case(dtype)
+    bwd = _experts_plan(ReLU2MoEBackward, case, backend=backend)
+    slots, chunk = kernels._wgrad_split(bwd.problem, tiles_for(bwd.problem))
+    counts = torch.bincount(case["topk_ids"][case["topk_ids"] >= 0].long().cpu(), minlength=5)
+    assert slots and int(counts.max()) > 2 * chunk
+    expected = run_experts("torch", case)
+    tol = {torch.float32: Tolerance(2e-6, 2e-5, "fp32 sums in another order"),
+           torch.float16: Tolerance(1e-4, 1e-3, "an fp16 rounding of u, a or out that flips")}[dtype]
+    first, second = run_experts(backend, case), run_experts(backend, case)
+    compare(first, expected, tol)
+    for name in first:
+        assert torch.equal(first[name], second[name]), name
+    names = ("x", "w_up", "w_down", "topk_ids", "topk_weights")
+    shared = {n: case[n] for n in ("shared_w_up", "shared_w_down")}
+    _, saved = fusedops.relu2_moe_forward(*(case[n] for n in names), **shared, backend=backend)
+    for config in (None, dataclasses.replace(tiles_for(bwd.problem), wgrad_split_slots=0)):
+        plan = _experts_plan(ReLU2MoEBackward, case, backend=backend, accumulate=True)
+        if config is not None:
+            plan._program = kernels.backward_program(plan.problem, config=config)
+        plan.compile()
+        grads = {n: torch.full(plan.desc(n).shape, 0.5, dtype=plan.desc(n).dtype, device=DEVICE)
+                 for n in plan.gradient_names}
+        plan.execute(*(case[n] for n in names), case["d_out"], saved, **grads, **shared,
+                     workspace=plan.allocate_workspace())
+        for n in ("d_w_up", "d_w_down"):
+            assert_close(grads[n], first[n] + 0.5, Tolerance(1e-5, 1e-5, "fp32 sums in another "
+                                                             "order"), f"{config} {n}")
 
 
 # -- 4. plan contract -------------------------------------------------------------------------------

@@ -5,7 +5,9 @@ Forward: the dispatch (count, scan, offsets, scatter), the up GEMM (u by assignm
 GEMM (relu(u)² formed in registers, the weighted rows per assignment in x's dtype), then the
 shared expert's up GEMM and its down GEMM, whose epilogue adds the k rows of each token (without
 a shared expert, the combine kernel sums them). Backward: the down and up dgrad GEMMs, the
-routing-weight gradient's fixed-order sum, the weight-gradient GEMMs, then the shared expert's,
+routing-weight gradient's fixed-order sum, the weight-gradient GEMMs (routed, with a
+deterministic split-K for experts holding more than a chunk of rows: ``wgrad_stages``), then the
+shared expert's,
 whose up dgrad sums the rows of d_x (or the combine). Operands a program does not have (the
 shared expert's buffers, the routing weights of an unweighted GEMM) are compiled out, never
 aliased.
@@ -33,7 +35,7 @@ from fusedops.core.workspace import EMPTY, Layout
 from . import moe_cost as C
 from . import moe_kernels as K
 from .moe_tiles import (MoETiles, candidates, dense_bm, gemm_blocks, gemm_tile, max_rows,
-                        routed_bm, row_tile, tiles_for, wgrad_blocks)
+                        routed_bm, row_tile, tiles_for, wgrad_blocks, wgrad_split)
 from .runtime import KernelSpec, numerics, pointer_type
 
 BLOCK_A = 256        # assignments per dispatch program
@@ -112,16 +114,28 @@ def _column_tiles(problem, tiles: MoETiles) -> int:
     return triton.cdiv(problem.intermediate, bn)
 
 
+def _wgrad_split(problem, tiles: MoETiles) -> tuple[int, int]:
+    """(slots, chunk) of the routed weight gradients (``moe_tiles.wgrad_split``)."""
+    bk = wgrad_blocks(problem, problem.intermediate, problem.hidden, tiles)[2]
+    return wgrad_split(problem, tiles, bk)
+
+
 def backward_workspace(problem, tiles: MoETiles | None = None) -> Layout:
     """d_u [max_rows, I] by row (x's dtype), the d_x rows per assignment [t·k, H] (x's dtype),
     the routing weight gradient's partial sums [I / BN, t·k] fp32 (BN: the configuration's),
-    and the shared expert's d_u [t, I_shared]."""
+    the shared expert's d_u [t, I_shared], and the routed weight gradients' split-K work table
+    [2·slots, 8] int32 and slots [slots, I·H] fp32 (``wgrad_split``; both GEMMs use them in
+    turn)."""
     tiles = tiles or tiles_for(problem)
+    slots = _wgrad_split(problem, tiles)[0]
+    table = 2 * slots * 8
     return Layout([
         ("d_u", problem.dtype, max_rows(problem) * problem.intermediate),
         ("rows", problem.dtype, problem.assignments * problem.hidden),
         ("dw_part", torch.float32, _column_tiles(problem, tiles) * problem.assignments),
-        ("shared_d_u", problem.dtype, problem.tokens * problem.shared_intermediate)])
+        ("shared_d_u", problem.dtype, problem.tokens * problem.shared_intermediate),
+        ("wgrad_table", torch.int32, table),
+        ("wgrad_part", torch.float32, slots * problem.intermediate * problem.hidden)])
 
 
 # -- specialisations -------------------------------------------------------------------------------
@@ -233,39 +247,71 @@ def gemm_stage(problem, tiles: MoETiles, *, routed: bool, kdim: int, ndim: int, 
     return Stage(spec, bind)
 
 
-def wgrad_stage(problem, tiles: MoETiles, *, routed: bool, inter: int, a_source: int,
-                a_relu2: bool, a_weighted: bool, transposed: bool, a, b, grad) -> Stage:
+def wgrad_stages(problem, tiles: MoETiles, *, routed: bool, inter: int, a_source: int,
+                 a_relu2: bool, a_weighted: bool, transposed: bool, a, b, grad) -> list[Stage]:
     """grad[e] (+)= the sum over e's rows of A[row, :inter]ᵀ · B[token, :H]: A = ``a`` (d_u by
     row, or u by assignment turned into relu(u)² (``a_relu2``) times the routing weight
     (``a_weighted``)), B = ``b`` (x or d_out) by token; ``grad`` [E, inter, H], or [E, H, inter]
-    when ``transposed``."""
+    when ``transposed``. Routed with split-K slots (``wgrad_split``): three launches, the
+    experts within a chunk, the chunks past a split expert's first (into the slots), and the
+    split experts' first chunks plus their slots, in order."""
     t = pointer_type(problem.dtype)
     index = "*i32" if routed else None
     H = problem.hidden
+    slots, chunk = _wgrad_split(problem, tiles) if routed else (0, 0)
     args = (("a_ptr", t), ("b_ptr", t), ("sorted_ptr", index), ("offsets_ptr", index),
             ("counts_ptr", index), ("weight_ptr", "*fp32" if a_weighted else None),
-            ("grad_ptr", pointer_type(problem.weight_grad_dtype)), ("T", "i32"),
-            ("stride_b", "i32"))
+            ("grad_ptr", pointer_type(problem.weight_grad_dtype)),
+            ("table_ptr", "*i32" if slots else None), ("part_ptr", "*fp32" if slots else None),
+            ("T", "i32"), ("stride_b", "i32"))
     bm, bn, bk, warps = wgrad_blocks(problem, inter, H, tiles)
     group_m = tiles.wgrad_group_m if routed else tiles.dense_wgrad_group_m
-    const = dict(K_TOP=problem.top_k if routed else 1, E=problem.experts if routed else 1,
+    experts = problem.experts if routed else 1
+    const = dict(K_TOP=problem.top_k if routed else 1, E=experts,
                  M=inter, N=H, ROUTED=routed, A_SOURCE=a_source, A_RELU2=a_relu2,
                  A_WEIGHTED=a_weighted, TRANSPOSED=transposed, ACCUMULATE=problem.accumulate,
-                 BM=bm, BN=bn, BK=bk, GROUP_M=group_m, VEC=problem.row_vector,
+                 BM=bm, BN=bn, BK=bk, GROUP_M=group_m, SPLIT=0, CHUNK=chunk, SLOTS=slots,
+                 VEC=problem.row_vector,
                  **_numerics(problem))
-    grid = (const["E"] * triton.cdiv(inter, bm) * triton.cdiv(H, bn),)
-    cost = C.wgrad_cost(problem, routed=routed, m=inter, n=H, bm=bm, bn=bn, bk=bk,
-                        group_m=group_m, a_relu2=a_relu2, a_weighted=a_weighted,
-                        arch=target_arch(problem.device))
-    spec = KernelSpec.make(K.moe_wgrad_kernel, args, const, grid, num_warps=warps,
-                           num_stages=tiles.wgrad_stages, maxnreg=tiles.wgrad_maxnreg, cost=cost)
     bind = dict(a_ptr=a, b_ptr=b, grad_ptr=grad, T=problem.tokens,
                 stride_b=_row_stride(problem, b))
     if routed:
         bind.update(_dispatch_bind(saved_piece))
     if a_weighted:
         bind["weight_ptr"] = "topk_weights"
-    return Stage(spec, bind)
+    if slots:
+        bind.update(table_ptr=workspace_piece("wgrad_table"), part_ptr=workspace_piece("wgrad_part"))
+    tiles_per = triton.cdiv(inter, bm) * triton.cdiv(H, bn)
+    launches = ((0, experts),) if not slots else ((1, experts), (2, slots), (3, slots))
+    stages = []
+    for split, items in launches:
+        cost = C.wgrad_cost(problem, routed=routed, m=inter, n=H, bm=bm, bn=bn, bk=bk,
+                            group_m=group_m, a_relu2=a_relu2, a_weighted=a_weighted,
+                            arch=target_arch(problem.device), split=split, chunk=chunk,
+                            slots=slots)
+        spec = KernelSpec.make(K.moe_wgrad_kernel, args, dict(const, SPLIT=split),
+                               (items * tiles_per,), num_warps=warps,
+                               num_stages=tiles.wgrad_stages, maxnreg=tiles.wgrad_maxnreg,
+                               cost=cost)
+        stages.append(Stage(spec, bind))
+    return stages
+
+
+def wgrad_split_stage(problem, tiles: MoETiles) -> Stage | None:
+    """The routed weight gradients' split-K work table (``moe_wgrad_split_kernel``), from the
+    saved counts and offsets; None without slots."""
+    slots, chunk = _wgrad_split(problem, tiles)
+    if not slots:
+        return None
+    E = problem.experts
+    const = dict(E=E, EP=triton.next_power_of_2(E), CHUNK=chunk, SLOTS=slots,
+                 WS=triton.next_power_of_2(slots))
+    spec = KernelSpec.make(K.moe_wgrad_split_kernel,
+                           (("counts_ptr", "*i32"), ("offsets_ptr", "*i32"),
+                            ("table_ptr", "*i32")), const, (1,),
+                           cost=C.wgrad_split_cost(problem, slots))
+    return Stage(spec, dict(counts_ptr=saved_piece("counts"), offsets_ptr=saved_piece("offsets"),
+                            table_ptr=workspace_piece("wgrad_table")))
 
 
 def dispatch_stages(problem, home) -> tuple[Stage, ...]:
@@ -388,12 +434,15 @@ def _expert_backward_stages(problem, tiles: MoETiles, shared: bool) -> list[Stag
                    a_source=BY_ROW, a=d_u, b=pre + "w_up", **up_epilogue)]
     if routed:
         stages.append(weight_grad_reduce_stage(problem, tiles))
+        split = wgrad_split_stage(problem, tiles)
+        stages += [split] if split else []
     return stages + [
-        wgrad_stage(problem, tiles, routed=routed, inter=inter, a_source=BY_ASSIGNMENT,
-                    a_relu2=True, a_weighted=routed, transposed=True, a=u, b="d_out",
-                    grad=f"d_{pre}w_down"),
-        wgrad_stage(problem, tiles, routed=routed, inter=inter, a_source=BY_ROW, a_relu2=False,
-                    a_weighted=False, transposed=False, a=d_u, b="x", grad=f"d_{pre}w_up")]
+        *wgrad_stages(problem, tiles, routed=routed, inter=inter, a_source=BY_ASSIGNMENT,
+                      a_relu2=True, a_weighted=routed, transposed=True, a=u, b="d_out",
+                      grad=f"d_{pre}w_down"),
+        *wgrad_stages(problem, tiles, routed=routed, inter=inter, a_source=BY_ROW,
+                      a_relu2=False, a_weighted=False, transposed=False, a=d_u, b="x",
+                      grad=f"d_{pre}w_up")]
 
 
 def backward_program(problem, config: MoETiles | None = None) -> Program:

@@ -184,52 +184,102 @@ def gemm_cost(problem, *, routed: bool, kdim: int, ndim: int, bm: int, bn: int, 
 
 
 # -- the weight-gradient GEMMs -------------------------------------------------------------------
+@dataclass(frozen=True)
+class WgradItems:
+    """The work items of one routed weight-gradient launch that do work, in launch order
+    (``moe_kernels._wgrad_work``): expert, chunk of its rows, rows, whether the sum goes to a
+    split-K slot, and the slots it adds."""
+
+    expert: torch.Tensor
+    chunk: torch.Tensor
+    rows: torch.Tensor
+    to_slot: torch.Tensor
+    parts: torch.Tensor
+
+
+def wgrad_items(rows_of: torch.Tensor, split: int, chunk: int, slots: int) -> WgradItems:
+    """The working items of a weight-gradient launch over experts of ``rows_of`` rows: split 0,
+    every expert whole; split 1, every expert, those of more than ``chunk`` rows with none (their
+    tile rewritten as it is); split 2, the chunks past the first of those (at most ``slots``),
+    each to a slot; split 3, their first chunks, each adding its expert's slots."""
+    n = rows_of.to(torch.int64)
+    experts = torch.arange(len(n))
+    big = n > chunk if split else torch.zeros_like(n, dtype=torch.bool)
+    extra = torch.where(big, (n + chunk - 1) // max(chunk, 1) - 1, 0)
+    if split in (0, 1):
+        zero = torch.zeros_like(n)
+        return WgradItems(experts, zero, torch.where(big, 0, n), zero.bool(), zero)
+    if split == 3:
+        e = experts[big]
+        zero = torch.zeros_like(e)
+        return WgradItems(e, zero, torch.full_like(e, chunk), zero.bool(), extra[big])
+    e = torch.repeat_interleave(experts, extra)[:slots]
+    c = torch.arange(len(e)) - (torch.cumsum(extra, 0) - extra)[e] + 1
+    rows = torch.clamp(n[e] - c * chunk, max=chunk)
+    return WgradItems(e, c, rows, torch.ones_like(e, dtype=torch.bool), torch.zeros_like(e))
+
+
+def wgrad_split_cost(problem, slots: int) -> Cost:
+    """The split-K work table: one program reads counts and offsets (4·2E) and writes 2·slots
+    rows of 8 int32."""
+    return Cost(0, INDEX * 2 * problem.experts, INDEX * 8 * 2 * slots)
+
+
 @_real
 def wgrad_cost(problem, *, routed: bool, m: int, n: int, bm: int, bn: int, bk: int,
-               group_m: int, a_relu2: bool, a_weighted: bool, arch: str) -> Cost:
-    """grad[e] (+)= sum over e's rows of A[row, :m]ᵀ · B[token, :n]: one program per (expert,
-    BM×BN tile of the gradient) walks all the expert's rows, BK at a time.
+               group_m: int, a_relu2: bool, a_weighted: bool, arch: str, split: int = 0,
+               chunk: int = 0, slots: int = 0) -> Cost:
+    """grad[e] (+)= sum over e's rows of A[row, :m]ᵀ · B[token, :n]: one program per (work
+    item, BM×BN tile of the gradient) walks the item's rows, BK at a time. A work item is an
+    expert, or with split-K (``split`` 1, 2 and 3, ``wgrad_items``) a chunk of at most
+    ``chunk`` of its rows; under the balanced routing no expert passes ``chunk``, so the
+    second and third launches have no work and the first is the unsplit launch.
 
-    Order: the expert slowest (E × MT × NT programs, MT = ceil(m / BM), NT = ceil(n / BN));
-    inside an expert GROUP_M row tiles run through every column tile (``grouped_order``).
+    Order: the item slowest (items × MT × NT programs, MT = ceil(m / BM), NT = ceil(n / BN));
+    inside an item GROUP_M row tiles run through every column tile (``grouped_order``).
 
-    Per program (expert e with r rows; mc, nc the tile's columns; e, g the element sizes):
-      A[:, i] (d_u by row, or u by assignment): r·mc·e, shared by e's NT column tiles
-      B[:, j] (x or d_out gathered by token): r·nc·e, shared by e's MT row tiles
-      the row map and (a_weighted) the weights, 4·r (+ 4·r): shared by e's programs
-      alone: the gradient tile when accumulating, mc·nc·g; written: mc·nc·g.
-    FLOPs: sum over experts of ceil(rows_e / BK)·BK × MT·BM × NT·BN × 2 on tensor cores; on the
-    CUDA cores A's transform per program (relu² 2, the weight 1 per element of A[:, i]) and the
-    accumulation (E·m·n).
+    Per program (an item of r rows; mc, nc the tile's columns; e, g the element sizes):
+      A[:, i] (d_u by row, or u by assignment): r·mc·e, shared by the item's NT column tiles
+      B[:, j] (x or d_out gathered by token): r·nc·e, shared by the item's MT row tiles
+      the row map and (a_weighted) the weights, 4·r (+ 4·r): shared by the item's programs
+      alone: the gradient tile when accumulating, mc·nc·g, and the item's slots' tiles,
+        4·mc·nc each; written: mc·nc·g, or 4·mc·nc into a slot.
+    FLOPs: sum over items of ceil(r / BK)·BK × MT·BM × NT·BN × 2 on tensor cores; on the CUDA
+    cores A's transform per program (relu² 2, the weight 1 per element of A[:, i]) and the
+    additions of the buffer (accumulating) and of the slots (m·n each).
     """
     e, g = element_size(problem.dtype), element_size(problem.weight_grad_dtype)
     box = machine(arch)
-    experts = problem.experts if routed else 1
     rows_of = _expert_rows(problem) if routed else torch.tensor([problem.tokens])
+    items = wgrad_items(rows_of, split, chunk, slots)
     m_tiles, n_tiles = triton.cdiv(m, bm), triton.cdiv(n, bn)
     tile_i, tile_j = grouped_order(m_tiles, n_tiles, group_m)
     per = m_tiles * n_tiles
-    programs = experts * per
+    programs = len(items.expert) * per
     prog = torch.arange(programs)
-    ex, i, j = prog // per, tile_i[prog % per], tile_j[prog % per]
-    r = rows_of[ex].to(_F64)
+    item, i, j = prog // per, tile_i[prog % per], tile_j[prog % per]
+    r = items.rows[item].to(_F64)
+    chunks = int(items.chunk.max()) + 1 if len(items.chunk) else 1
+    part = items.expert[item] * chunks + items.chunk[item]
     mc = torch.clamp(m - i * bm, max=bm).to(_F64)
     nc = torch.clamp(n - j * bn, max=bn).to(_F64)
-    loads = [(prog, ex * m_tiles + i, r * mc * e), (prog, ex * n_tiles + j, r * nc * e)]
+    loads = [(prog, part * m_tiles + i, r * mc * e), (prog, part * n_tiles + j, r * nc * e)]
     if routed:
-        loads.append((prog, ex, r * (INDEX + INDEX * a_weighted)))
+        loads.append((prog, part, r * (INDEX + INDEX * a_weighted)))
+    to_slot = items.to_slot[item]
+    parts = items.parts[item].to(_F64)
     grad = mc * nc * g
-    read, stored = reuse_traffic(programs, loads,
-                                 grad if problem.accumulate else torch.zeros_like(grad), grad,
-                                 box.l2_bytes)
+    alone = torch.where(to_slot, 0.0, grad if problem.accumulate else 0.0) + parts * mc * nc * 4
+    stored = torch.where(to_slot, mc * nc * 4, grad)
+    read, written = reuse_traffic(programs, loads, alone, stored, box.l2_bytes)
     if routed:
         read += _index_once(problem)
-    groups = balanced_rows(problem.assignments, experts) if routed else ((problem.tokens, 1),)
-    padded_rows = sum(cc * triton.cdiv(rr, bk) * bk for rr, cc in groups)
+    padded_rows = int(((items.rows + bk - 1) // bk * bk).sum())
     mma = 2 * padded_rows * (m_tiles * bm) * (n_tiles * bn)
     transform = float((r * mc).sum()) * (2 * a_relu2 + a_weighted)
-    other = transform + (experts * m * n if problem.accumulate else 0)
-    return Cost(mma + other, read, stored, mma_flops=mma, mma_rows=bm)
+    finals = int((~items.to_slot).sum())
+    other = transform + m * n * (finals * problem.accumulate + int(items.parts.sum()))
+    return Cost(mma + other, read, written, mma_flops=mma, mma_rows=bm)
 
 
 # -- the dispatch --------------------------------------------------------------------------------

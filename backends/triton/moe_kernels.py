@@ -328,37 +328,109 @@ def _combine(acc, n, token, valid, rows_ptr, ids_ptr, out_ptr, stride_out, NDIM:
 
 # -- weight gradients ----------------------------------------------------------------------------
 @triton.jit
-def moe_wgrad_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_ptr, grad_ptr, T,
-                     stride_b, K_TOP: tl.constexpr, E: tl.constexpr,
+def _holding(j, cum, o_e, E: tl.constexpr):
+    """For each item j [W], the expert whose items hold it, of a per-expert count with inclusive
+    prefix sums ``cum`` [EP]: the first e with cum[e] > j (E past the total)."""
+    return tl.sum(((cum[None, :] <= j[:, None]) & (o_e < E)[None, :]).to(tl.int32), axis=1)
+
+
+@triton.jit
+def _entries(v, o_e, e):
+    """v[e] for each expert e [W] of a vector over experts v [EP] (0 outside it)."""
+    return tl.sum(tl.where(o_e[None, :] == e[:, None], v[None, :], 0), axis=1)
+
+
+@triton.jit
+def moe_wgrad_split_kernel(counts_ptr, offsets_ptr, table_ptr, E: tl.constexpr, EP: tl.constexpr,
+                           CHUNK: tl.constexpr, SLOTS: tl.constexpr, WS: tl.constexpr):
+    """One program: the work items of the routed weight gradients' split-K launches, table[i] =
+    (skip, expert, first row, rows (0 when skipped), slot, first slot, slots, 0) int32, SLOTS
+    items of each. An expert with more than CHUNK rows is split: its chunks 1, 2, ... of CHUNK
+    rows go to slots, numbered over the split experts in expert order, then chunk order (the
+    experts' own launch gives it no rows). Chunks' launch: item j, the j-th such chunk, into
+    slot j (skipped past the last); first chunks' launch: item s, the s-th split expert's chunk
+    0, which adds its slots in order. Since CHUNK >= t·k / SLOTS the slots hold every chunk past
+    a first, whatever the routing; the clamps only keep every index in its buffer."""
+    o_e = tl.arange(0, EP)
+    n = tl.load(counts_ptr + o_e, mask=o_e < E, other=0)
+    split = n > CHUNK
+    extra = tl.where(split, (n + CHUNK - 1) // CHUNK - 1, 0)
+    cum = tl.cumsum(extra, axis=0)
+    j = tl.arange(0, WS)
+    held = _holding(j, cum, o_e, E)
+    skip = (held >= E) | (j >= SLOTS)
+    e = tl.minimum(held, E - 1)
+    chunk = 1 + j - (_entries(cum, o_e, e) - _entries(extra, o_e, e))
+    rows = tl.where(skip, 0, tl.minimum(_entries(n, o_e, e) - chunk * CHUNK, CHUNK))
+    _table_rows(table_ptr, j, j < SLOTS, skip, e, tl.load(offsets_ptr + e) + chunk * CHUNK,
+                rows, j, j * 0, j * 0)
+    held = _holding(j, tl.cumsum(split.to(tl.int32), axis=0), o_e, E)
+    skip = (held >= E) | (j >= SLOTS)
+    e = tl.minimum(held, E - 1)
+    first = _entries(cum, o_e, e) - _entries(extra, o_e, e)
+    parts = tl.maximum(tl.minimum(_entries(extra, o_e, e), SLOTS - first), 0)
+    _table_rows(table_ptr + SLOTS * 8, j, j < SLOTS, skip, e, tl.load(offsets_ptr + e),
+                tl.where(skip, 0, tl.minimum(_entries(n, o_e, e), CHUNK)), j * 0 - 1, first,
+                parts)
+
+
+@triton.jit
+def _table_rows(ptr, i, m, skip, e, start, rows, slot, first, parts):
+    """Rows i (where m) of an int32 [*, 8] work table."""
+    row = ptr + i * 8
+    tl.store(row, skip.to(tl.int32), mask=m)
+    tl.store(row + 1, e, mask=m)
+    tl.store(row + 2, start, mask=m)
+    tl.store(row + 3, rows, mask=m)
+    tl.store(row + 4, slot, mask=m)
+    tl.store(row + 5, first, mask=m)
+    tl.store(row + 6, parts, mask=m)
+    tl.store(row + 7, i * 0, mask=m)
+
+
+@triton.jit
+def moe_wgrad_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_ptr, grad_ptr,
+                     table_ptr, part_ptr, T, stride_b, K_TOP: tl.constexpr, E: tl.constexpr,
                      M: tl.constexpr, N: tl.constexpr, ROUTED: tl.constexpr,
                      A_SOURCE: tl.constexpr, A_RELU2: tl.constexpr, A_WEIGHTED: tl.constexpr,
                      TRANSPOSED: tl.constexpr, ACCUMULATE: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                     UPCAST: tl.constexpr, IEEE: tl.constexpr, EXACT: tl.constexpr,
-                     VEC: tl.constexpr):
+                     SPLIT: tl.constexpr, CHUNK: tl.constexpr, SLOTS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                     EXACT: tl.constexpr, VEC: tl.constexpr):
     """grad[e][m, n] (grad[e][n, m] when TRANSPOSED) (+)= the sum over e's rows r, in dispatch
     order, of A[r, m] · B[token_r, n] (added to the buffer's value at the end, a quarter of the
     columns at a time, when ACCUMULATE): A = d_u by row, or a = relu(u)² (times the routing weight
     when A_WEIGHTED, rounded) by assignment, loaded as [BM, BK] so that its transform happens
     on the MMA's register operand; B = x or d_out gathered by token (a view, stride_b vectors a
-    row). One program per (expert, BM × BN tile), the expert slowest; inside an expert GROUP_M
-    row tiles run through every column tile."""
+    row). One program per (work item, BM × BN tile), the work item slowest; inside it GROUP_M
+    row tiles run through every column tile. Routed, a work item is an expert (SPLIT 0 and 1;
+    SPLIT 1 gives an expert of more than CHUNK rows none, rewriting its tile as it is), or a
+    part of one read from the work table (``moe_wgrad_split_kernel``): SPLIT 2, the chunks
+    past a split expert's first, each into its fp32 slot of ``part_ptr`` [SLOTS, M·N] (in the
+    gradient's layout); SPLIT 3, the split experts' first chunks, which add their slots in
+    chunk order, then the buffer (ACCUMULATE), rounded once: a fixed partition and a fixed
+    order, so the result is the same bits every run."""
     pid = tl.program_id(0)
     m_tiles: tl.constexpr = (M + BM - 1) // BM
     n_tiles: tl.constexpr = (N + BN - 1) // BN
-    e = pid // (m_tiles * n_tiles)
+    w = pid // (m_tiles * n_tiles)
     tile = pid % (m_tiles * n_tiles)
     per_group = GROUP_M * n_tiles
     first_m = tile // per_group * GROUP_M
     group_rows = tl.minimum(m_tiles - first_m, GROUP_M)
     m = (first_m + tile % per_group % group_rows) * BM + tl.arange(0, BM)
     n = (tile % per_group // group_rows) * BN + tl.arange(0, BN)
+    ITEM0: tl.constexpr = SLOTS * (SPLIT > 2)
     if ROUTED:
-        start = tl.load(offsets_ptr + e)
-        rows = tl.load(counts_ptr + e)
+        if SPLIT < 2:
+            start, rows = tl.load(offsets_ptr + w), tl.load(counts_ptr + w)
+            if SPLIT == 1:                      # a split expert's tile: rewritten as it is
+                rows = tl.where(rows > CHUNK, 0, rows)
+        else:
+            start = tl.load(table_ptr + (ITEM0 + w) * 8 + 2)
+            rows = tl.load(table_ptr + (ITEM0 + w) * 8 + 3)
     else:
-        start = e * 0
-        rows = T + e * 0
+        start, rows = w * 0, T + w * 0
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     kk = tl.arange(0, BK)
     dtype = a_ptr.dtype.element_ty
@@ -376,37 +448,101 @@ def moe_wgrad_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_p
         if A_RELU2:
             a = relu2(a, dtype, EXACT)
         if A_WEIGHTED:
-            w = tl.load(weight_ptr + assign, mask=ok, other=0.0)
-            a = round_to(a.to(tl.float32) * w[None, :], dtype, EXACT)
+            wt = tl.load(weight_ptr + assign, mask=ok, other=0.0)
+            a = round_to(a.to(tl.float32) * wt[None, :], dtype, EXACT)
         b = tl.load(b_ptr + token[:, None].to(tl.int64) * (stride_b * VEC) + n[None, :],
                     mask=ok[:, None] & (n < N)[None, :], other=0.0)      # [BK, BN]
         acc = mm(a, b, acc, UPCAST, IEEE)                                # [BM, BK] @ [BK, BN]
+    e, slot, first, parts = w, w, w, w          # the item's expert, slot and parts, read late
+    work = True
+    if SPLIT > 1:
+        work = tl.load(table_ptr + (ITEM0 + w) * 8) == 0
+        e, slot = tl.load(table_ptr + (ITEM0 + w) * 8 + 1), tl.load(table_ptr + (ITEM0 + w) * 8 + 4)
+        first = tl.load(table_ptr + (ITEM0 + w) * 8 + 5)
+        parts = tl.load(table_ptr + (ITEM0 + w) * 8 + 6)
     base = grad_ptr + e.to(tl.int64) * (M * N)
     n0 = tile % per_group // group_rows * BN
     q0, q1, q2, q3 = _column_quarters(acc, BM, BN)
     Q: tl.constexpr = BN // 4
-    _wgrad_out(q0, base, m, n0 + tl.arange(0, Q), M, N, TRANSPOSED, ACCUMULATE, EXACT)
-    _wgrad_out(q1, base, m, n0 + Q + tl.arange(0, Q), M, N, TRANSPOSED, ACCUMULATE, EXACT)
-    _wgrad_out(q2, base, m, n0 + 2 * Q + tl.arange(0, Q), M, N, TRANSPOSED, ACCUMULATE, EXACT)
-    _wgrad_out(q3, base, m, n0 + 3 * Q + tl.arange(0, Q), M, N, TRANSPOSED, ACCUMULATE, EXACT)
+    if not work:
+        return
+    if SPLIT == 2:
+        part = part_ptr + slot.to(tl.int64) * (M * N)
+        _wgrad_slot_out(q0, part, m, n0 + tl.arange(0, Q), M, N, TRANSPOSED)
+        _wgrad_slot_out(q1, part, m, n0 + Q + tl.arange(0, Q), M, N, TRANSPOSED)
+        _wgrad_slot_out(q2, part, m, n0 + 2 * Q + tl.arange(0, Q), M, N, TRANSPOSED)
+        _wgrad_slot_out(q3, part, m, n0 + 3 * Q + tl.arange(0, Q), M, N, TRANSPOSED)
+    else:
+        parts_at = part_ptr + first.to(tl.int64) * (M * N) if SPLIT == 3 else part_ptr
+        ADD: tl.constexpr = SPLIT == 3
+        _wgrad_quarter(q0, base, m, n0, BM, Q, M, N, TRANSPOSED, ACCUMULATE, EXACT, parts_at,
+                       parts, ADD)
+        _wgrad_quarter(q1, base, m, n0 + Q, BM, Q, M, N, TRANSPOSED, ACCUMULATE, EXACT,
+                       parts_at, parts, ADD)
+        _wgrad_quarter(q2, base, m, n0 + 2 * Q, BM, Q, M, N, TRANSPOSED, ACCUMULATE, EXACT,
+                       parts_at, parts, ADD)
+        _wgrad_quarter(q3, base, m, n0 + 3 * Q, BM, Q, M, N, TRANSPOSED, ACCUMULATE, EXACT,
+                       parts_at, parts, ADD)
+
+
+@triton.jit
+def _wgrad_quarter(q, base, m, n0, BM: tl.constexpr, Q: tl.constexpr, M: tl.constexpr,
+                   N: tl.constexpr, TRANSPOSED: tl.constexpr, ACCUMULATE: tl.constexpr,
+                   EXACT: tl.constexpr, parts_at, parts, ADD_PARTS: tl.constexpr):
+    """A column quarter [BM, Q] (columns n0 ...) of a weight-gradient tile into grad[e]
+    (``_wgrad_out``); adding slots, a half of it at a time (one more fp32 tile is live)."""
+    if ADD_PARTS:
+        h0, h1 = _column_halves(q, BM, Q)
+        _wgrad_out(h0, base, m, n0 + tl.arange(0, Q // 2), M, N, TRANSPOSED, ACCUMULATE, EXACT,
+                   parts_at, parts, ADD_PARTS)
+        _wgrad_out(h1, base, m, n0 + Q // 2 + tl.arange(0, Q // 2), M, N, TRANSPOSED,
+                   ACCUMULATE, EXACT, parts_at, parts, ADD_PARTS)
+    else:
+        _wgrad_out(q, base, m, n0 + tl.arange(0, Q), M, N, TRANSPOSED, ACCUMULATE, EXACT,
+                   parts_at, parts, ADD_PARTS)
+
+
+@triton.jit
+def _grad_offsets(m, n, M: tl.constexpr, N: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Offsets of [m, n] in one expert's gradient ([n, m] when TRANSPOSED; 32-bit while the
+    gradient has fewer than 2^31 elements), and where they are inside it."""
+    if M * N < 2**31:
+        mi, ni = m, n
+    else:
+        mi, ni = m.to(tl.int64), n.to(tl.int64)
+    if TRANSPOSED:
+        at = ni[None, :] * M + mi[:, None]
+    else:
+        at = mi[:, None] * N + ni[None, :]
+    return at, (m < M)[:, None] & (n < N)[None, :]
+
+
+@triton.jit
+def _wgrad_slot_out(acc, part, m, n, M: tl.constexpr, N: tl.constexpr, TRANSPOSED: tl.constexpr):
+    """Columns n of a split-K chunk's fp32 tile into its slot (``part``), in the gradient's
+    layout."""
+    at, in_grad = _grad_offsets(m, n, M, N, TRANSPOSED)
+    tl.store(part + at, acc, mask=in_grad)
 
 
 @triton.jit
 def _wgrad_out(acc, base, m, n, M: tl.constexpr, N: tl.constexpr, TRANSPOSED: tl.constexpr,
-               ACCUMULATE: tl.constexpr, EXACT: tl.constexpr):
-    """Columns n of a weight-gradient tile into grad[e] (``base``; [n, m] when TRANSPOSED),
-    added to the buffer's gradient when ACCUMULATE, rounded once to the buffer's dtype."""
-    if TRANSPOSED:
-        out = base + n[None, :].to(tl.int64) * M + m[:, None]
-    else:
-        out = base + m[:, None].to(tl.int64) * N + n[None, :]
-    in_grad = (m < M)[:, None] & (n < N)[None, :]
+               ACCUMULATE: tl.constexpr, EXACT: tl.constexpr, parts_at, parts,
+               ADD_PARTS: tl.constexpr):
+    """Columns n of a weight-gradient tile into grad[e] (``base``; [n, m] when TRANSPOSED):
+    after the ``parts`` slots from ``parts_at`` on, in order (ADD_PARTS), added to the buffer's
+    gradient when ACCUMULATE, rounded once to the buffer's dtype."""
+    at, in_grad = _grad_offsets(m, n, M, N, TRANSPOSED)
+    if ADD_PARTS:
+        for _ in range(parts):
+            acc += tl.load(parts_at + at, mask=in_grad, other=0.0)
+            parts_at += M * N
     if ACCUMULATE:
-        acc += tl.load(out, mask=in_grad, other=0.0).to(tl.float32)
+        acc += tl.load(base + at, mask=in_grad, other=0.0).to(tl.float32)
     if base.dtype.element_ty == tl.float32:
-        tl.store(out, acc, mask=in_grad)
+        tl.store(base + at, acc, mask=in_grad)
     else:
-        tl.store(out, round_to(acc, base.dtype.element_ty, EXACT), mask=in_grad)
+        tl.store(base + at, round_to(acc, base.dtype.element_ty, EXACT), mask=in_grad)
 
 
 # -- fixed-order sums ----------------------------------------------------------------------------

@@ -52,7 +52,9 @@ class MoETiles:
     shared expert's). wgrad_*: the weight-gradient GEMM's tile of the gradient (bm × bn), its
     step over the expert's rows (bk, 16-bit; fp32 takes half), warps, stages and the row tiles
     of its L2 group inside an expert (dense_wgrad_group_m: the shared expert's, which walks
-    every token), and a register budget for ptxas. epilogue_quarters: the epilogues that read a
+    every token), and a register budget for ptxas; wgrad_split_slots: the fp32 gradient-sized
+    slots a routed expert's rows beyond its first chunk go to (``wgrad_split``; 0: none).
+    epilogue_quarters: the epilogues that read a
     second tile run on a quarter of the columns at a time (``moe_kernels._column_quarters``).
     """
 
@@ -75,6 +77,7 @@ class MoETiles:
     wgrad_group_m: int = 16
     dense_wgrad_group_m: int = 4
     wgrad_maxnreg: int | None = 128
+    wgrad_split_slots: int = 8
     epilogue_quarters: bool = True
 
 
@@ -178,6 +181,20 @@ def wgrad_blocks(problem, m: int, n: int, tiles: MoETiles) -> tuple[int, int, in
     bn = min(tiles.wgrad_bn, max(16, triton.next_power_of_2(n)))
     bk = tiles.wgrad_bk // 2 if problem.dtype == torch.float32 else tiles.wgrad_bk
     return bm, bn, bk, tiles.wgrad_warps if bm * bn >= 128 * 128 else 4
+
+
+def wgrad_split(problem, tiles: MoETiles, bk: int) -> tuple[int, int]:
+    """(slots, chunk) of the routed weight gradients' deterministic split-K: an expert with
+    more than ``chunk`` rows computes chunk 0 in one program per gradient tile and each further
+    chunk in another, summed in chunk order through fp32 slots. chunk = t·k / slots rounded up
+    to the K step, so the chunks past the first never outnumber the slots, whatever the routing;
+    (0, 0) where the table has no slots or chunk >= t, which an expert passes only when a token
+    names it more than once (its k experts are distinct under every router)."""
+    slots = tiles.wgrad_split_slots
+    if slots <= 0:
+        return 0, 0
+    chunk = triton.cdiv(triton.cdiv(problem.assignments, slots), bk) * bk
+    return (slots, chunk) if chunk < problem.tokens else (0, 0)
 
 
 def candidates(problem) -> list[MoETiles]:

@@ -280,7 +280,8 @@ def wgrad_stages(problem, tiles: MoETiles, *, routed: bool, inter: int, a_source
     if a_weighted:
         bind["weight_ptr"] = "topk_weights"
     if slots:
-        bind.update(table_ptr=workspace_piece("wgrad_table"), part_ptr=workspace_piece("wgrad_part"))
+        bind.update(table_ptr=workspace_piece("wgrad_table"),
+                    part_ptr=workspace_piece("wgrad_part"))
     tiles_per = triton.cdiv(inter, bm) * triton.cdiv(H, bn)
     launches = ((0, experts),) if not slots else ((1, experts), (2, slots), (3, slots))
     stages = []

@@ -395,8 +395,9 @@ def moe_wgrad_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_p
                      A_SOURCE: tl.constexpr, A_RELU2: tl.constexpr, A_WEIGHTED: tl.constexpr,
                      TRANSPOSED: tl.constexpr, ACCUMULATE: tl.constexpr,
                      BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                     SPLIT: tl.constexpr, CHUNK: tl.constexpr, SLOTS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                     EXACT: tl.constexpr, VEC: tl.constexpr):
+                     SPLIT: tl.constexpr, CHUNK: tl.constexpr, SLOTS: tl.constexpr,
+                     UPCAST: tl.constexpr, IEEE: tl.constexpr, EXACT: tl.constexpr,
+                     VEC: tl.constexpr):
     """grad[e][m, n] (grad[e][n, m] when TRANSPOSED) (+)= the sum over e's rows r, in dispatch
     order, of A[r, m] · B[token_r, n] (added to the buffer's value at the end, a quarter of the
     columns at a time, when ACCUMULATE): A = d_u by row, or a = relu(u)² (times the routing weight
@@ -456,10 +457,10 @@ def moe_wgrad_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_p
     e, slot, first, parts = w, w, w, w          # the item's expert, slot and parts, read late
     work = True
     if SPLIT > 1:
-        work = tl.load(table_ptr + (ITEM0 + w) * 8) == 0
-        e, slot = tl.load(table_ptr + (ITEM0 + w) * 8 + 1), tl.load(table_ptr + (ITEM0 + w) * 8 + 4)
-        first = tl.load(table_ptr + (ITEM0 + w) * 8 + 5)
-        parts = tl.load(table_ptr + (ITEM0 + w) * 8 + 6)
+        item = table_ptr + (ITEM0 + w) * 8
+        work = tl.load(item) == 0
+        e, slot, first, parts = (tl.load(item + 1), tl.load(item + 4), tl.load(item + 5),
+                                 tl.load(item + 6))
     base = grad_ptr + e.to(tl.int64) * (M * N)
     n0 = tile % per_group // group_rows * BN
     q0, q1, q2, q3 = _column_quarters(acc, BM, BN)

@@ -609,7 +609,7 @@ def _skewed_case(dtype):
 
 
 def test_wgrad_split_items_cover_every_row_within_the_slots():
-    """moe_cost.wgrad_items, the model of moe_kernels._wgrad_work: the two launches together
+    """moe_cost.wgrad_items, the model of the split-K work table: the three launches together
     take every row of every expert exactly once, no program more than ``chunk`` rows, and the
     chunks past a split expert's first fit the slots, whatever the counts; chunk = t·k / slots
     rounded up to the K step, off where it reaches t."""

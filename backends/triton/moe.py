@@ -7,8 +7,7 @@ shared expert's up GEMM and its down GEMM, whose epilogue adds the k rows of eac
 a shared expert, the combine kernel sums them). Backward: the down and up dgrad GEMMs, the
 routing-weight gradient's fixed-order sum, the weight-gradient GEMMs (routed, with a
 deterministic split-K for experts holding more than a chunk of rows: ``wgrad_stages``), then the
-shared expert's,
-whose up dgrad sums the rows of d_x (or the combine). Operands a program does not have (the
+shared expert's, whose up dgrad sums the rows of d_x (or the combine). Operands a program does not have (the
 shared expert's buffers, the routing weights of an unweighted GEMM) are compiled out, never
 aliased.
 

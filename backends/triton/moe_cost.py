@@ -186,9 +186,9 @@ def gemm_cost(problem, *, routed: bool, kdim: int, ndim: int, bm: int, bn: int, 
 # -- the weight-gradient GEMMs -------------------------------------------------------------------
 @dataclass(frozen=True)
 class WgradItems:
-    """The work items of one routed weight-gradient launch that do work, in launch order
-    (``moe_kernels._wgrad_work``): expert, chunk of its rows, rows, whether the sum goes to a
-    split-K slot, and the slots it adds."""
+    """The work items of one routed weight-gradient launch that do work, in launch order (the
+    experts' own, or a row of ``moe_kernels.moe_wgrad_split_kernel``'s table): expert, chunk of
+    its rows, rows, whether the sum goes to a split-K slot, and the slots it adds."""
 
     expert: torch.Tensor
     chunk: torch.Tensor

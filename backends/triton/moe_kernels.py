@@ -32,7 +32,10 @@ combine kernel does that sum.
 Weight gradients: grad[e] (+)= the sum over e's rows of A[r]ᵀ ⊗ B[token_r] with A on the
 intermediate side (d_u by row; or a = relu(u)² times the routing weight, rounded, by
 assignment: its transform happens on the register operand, so the wgmma stays asynchronous) and
-B = x or d_out gathered by token; d_W_down [H, I] is stored transposed.
+B = x or d_out gathered by token; d_W_down [H, I] is stored transposed. An expert holding more
+rows than the split-K chunk is summed chunk by chunk (moe_wgrad_split_kernel's work table: the
+chunks past its first into fp32 slots, then added to the first in chunk order), so no program
+walks more than a chunk of rows and the sums keep one fixed order.
 
 Strided activations: x, d_out (read by token), out and d_x (the combines' stores) are addressed
 through a row stride taken at launch in units of VEC elements (a 16-byte vector; 1 where a row

@@ -54,8 +54,8 @@ class MoETiles:
     of its L2 group inside an expert (dense_wgrad_group_m: the shared expert's, which walks
     every token), and a register budget for ptxas; wgrad_split_slots: the fp32 gradient-sized
     slots a routed expert's rows beyond its first chunk go to (``wgrad_split``; 0: none).
-    epilogue_quarters: the epilogues that read a
-    second tile run on a quarter of the columns at a time (``moe_kernels._column_quarters``).
+    epilogue_quarters: the epilogues that read a second tile run on a quarter of the columns at
+    a time (``moe_kernels._column_quarters``).
     """
 
     row_tiles: tuple[tuple[int, int], ...] = ((128, 96), (64, 48), (32, 24))

@@ -53,8 +53,10 @@ TRAFFIC_BOUNDS = {
     # each of its per-chunk kernels (dx, d(C·B), the straddling pairs, dB/dC), which all run a
     # (segment, group)'s or (segment, head)'s programs side by side (2026-12-02: dB/dC, d(C·B),
     # C·B; dH1 stored in x's dtype, 4.69x to 4.16x at Q128; the gate in the state walk: 3.98x);
-    # decode: dt, B and C re-read by each head-dim block (h·b programs apart)
-    "Mamba2ChunkScanForward": 2.45,
+    # decode: dt, B and C re-read by each head-dim block (h·b programs apart); the forward
+    # walk (2026-12-05: states and output in one kernel, 2.45x to 1.83x at Q128) writes the
+    # bf16 entering states and y before the gate for the backward and reads C·B back
+    "Mamba2ChunkScanForward": 1.83,
     "Mamba2ChunkScanBackward": 3.98,
     "Mamba2StateUpdate": 1.01,
     "Mamba2StateRollback": 1.00,

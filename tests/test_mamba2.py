@@ -6,6 +6,7 @@ graph capture) is tested for every plan in test_plan_contract.py."""
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 import pytest
 import torch
@@ -850,6 +851,7 @@ def test_tile_table_follows_the_target_arch():
     (or ``config=``), and the autotune candidates start with it."""
     pytest.importorskip("triton")
     from fusedops.backends.triton import mamba2 as kernels
+    from fusedops.backends.triton import mamba2_tiles as kernels_tiles
     from fusedops.core.target import compiling_for
     fwd, bwd = _production("scan h128 p64 n128 Q256")
     assert set(kernels.TILES) == {"sm_80", "sm_90", "sm_100"}
@@ -859,12 +861,62 @@ def test_tile_table_follows_the_target_arch():
             assert kernels.tiles(fwd.problem) == kernels.tiles(fwd.problem, entry)
             assert kernels.forward_candidates(fwd.problem)[0] == entry
             assert kernels.backward_candidates(bwd.problem)[0] == entry
-    other = kernels.ScanTiles(BQ=32, BP=32, BN=128, BLOCK_H=8)
+    other = kernels.ScanTiles(BQ=32, BP=32, BN=128, BLOCK_H=8, FUSED=False)
     t = kernels.tiles(fwd.problem, other)
-    assert (t.BQ, t.BP, t.BN, t.BLOCK_H) == (32, 32, 128, 8)
-    scan = [k for k in kernels.forward_program(fwd.problem, config=other).kernels
-            if k.name == "ssd_chunk_scan_fwd_kernel"]
-    assert scan[0].grid == (2 * 8 * 64 * 128, 1, 1)   # p / BP x Q / BQ programs per (segment, head)
+    assert (t.BQ, t.BP, t.BN, t.BLOCK_H, t.FUSED) == (32, 32, 128, 8, False)
+    names = [k.name for k in kernels.forward_program(fwd.problem, config=other).kernels]
+    assert names == ["ssd_dt_cumsum_kernel", "ssd_cb_kernel", "ssd_chunk_states_kernel",
+                     "ssd_chunk_scan_fwd_kernel"]
+    scan = kernels.forward_program(fwd.problem, config=other).kernels[-1]
+    assert scan.grid == (2 * 8 * 64 * 128, 1, 1)      # p / BP x Q / BQ programs per (segment, head)
+    fused = replace(other, FUSED=True, FUSED_WARPS=4, FUSED_STAGES=2)
+    walk = kernels.forward_program(fwd.problem, config=fused).kernels[-1]
+    assert walk.name == "ssd_fused_fwd_kernel"
+    assert walk.grid == (2 * 2 * 128, 1, 1)            # p / BP programs per (sequence, head)
+    assert (walk.num_warps, walk.num_stages) == (4, 2)
+    wide = samples.make(1, 20, 2, 8, 1, kernels_tiles.FUSED_MAX_STATE + 1, device="cpu")
+    wide_plan = Mamba2ChunkScanForward(**{k: wide.tensors[k] for k in samples._FORWARD_TENSORS},
+                                       **wide.options, backend="torch")
+    assert not kernels.tiles(wide_plan.problem).FUSED      # the walk would hold 256 state columns
+
+
+SPLIT_COMPILE = """
+import json
+from dataclasses import replace
+from fusedops.backends.triton import mamba2 as kernels
+from fusedops.core.target import compiling_for
+from fusedops.kernel_report.compiled import compile_triton
+from fusedops.mamba2 import samples
+(calls,) = [c for label, c in samples.production() if label == "scan h128 p64 n128 Q256"]
+fwd = calls[0].build("torch")
+for arch in ("sm_90a", "sm_100a"):
+    with compiling_for(arch):
+        split = replace(kernels.TILES[arch.removesuffix("a")][0], FUSED=False)
+        specs = kernels.forward_program(fwd.problem, config=split).kernels[-2:]
+    for spec in specs:
+        compiled, _ = compile_triton(spec, arch)
+        print(json.dumps([arch, spec.name, compiled.spill_bytes]))
+"""
+
+
+def test_split_forward_kernels_compile_without_spills():
+    """The split forward's kernels (``FUSED=False``: an autotune candidate, and the states kernel
+    the backward runs with recompute_states) compile for sm_90a and sm_100a at the production
+    shape without spilling (in a process without the interpreter; the default plans' kernels
+    are the kernel report's)."""
+    pytest.importorskip("triton")
+    import json
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", SPLIT_COMPILE], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    rows = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert [name for _, name, _ in rows] == ["ssd_chunk_states_kernel",
+                                             "ssd_chunk_scan_fwd_kernel"] * 2
+    assert all(spill == 0 for _, _, spill in rows), rows
 
 
 def test_segment_row_blocks_of_the_model():
@@ -944,17 +996,14 @@ def test_forward_model_and_floor_at_the_production_shape():
     loading C rows i and B rows j (64·128·2 = 16 KiB each) and storing a 64 x 64 fp32 tile (16
     KiB): G = 25e6 / 49152 = 508.6, more than the at most 9 programs between two pairs that
     share C (or B) rows: C and B are read once.
-    States: 512 programs (2 state tiles x b·h), each walking its sequence's 32 segments: x and B
-    (32 x 256 rows x 64 x 2 bytes = 1 MiB each), acum and dts (64 KiB), the last acum (128 B),
-    the initial state tile (16 KiB) and 32 bf16 entering tiles plus the fp32 final one
-    (278,528 B) stored: G = 25e6 / 2,457,728 = 10.2. x is shared by the 2 tiles of a head (1
-    apart), B by the 16 heads of a group (2 apart), acum and dts by the 2 tiles: all once.
-    Output: 32768 programs (4 row blocks x S·h), row block i loading acum (256 B), C rows i and
-    the state tile (16 KiB each), for k <= i a C·B tile (16 KiB), acum, dts (256 B each) and x
-    rows (8 KiB), the diagonal x block again for D (8 KiB) and z (8 KiB), storing y and y before
-    the gate (16 KiB): a mean of 128,512 bytes (2.5 blocks k), G = 194.5. C and C·B are shared
-    by the 16 heads of the group (4 apart), the state, x, acum and dts by the row blocks of the
-    (segment, head) (at most 3 apart): all once."""
+    The fused walk: 256 programs (b·h, one head-dim tile), each walking its sequence's 32
+    segments: x (1 MiB), B and C rows (2 MiB each), the 10 C·B tiles of every segment (5 MiB),
+    acum and dts (64 KiB), the last acum, z (1 MiB) and the initial state tile (32 KiB) loaded;
+    32 bf16 entering tiles (512 KiB), the fp32 final tile (32 KiB), y and y before the gate
+    (2 MiB) stored: about 14 MiB a program, G = 25e6 / 14 MiB = 1.7. B, C and C·B are shared
+    by the 16 heads of a group, 1 program apart: read once; x, acum and dts are the program's
+    own: once. The split pipeline's states and output kernels (``FUSED=False``) are counted in
+    ``test_split_forward_model_at_the_production_shape``."""
     pytest.importorskip("triton")
     from fusedops.core.cost import total
     from fusedops.core.target import compiling_for
@@ -968,6 +1017,51 @@ def test_forward_model_and_floor_at_the_production_shape():
     bc = T * g * n * e                                    # B (or C) rows of every group, once
     cb = S * g * 10 * BQ * BQ * 4                         # the fp32 C·B tiles of the 10 pairs
     assert 0.5 * 50e6 / (2 * BQ * n * e + BQ * BQ * 4) > 9
+    assert 0.5 * 50e6 / (14 * 2**20) > 1
+    expected = {
+        "ssd_dt_cumsum_kernel": (T * h * e + 8 * h, 2 * acum),
+        "ssd_cb_kernel": (2 * bc, cb),
+        "ssd_fused_fwd_kernel": (xb + 2 * bc + cb + 2 * acum + 4 * S * h + xb + seq_state + 4 * h,
+                                 state // 2 + seq_state + 2 * xb),  # z, h0, D; y, y before the gate
+    }
+    assert {k.name: (k.cost.bytes_read, k.cost.bytes_written) for k in kernels} == expected
+    floor = fwd.floor()
+    assert floor.bytes_read == 2 * xb + T * h * e + 2 * T * g * n * e + 4 * 3 * h + seq_state
+    assert floor.bytes_written == xb + seq_state
+    assert floor.mma_flops == 4 * T * h * p * n + S * Q * (Q + 1) // 2 * (2 * h * p + 2 * g * n)
+    modelled = total(k.cost for k in kernels)
+    assert 1.74 < modelled.bytes / floor.bytes < 1.76         # docs/mamba2.md, Performance model
+
+
+def test_split_forward_model_at_the_production_shape():
+    """The split forward (``FUSED=False``) at the shape above, recounted as the fused walk's
+    test does.
+
+    States: 512 programs (2 state tiles x b·h), each walking its sequence's 32 segments: x and B
+    (32 x 256 rows x 64 x 2 bytes = 1 MiB each), acum and dts (64 KiB), the last acum (128 B),
+    the initial state tile (16 KiB) and 32 bf16 entering tiles plus the fp32 final one
+    (278,528 B) stored: G = 25e6 / 2,457,728 = 10.2. x is shared by the 2 tiles of a head (1
+    apart), B by the 16 heads of a group (2 apart), acum and dts by the 2 tiles: all once.
+    Output: 32768 programs (4 row blocks x S·h), row block i loading acum (256 B), C rows i and
+    the state tile (16 KiB each), for k <= i a C·B tile (16 KiB), acum, dts (256 B each) and x
+    rows (8 KiB), the diagonal x block again for D (8 KiB) and z (8 KiB), storing y and y before
+    the gate (16 KiB): a mean of 128,512 bytes (2.5 blocks k), G = 194.5. C and C·B are shared
+    by the 16 heads of the group (4 apart), the state, x, acum and dts by the row blocks of the
+    (segment, head) (at most 3 apart): all once."""
+    pytest.importorskip("triton")
+    from fusedops.backends.triton import mamba2 as kernels_module
+    from fusedops.core.cost import total
+    from fusedops.core.target import compiling_for
+    with compiling_for("sm_90"):
+        fwd, _ = _production("scan h128 p64 n128 Q256")
+        split = replace(kernels_module.TILES["sm_90"][0], FUSED=False)
+        kernels = kernels_module.forward_program(fwd.problem, config=split).kernels
+    b, l, h, p, g, n, Q, e = 2, 8192, 128, 64, 8, 128, 256, 2
+    T, S, BQ = b * l, b * l // Q, 64
+    xb, state, seq_state = T * h * p * e, S * h * p * n * 4, b * h * p * n * 4
+    acum = S * h * Q * 4
+    bc = T * g * n * e
+    cb = S * g * 10 * BQ * BQ * 4
     expected = {
         "ssd_dt_cumsum_kernel": T * h * e + 8 * h + 2 * acum,
         "ssd_cb_kernel": 2 * bc + cb,
@@ -976,12 +1070,8 @@ def test_forward_model_and_floor_at_the_production_shape():
                                       + xb + 4 * h + 2 * xb),      # z, D; y, y before the gate
     }
     assert {k.name: k.cost.bytes for k in kernels} == expected
-    floor = fwd.floor()
-    assert floor.bytes_read == 2 * xb + T * h * e + 2 * T * g * n * e + 4 * 3 * h + seq_state
-    assert floor.bytes_written == xb + seq_state
-    assert floor.mma_flops == 4 * T * h * p * n + S * Q * (Q + 1) // 2 * (2 * h * p + 2 * g * n)
     modelled = total(k.cost for k in kernels)
-    assert 2.2 < modelled.bytes / floor.bytes < 2.24          # docs/mamba2.md, Performance model
+    assert 2.2 < modelled.bytes / fwd.floor().bytes < 2.24
 
 
 def test_backward_pair_and_state_tile_kernels_at_the_production_shape():
@@ -1052,8 +1142,8 @@ def test_tuning_tensors_are_valid_packed_offsets():
 
 @pytest.mark.parametrize("backend", [b for b in SCAN_KERNEL_BACKENDS if b == "triton"])
 def test_every_autotune_candidate_computes_the_scan(backend):
-    """Each candidate's forward and backward programs (another state tile, head-dim tile)
-    give the reference's results; with z, so the backward walk's gate runs on 2 state tiles
+    """Each candidate's forward and backward programs (the other forward pipeline, another state
+    tile, head-dim tile) give the reference's results; with z, so the backward walk's gate runs on 2 state tiles
     (only the first writes dz and dy·silu(z)) and, at BP = 32, 2 head-dim tiles."""
     from fusedops.backends.triton import mamba2 as kernels
     case = samples.make(1, 70, 2, 64, 1, 128, torch.float32, seed=3, device=DEVICE, chunk=64,
@@ -1063,7 +1153,7 @@ def test_every_autotune_candidate_computes_the_scan(backend):
     fwd_t = {k: t[k] for k in samples._FORWARD_TENSORS}
     probe = Mamba2ChunkScanForward(**fwd_t, **case.options, backend=backend)
     configs = kernels.forward_candidates(probe.problem)
-    assert len({kernels.tiles(probe.problem, c) for c in configs}) == len(configs) == 3
+    assert len({kernels.tiles(probe.problem, c) for c in configs}) == len(configs) == 4
     for config in configs:
         fwd = Mamba2ChunkScanForward(**fwd_t, **case.options, backend=backend)
         fwd._program = kernels.forward_program(fwd.problem, config=config)
@@ -1077,6 +1167,56 @@ def test_every_autotune_candidate_computes_the_scan(backend):
                     dfinal_states=t["dfinal_states"], **grads, workspace=bwd.allocate_workspace())
         compare(dict(outputs, **grads), expected, KERNEL_TOLERANCE[torch.float32],
                 [name for name in expected if name in outputs or name in grads])
+
+
+def _forward_with(case, config, extra=()):
+    """y, final_states, the saved buffer and (without cu_seqlens) segment_states of the Triton
+    forward program built with tile-table entry ``config``; ``extra``: more tensor names."""
+    from fusedops.backends.triton import mamba2 as kernels
+    t = case.tensors
+    fwd_t = {k: t[k] for k in (*samples._FORWARD_TENSORS, *extra)}
+    descs = {}
+    if t.get("cu_seqlens") is None:
+        b, l, h, p = t["x"].shape
+        segments = b * -(-l // case.options["chunk_size"])
+        descs["segment_states"] = TensorDesc((segments, h, p, t["B"].shape[-1]), torch.float32,
+                                             device=t["x"].device)
+    fwd = Mamba2ChunkScanForward(**fwd_t, **descs, **case.options, backend="triton")
+    fwd._program = kernels.forward_program(fwd.problem, config=config)
+    outputs = fwd.compile().allocate_outputs()
+    fwd.execute(**fwd_t, **outputs, workspace=fwd.allocate_workspace())
+    return outputs
+
+
+SPLIT_CASES = {
+    "all-options": lambda: samples.small("all-options", torch.float32, seed=6, device=DEVICE),
+    "varlen": lambda: samples.small("varlen", torch.float32, seed=6, device=DEVICE),
+    "multi-tile": lambda: samples.small("multi-tile", torch.float32, seed=6, device=DEVICE),
+    "odd-dims": lambda: samples.small("odd-dims", torch.float32, seed=6, device=DEVICE),
+    "bf16": lambda: samples.small("all-options", torch.bfloat16, seed=6, device=DEVICE),
+    "seq-idx": lambda: _seq_case(torch.float32, "batch", seed=44),
+}
+
+
+@pytest.mark.skipif("triton" not in SCAN_KERNEL_BACKENDS, reason="the Triton backend is absent")
+@pytest.mark.parametrize("name", list(SPLIT_CASES))
+def test_fused_and_split_forwards_agree(name):
+    """The fused walk (``FUSED=True``) and the states + output kernels (``FUSED=False``) give
+    the same y, final states and segment states (without packed sequences) within rounding, and
+    both match the torch backend. The fused walk rounds its register state to x's dtype for the
+    state term as the split output kernel reads the stored copy, and sums the state term in one
+    product over n (the split kernel in BN-wide steps): fp32 results agree to ~1e-6."""
+    from fusedops.backends.triton import mamba2 as kernels
+    case = SPLIT_CASES[name]()
+    extra = ("seq_idx",) if "seq_idx" in case.tensors else ()
+    base = kernels.TILES["sm_90"][0]
+    fused, split = (_forward_with(case, replace(base, FUSED=flag), extra)
+                    for flag in (True, False))
+    assert set(fused) == set(split)
+    tolerance = KERNEL_TOLERANCE[case.tensors["x"].dtype]
+    compare(fused, split, tolerance, ["y", "final_states", "segment_states"])
+    reference = (_seq_run(case, "torch") if extra else run(case, "torch"))
+    compare(fused, reference, tolerance, ["y", "final_states"])
 
 
 # -- 6. GPU checks -------------------------------------------------------------------------------

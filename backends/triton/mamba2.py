@@ -20,18 +20,17 @@ the workspace (y and dy before the gate) are contiguous, their strides plan-time
 
 from __future__ import annotations
 
-import torch
 import triton
 
 from fusedops.core.dtypes import kernel_dtype_reason
 from fusedops.core.cost import Cost
 from fusedops.core.program import Program, Stage, Stride, saved_piece, workspace_piece
-from fusedops.core.workspace import Layout
 from fusedops.mamba2.contract import SOFTPLUS_THRESHOLD
 
 from . import mamba2_bwd as bwd_kernels
 from . import mamba2_fwd as fwd_kernels
 from . import mamba2_model as model
+from .mamba2_buffers import backward_workspace, forward_workspace, saved_layout
 from .mamba2_tiles import TILES, ScanTiles, Tiles, candidates, counts, tiles
 from .mamba2_strides import contiguous_x, per_token_shape, stride_args, strides
 from .runtime import KernelSpec, numerics, pointer_type
@@ -58,69 +57,10 @@ def _pairs(problem, t: Tiles) -> int:
     return nqb * (nqb + 1) // 2
 
 
-# -- buffers ---------------------------------------------------------------------------------
-def saved_layout(problem) -> Layout:
-    """What the forward saves for the backward: the state entering every segment in the plan's
-    state dtype (max_segments·h·p·n, unless recompute_states) and y before the z gate (b·l·h·p
-    in x's dtype, with z). The backward program declares the same layout."""
-    return Layout([
-        ("states", problem.state_dtype, 0 if problem.recompute_states else
-         problem.max_segments * problem.heads * problem.head_dim * problem.state),
-        ("ypre", problem.dtype, problem.batch * problem.length * problem.heads * problem.head_dim
-         if problem.has_z else 0),
-    ])
-
-
-def forward_workspace(problem) -> Layout:
-    """Varlen: the sanitised cu_seqlens and the segment table; sequence ids: the run of every
-    token; the transformed dt and its cumulative log-decay per segment, C·B per group, and the
-    segment states when they are not saved."""
-    S, H, Q = problem.max_segments, problem.heads, problem.chunk
-    return Layout([
-        ("cu", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
-        ("offsets", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
-        ("runs", torch.int32, problem.batch * problem.length if problem.has_seq_idx else 0),
-        ("dts", torch.float32, S * H * Q),
-        ("acum", torch.float32, S * H * Q),
-        ("cb", torch.float32, S * problem.groups * Q * Q),
-        ("states", problem.state_dtype,
-         S * H * problem.head_dim * problem.state if problem.recompute_states else 0),
-    ])
-
-
-def backward_workspace(problem, t: Tiles | None = None) -> Layout:
-    """The forward workspace recomputed (and the states and final states when recomputed), the
-    gate's dy, the segment-state and C·B gradients and fixed-order partial sums."""
-    S, H, G, P, N, Q = (problem.max_segments, problem.heads, problem.groups, problem.head_dim,
-                        problem.state, problem.chunk)
-    c = _counts(problem, t)
-    recompute = problem.recompute_states
-    return Layout([
-        ("cu", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
-        ("offsets", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
-        ("runs", torch.int32, problem.batch * problem.length if problem.has_seq_idx else 0),
-        ("dts", torch.float32, S * H * Q),
-        ("acum", torch.float32, S * H * Q),
-        ("cb", torch.float32, S * G * Q * Q),
-        ("states", problem.state_dtype, S * H * P * N if recompute else 0),
-        ("final", torch.float32, problem.sequences * H * P * N if recompute else 0),
-        ("dypre", problem.dtype, problem.batch * problem.length * H * P if problem.has_z else 0),
-        ("dstates", problem.dtype, S * H * P * N),
-        ("dcb", torch.float32, S * G * Q * Q),
-        ("intra", torch.float32, S * H * c["NQB"] * Q),
-        ("ddt_part", torch.float32, S * H * c["NPB"] * Q),
-        ("u", torch.float32, S * H * c["NNB"] * Q),
-        ("w", torch.float32, S * H * c["NNB"] * Q),
-        ("v", torch.float32, S * H * c["NT"]),
-        ("dD_part", torch.float32, S * H * c["NQB"] * P if problem.has_D else 0),
-        ("dA_part", torch.float32, S * H),
-        ("dbias_part", torch.float32, S * H if problem.has_dt_bias else 0),
-    ])
-
-
 # -- specialisations -------------------------------------------------------------------------
-def _spec(kernel, args, constexprs, grid, warps=4, cost=None, maxnreg=None) -> KernelSpec:
-    return KernelSpec.make(kernel, args, constexprs, grid, num_warps=warps, num_stages=NUM_STAGES,
+def _spec(kernel, args, constexprs, grid, warps=4, cost=None, maxnreg=None,
+          stages=NUM_STAGES) -> KernelSpec:
+    return KernelSpec.make(kernel, args, constexprs, grid, num_warps=warps, num_stages=stages,
                            maxnreg=maxnreg, cost=cost)
 
 
@@ -275,6 +215,33 @@ def chunk_states_spec(problem, t: Tiles | None = None, entering: bool = False) -
                       VX=problem.vector, VB=problem.bc_vector),
                  (c["NNB"] * c["NPB"] * problem.sequences * problem.heads,),
                  cost=model.chunk_states_cost(problem, t, entering))
+
+
+def fused_fwd_spec(problem, t: Tiles | None = None, entering: bool = False) -> KernelSpec:
+    """The states and the output in one walk along every sequence (``t.FUSED``): the entering
+    states (in the plan's state dtype; ``entering``: also the plan's segment_states, fp32),
+    final_states, y and y before the gate, one program per (head-dim tile, sequence·head)
+    holding the whole state of its head-dim rows."""
+    ty, t = _Types(problem), t or tiles(problem)
+    c = _counts(problem, t)
+    return _spec(fwd_kernels.ssd_fused_fwd_kernel,
+                 (("x_ptr", ty.x), ("z_ptr", _present(problem.has_z, ty.x)), ("B_ptr", ty.x),
+                  ("C_ptr", ty.x), ("cb_ptr", "*fp32"), ("dts_ptr", "*fp32"),
+                  ("acum_ptr", "*fp32"), ("h0_ptr", _present(problem.has_initial_states, "*fp32")),
+                  ("D_ptr", _present(problem.has_D, "*fp32")), *ty.seg, ty.runs,
+                  ("states_ptr", pointer_type(problem.state_dtype)),
+                  ("entering_ptr", _present(entering, "*fp32")), ("final_ptr", "*fp32"),
+                  ("y_ptr", ty.x), ("ypre_ptr", _present(problem.has_z, ty.x)),
+                  *stride_args("x", "x"), *stride_args("z", "x"), *stride_args("B", "B"),
+                  *stride_args("C", "B"), *stride_args("y", "x"), ("L", "i32")),
+                 dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
+                      Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=triton.next_power_of_2(problem.state),
+                      HAS_H0=problem.has_initial_states, HAS_ENTERING=entering,
+                      HAS_D=problem.has_D, D_PER_CHANNEL=problem.D_per_channel,
+                      HAS_Z=problem.has_z, VARLEN=_varlen(problem), **numerics(problem.dtype),
+                      **ty.seq, VX=problem.vector, VB=problem.bc_vector),
+                 (c["NPB"] * problem.sequences * problem.heads,), warps=t.FUSED_WARPS,
+                 stages=t.FUSED_STAGES, cost=model.fused_fwd_cost(problem, t, entering))
 
 
 def chunk_scan_spec(problem, t: Tiles | None = None) -> KernelSpec:
@@ -485,21 +452,28 @@ def _states_stage(problem, t: Tiles, states, final, entering: bool = False) -> S
 
 
 def forward_program(problem, config: ScanTiles | None = None) -> Program:
-    """Segment table (varlen) or runs (sequence ids), dt transform, C·B, the states along every
-    sequence (also into the plan's ``segment_states`` when it has them), output, with the tile
+    """Segment table (varlen) or runs (sequence ids), dt transform, C·B, then the states along
+    every sequence (also into the plan's ``segment_states`` when it has them) and the output:
+    one walk computing both (``FUSED``) or a states kernel and an output kernel; with the tile
     table's entry for the plan's architecture (or ``config``)."""
     t = tiles(problem, config)
     ws = workspace_piece
     states = ws("states") if problem.recompute_states else saved_piece("states")
     seg = _segment_args(problem)
     v, vb = problem.vector, problem.bc_vector
-    stages = [*_prologue(problem, t),
-              _states_stage(problem, t, states, "final_states", problem.has_segment_states),
-              _stage(chunk_scan_spec(problem, t), cb_ptr=ws("cb"), dts_ptr=ws("dts"),
-                     acum_ptr=ws("acum"), states_ptr=states, D_ptr="D", z_ptr="z",
-                     ypre_ptr=saved_piece("ypre"), runs_ptr=ws("runs"),
-                     **strides("x", "x", "x", v), **strides("z", "x", "z", v, problem.has_z),
-                     **strides("C", "B", "C", vb), **strides("y", "x", "y", v), **seg)]
+    output = dict(cb_ptr=ws("cb"), dts_ptr=ws("dts"), acum_ptr=ws("acum"), states_ptr=states,
+                  D_ptr="D", z_ptr="z", ypre_ptr=saved_piece("ypre"), runs_ptr=ws("runs"),
+                  **strides("x", "x", "x", v), **strides("z", "x", "z", v, problem.has_z),
+                  **strides("C", "B", "C", vb), **strides("y", "x", "y", v))
+    if t.FUSED:
+        walk = [_stage(fused_fwd_spec(problem, t, problem.has_segment_states),
+                       h0_ptr="initial_states", cu_ptr=ws("cu"), off_ptr=ws("offsets"),
+                       entering_ptr="segment_states", final_ptr="final_states",
+                       L=problem.length, **strides("B", "B", "B", vb), **output)]
+    else:
+        walk = [_states_stage(problem, t, states, "final_states", problem.has_segment_states),
+                _stage(chunk_scan_spec(problem, t), **output, **seg)]
+    stages = [*_prologue(problem, t), *walk]
     if _varlen(problem):
         stages.append(_zero_stage(problem, ["y", *(["ypre"] if problem.has_z else [])]))
     return Program(workspace=forward_workspace(problem), saved=saved_layout(problem),

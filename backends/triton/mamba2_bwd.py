@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from .mamba2_fwd import (accumulate_state, block_pair, segment_bounds, segment_runs,
-                          sequence_segments, token_runs, token_weights)
+                          sequence_span, state_tile, token_runs, token_weights)
 from .ssm_math import softplus
 from .tiles import mm
 
@@ -101,23 +101,14 @@ def ssd_chunk_states_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, C_pt
     i_t = pid % (NNB * NPB)
     i_s, i_h = i_sh // H, i_sh % H
     i_g = i_h // (H // G)
-    first, last = sequence_segments(i_s, off_ptr, L, Q, VARLEN)
-    if VARLEN:
-        row = (i_s * 0).to(tl.int64)
-        seq_start, seq_end = tl.load(cu_ptr + i_s), tl.load(cu_ptr + i_s + 1)
-    else:
-        row = i_s.to(tl.int64)
-        seq_start, seq_end = i_s * 0, L
+    first, last, row, seq_start, seq_end = sequence_span(i_s, cu_ptr, off_ptr, L, Q, VARLEN)
     o_p = i_p * BP + tl.arange(0, BP)
     o_n = i_n * BN + tl.arange(0, BN)
     m_p, m_n = o_p < P, o_n < N
     m_pn = m_p[:, None] & m_n[None, :]
     o_pn = o_p[:, None] * N + o_n[None, :]
     p_seq = i_sh.to(tl.int64) * (P * N) + o_pn
-    if HAS_DFINAL:
-        b_dh = tl.load(dfinal_ptr + p_seq, mask=m_pn, other=0.0)
-    else:
-        b_dh = tl.zeros([BP, BN], dtype=tl.float32)
+    b_dh = state_tile(dfinal_ptr, p_seq, m_pn, BP, BN, HAS_DFINAL)
     p_dy = dy_ptr + row * (stride_dy_b * VX) + i_h * (stride_dy_h * VX)
     p_c = C_ptr + row * (stride_C_b * VB) + i_g * (stride_C_g * VB)
     if GATE:
@@ -128,7 +119,6 @@ def ssd_chunk_states_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, C_pt
         # the first state tile writes the gate's outputs (compared per row: the interpreter
         # gives a scalar comparison's mask an int32 dtype)
         m_w = m_p & (o_p * 0 + i_n == 0)
-    first = first.to(tl.int64)
     count = last - first
     for k in range(0, count):
         kk = count - 1 - k

@@ -73,6 +73,30 @@ def sequence_segments(i_s, off_ptr, L, Q: tl.constexpr, VARLEN: tl.constexpr):
 
 
 @triton.jit
+def sequence_span(i_s, cu_ptr, off_ptr, L, Q: tl.constexpr, VARLEN: tl.constexpr):
+    """(first, last, row, seq_start, seq_end) of sequence i_s for a walk along its segments:
+    its [first, last) segments (first as int64), its batch row (int64; packed sequences: row 0)
+    and its [seq_start, seq_end) positions in that row."""
+    first, last = sequence_segments(i_s, off_ptr, L, Q, VARLEN)
+    if VARLEN:
+        row = (i_s * 0).to(tl.int64)
+        seq_start, seq_end = tl.load(cu_ptr + i_s), tl.load(cu_ptr + i_s + 1)
+    else:
+        row = i_s.to(tl.int64)
+        seq_start, seq_end = i_s * 0, L
+    return first.to(tl.int64), last, row, seq_start, seq_end
+
+
+@triton.jit
+def state_tile(ptr, offsets, mask, BP: tl.constexpr, BN: tl.constexpr, PRESENT: tl.constexpr):
+    """The fp32 [BP, BN] state tile at ``offsets`` of ``ptr``, or zeros when absent."""
+    if PRESENT:
+        return tl.load(ptr + offsets, mask=mask, other=0.0)
+    else:
+        return tl.zeros([BP, BN], dtype=tl.float32)
+
+
+@triton.jit
 def segment_runs(runs_ptr, row, start, end, L):
     """Sequence ids: (r_prev, r_last), the run of the token before the segment (0 at a row's
     start) and the run of its last token."""
@@ -309,6 +333,34 @@ def accumulate_state(b_acc, p_x, p_b, dts_ptr, acum_ptr, runs_ptr, p_seg, row, s
 
 
 @triton.jit
+def store_entering(states_ptr, entering_ptr, p, b_state, m_pn, HAS_ENTERING: tl.constexpr):
+    """Stores the state entering a segment: into states in its dtype, and fp32 into entering."""
+    tl.store(states_ptr + p, b_state.to(states_ptr.dtype.element_ty), mask=m_pn)
+    if HAS_ENTERING:
+        tl.store(entering_ptr + p, b_state, mask=m_pn)
+
+
+@triton.jit
+def advance_state(b_state, p_x, p_b, dts_ptr, acum_ptr, runs_ptr, p_seg, row, start, end, L,
+                  o_p, o_n, m_p, m_n, stride_x_l, stride_B_l, Q: tl.constexpr, BK: tl.constexpr,
+                  UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SEQ: tl.constexpr,
+                  VX: tl.constexpr, VB: tl.constexpr):
+    """The state leaving segment [start, end) (its dts and acum at p_seg) from the one entering
+    it: H <- exp(Acum_last) H + sum_j exp(Acum_last - Acum_j) dt_j x_j ⊗ B_j (sequence ids: the
+    entering state carries only when the segment's last token is in the run before it, and
+    only its last run's tokens count)."""
+    acum_last = tl.load(acum_ptr + p_seg + Q - 1)
+    decay = tl.exp(tl.minimum(acum_last, 0.0))
+    r_keep = 0
+    if HAS_SEQ:
+        r_prev, r_keep = segment_runs(runs_ptr, row, start, end, L)
+        decay = tl.where(r_prev == r_keep, decay, 0.0)
+    return accumulate_state(b_state * decay, p_x, p_b, dts_ptr, acum_ptr, runs_ptr, p_seg, row,
+                            start, end, L, acum_last, r_keep, o_p, o_n, m_p, m_n, stride_x_l,
+                            stride_B_l, BK, False, UPCAST, IEEE, HAS_SEQ, VX, VB)
+
+
+@triton.jit
 def ssd_chunk_states_kernel(x_ptr, B_ptr, dts_ptr, acum_ptr, h0_ptr, cu_ptr, off_ptr, runs_ptr,
                             states_ptr, entering_ptr, final_ptr, stride_x_b, stride_x_l,
                             stride_x_h, stride_B_b, stride_B_l, stride_B_g, L,
@@ -332,46 +384,73 @@ def ssd_chunk_states_kernel(x_ptr, B_ptr, dts_ptr, acum_ptr, h0_ptr, cu_ptr, off
     i_n, i_p, i_sh = pid % NNB, pid // NNB % NPB, pid // (NNB * NPB)
     i_s, i_h = i_sh // H, i_sh % H
     i_g = i_h // (H // G)
-    first, last = sequence_segments(i_s, off_ptr, L, Q, VARLEN)
-    if VARLEN:
-        row = (i_s * 0).to(tl.int64)
-        seq_start, seq_end = tl.load(cu_ptr + i_s), tl.load(cu_ptr + i_s + 1)
-    else:
-        row = i_s.to(tl.int64)
-        seq_start, seq_end = i_s * 0, L
+    first, last, row, seq_start, seq_end = sequence_span(i_s, cu_ptr, off_ptr, L, Q, VARLEN)
     o_p = i_p * BP + tl.arange(0, BP)
     o_n = i_n * BN + tl.arange(0, BN)
     m_p, m_n = o_p < P, o_n < N
     m_pn = m_p[:, None] & m_n[None, :]
     o_pn = o_p[:, None] * N + o_n[None, :]
     p_seq = i_sh.to(tl.int64) * (P * N) + o_pn
-    if HAS_H0:
-        b_state = tl.load(h0_ptr + p_seq, mask=m_pn, other=0.0)
-    else:
-        b_state = tl.zeros([BP, BN], dtype=tl.float32)
+    b_state = state_tile(h0_ptr, p_seq, m_pn, BP, BN, HAS_H0)
     p_x = x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX)
     p_b = B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB)
-    first = first.to(tl.int64)
     for k in range(0, last - first):
         seg = first + k
         start = seq_start + k * Q
         end = tl.minimum(seq_end, start + Q)
-        p = (seg * H + i_h) * (P * N) + o_pn
-        tl.store(states_ptr + p, b_state.to(states_ptr.dtype.element_ty), mask=m_pn)
-        if HAS_ENTERING:
-            tl.store(entering_ptr + p, b_state, mask=m_pn)
-        p_seg = (seg * H + i_h) * Q
-        acum_last = tl.load(acum_ptr + p_seg + Q - 1)
-        decay = tl.exp(tl.minimum(acum_last, 0.0))
-        r_keep = 0
-        if HAS_SEQ:
-            r_prev, r_keep = segment_runs(runs_ptr, row, start, end, L)
-            decay = tl.where(r_prev == r_keep, decay, 0.0)
-        b_state = accumulate_state(b_state * decay, p_x, p_b, dts_ptr, acum_ptr, runs_ptr, p_seg,
-                                   row, start, end, L, acum_last, r_keep, o_p, o_n, m_p, m_n,
-                                   stride_x_l, stride_B_l, BK, False, UPCAST, IEEE, HAS_SEQ, VX,
-                                   VB)
+        store_entering(states_ptr, entering_ptr, (seg * H + i_h) * (P * N) + o_pn, b_state, m_pn,
+                       HAS_ENTERING)
+        b_state = advance_state(b_state, p_x, p_b, dts_ptr, acum_ptr, runs_ptr,
+                                (seg * H + i_h) * Q, row, start, end, L, o_p, o_n, m_p, m_n,
+                                stride_x_l, stride_B_l, Q, BK, UPCAST, IEEE, HAS_SEQ, VX, VB)
     tl.store(final_ptr + p_seq, b_state, mask=m_pn)
+
+
+@triton.jit
+def segment_rows_out(b_acc, x_ptr, z_ptr, p_cb, dts_ptr, acum_ptr, D_ptr, y_ptr, ypre_ptr,
+                     p_x, p_seg, row, start, end, i_h, i_m, o_i, o_p, m_i, m_p, b_acum_i,
+                     stride_x_l, stride_z_b, stride_z_l, stride_z_h, stride_y_b, stride_y_l,
+                     stride_y_h, L, H: tl.constexpr, P: tl.constexpr,
+                     Q: tl.constexpr, BQ: tl.constexpr, HAS_D: tl.constexpr,
+                     D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr, UPCAST: tl.constexpr,
+                     IEEE: tl.constexpr, VX: tl.constexpr):
+    """Row block i_m (rows o_i, m_i: inside the segment) of a segment's output for head i_h and
+    head-dim columns o_p, from b_acc [BQ, BP] (the entering state's term): adds the causal
+    intra-segment product sum_{j<=i} (C_i·B_j) exp(Acum_i - Acum_j) dt_j x_j (C·B at p_cb, the
+    segment's dts and acum at p_seg, x rows at p_x) and D x_i, stores y before the gate
+    (contiguous [b, l, h, p], with z) and y = that·silu(z)."""
+    tok_i = (start + o_i).to(tl.int64)
+    for k0 in range(0, tl.minimum((i_m + 1) * BQ, end - start), BQ):
+        o_k = k0 + tl.arange(0, BQ)
+        m_k = start + o_k < end
+        tok_k = (start + o_k).to(tl.int64)
+        b_cb = tl.load(p_cb + o_i[:, None] * Q + o_k[None, :])
+        b_acum_k = tl.load(acum_ptr + p_seg + o_k)
+        b_dt_k = tl.load(dts_ptr + p_seg + o_k)
+        b_w = b_cb * tl.exp(tl.minimum(b_acum_i[:, None] - b_acum_k[None, :], 0.0)) * b_dt_k[None, :]
+        b_w = tl.where((o_k[None, :] <= o_i[:, None]) & m_k[None, :], b_w, 0.0)
+        b_x = tl.load(p_x + tok_k[:, None] * (stride_x_l * VX) + o_p[None, :],
+                      mask=m_k[:, None] & m_p[None, :], other=0.0)
+        b_acc = mm(b_w.to(b_x.dtype), b_x, b_acc, UPCAST, IEEE)  # [BQ, BQ] @ [BQ, BP]
+
+    m_out = m_i[:, None] & m_p[None, :]
+    if HAS_D:
+        b_xi = tl.load(p_x + tok_i[:, None] * (stride_x_l * VX) + o_p[None, :], mask=m_out,
+                       other=0.0).to(tl.float32)
+        if D_PER_CHANNEL:
+            b_acc += tl.load(D_ptr + i_h * P + o_p, mask=m_p, other=0.0)[None, :] * b_xi
+        else:
+            b_acc += tl.load(D_ptr + i_h) * b_xi
+    if HAS_Z:
+        p_pre = ((row * L + tok_i[:, None]) * H + i_h) * P + o_p[None, :]
+        tl.store(ypre_ptr + p_pre, b_acc.to(ypre_ptr.dtype.element_ty), mask=m_out)
+        p_z = (z_ptr + row * (stride_z_b * VX) + i_h * (stride_z_h * VX)
+               + tok_i[:, None] * (stride_z_l * VX) + o_p[None, :])
+        b_z = tl.load(p_z, mask=m_out, other=0.0).to(tl.float32)
+        b_acc *= b_z * tl.sigmoid(b_z)
+    p_y = (y_ptr + row * (stride_y_b * VX) + i_h * (stride_y_h * VX)
+           + tok_i[:, None] * (stride_y_l * VX) + o_p[None, :])
+    tl.store(p_y, b_acc.to(y_ptr.dtype.element_ty), mask=m_out)
 
 
 @triton.jit
@@ -425,36 +504,80 @@ def ssd_chunk_scan_fwd_kernel(x_ptr, z_ptr, C_ptr, cb_ptr, dts_ptr, acum_ptr, st
         b_start = tl.where(token_runs(runs_ptr, row, start, o_i, m_i, L) == r_prev, b_start, 0.0)
     b_acc *= b_start[:, None]
 
-    # within the segment, j <= i
     p_cb = cb_ptr + (i_seg * G + i_g).to(tl.int64) * (Q * Q)
-    for k0 in range(0, tl.minimum((i_m + 1) * BQ, end - start), BQ):
-        o_k = k0 + tl.arange(0, BQ)
-        m_k = start + o_k < end
-        tok_k = (start + o_k).to(tl.int64)
-        b_cb = tl.load(p_cb + o_i[:, None] * Q + o_k[None, :])
-        b_acum_k = tl.load(acum_ptr + p_seg + o_k)
-        b_dt_k = tl.load(dts_ptr + p_seg + o_k)
-        b_w = b_cb * tl.exp(tl.minimum(b_acum_i[:, None] - b_acum_k[None, :], 0.0)) * b_dt_k[None, :]
-        b_w = tl.where((o_k[None, :] <= o_i[:, None]) & m_k[None, :], b_w, 0.0)
-        b_x = tl.load(p_x + tok_k[:, None] * (stride_x_l * VX) + o_p[None, :],
-                      mask=m_k[:, None] & m_p[None, :], other=0.0)
-        b_acc = mm(b_w.to(b_x.dtype), b_x, b_acc, UPCAST, IEEE)  # [BQ, BQ] @ [BQ, BP]
+    segment_rows_out(b_acc, x_ptr, z_ptr, p_cb, dts_ptr, acum_ptr, D_ptr, y_ptr, ypre_ptr, p_x,
+                     p_seg, row, start, end, i_h, i_m, o_i, o_p, m_i, m_p, b_acum_i, stride_x_l,
+                     stride_z_b, stride_z_l, stride_z_h, stride_y_b, stride_y_l, stride_y_h, L,
+                     H, P, Q, BQ, HAS_D, D_PER_CHANNEL, HAS_Z, UPCAST, IEEE, VX)
 
-    m_out = m_i[:, None] & m_p[None, :]
-    if HAS_D:
-        b_xi = tl.load(p_x + tok_i[:, None] * (stride_x_l * VX) + o_p[None, :], mask=m_out,
-                       other=0.0).to(tl.float32)
-        if D_PER_CHANNEL:
-            b_acc += tl.load(D_ptr + i_h * P + o_p, mask=m_p, other=0.0)[None, :] * b_xi
-        else:
-            b_acc += tl.load(D_ptr + i_h) * b_xi
-    if HAS_Z:
-        p_pre = ((row * L + tok_i[:, None]) * H + i_h) * P + o_p[None, :]
-        tl.store(ypre_ptr + p_pre, b_acc.to(ypre_ptr.dtype.element_ty), mask=m_out)
-        p_z = (z_ptr + row * (stride_z_b * VX) + i_h * (stride_z_h * VX)
-               + tok_i[:, None] * (stride_z_l * VX) + o_p[None, :])
-        b_z = tl.load(p_z, mask=m_out, other=0.0).to(tl.float32)
-        b_acc *= b_z * tl.sigmoid(b_z)
-    p_y = (y_ptr + row * (stride_y_b * VX) + i_h * (stride_y_h * VX)
-           + tok_i[:, None] * (stride_y_l * VX) + o_p[None, :])
-    tl.store(p_y, b_acc.to(y_ptr.dtype.element_ty), mask=m_out)
+
+@triton.jit
+def ssd_fused_fwd_kernel(x_ptr, z_ptr, B_ptr, C_ptr, cb_ptr, dts_ptr, acum_ptr, h0_ptr, D_ptr,
+                         cu_ptr, off_ptr, runs_ptr, states_ptr, entering_ptr, final_ptr, y_ptr,
+                         ypre_ptr, stride_x_b, stride_x_l, stride_x_h, stride_z_b, stride_z_l,
+                         stride_z_h, stride_B_b, stride_B_l, stride_B_g, stride_C_b, stride_C_l,
+                         stride_C_g, stride_y_b, stride_y_l, stride_y_h, L,
+                         H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
+                         Q: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
+                         HAS_H0: tl.constexpr, HAS_ENTERING: tl.constexpr, HAS_D: tl.constexpr,
+                         D_PER_CHANNEL: tl.constexpr, HAS_Z: tl.constexpr, VARLEN: tl.constexpr,
+                         UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SEQ: tl.constexpr,
+                         VX: tl.constexpr, VB: tl.constexpr):
+    """The states and the output in one walk along every sequence: a program holds a [BP, BN]
+    tile of the state in fp32 registers (BN >= n: the whole state of its head-dim rows) and,
+    for each of its sequence's segments, stores it as the entering state (states, in the plan's
+    state dtype; entering: segment_states, fp32), computes the segment's output rows from it
+    (``segment_rows_out`` after the state term exp(Acum_i) C_i·H0, H0 rounded to x's dtype as
+    the split output kernel reads it), then adds the segment's own contribution as
+    ``ssd_chunk_states_kernel`` does; the last state is final_states. One program per
+    (head-dim tile, sequence·head), the tile fastest: the R heads of a group run side by side
+    and share its B and C rows and C·B tiles in L2; x is read from HBM once."""
+    NPB: tl.constexpr = (P + BP - 1) // BP
+    pid = tl.program_id(0)
+    i_p, i_sh = pid % NPB, pid // NPB
+    i_s, i_h = i_sh // H, i_sh % H
+    i_g = i_h // (H // G)
+    first, last, row, seq_start, seq_end = sequence_span(i_s, cu_ptr, off_ptr, L, Q, VARLEN)
+    o_p = i_p * BP + tl.arange(0, BP)
+    o_n = tl.arange(0, BN)
+    m_p, m_n = o_p < P, o_n < N
+    m_pn = m_p[:, None] & m_n[None, :]
+    o_pn = o_p[:, None] * N + o_n[None, :]
+    p_seq = i_sh.to(tl.int64) * (P * N) + o_pn
+    b_state = state_tile(h0_ptr, p_seq, m_pn, BP, BN, HAS_H0)
+    p_x = x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX)
+    p_b = B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB)
+    p_c = C_ptr + row * (stride_C_b * VB) + i_g * (stride_C_g * VB)
+    for k in range(0, last - first):
+        seg = first + k
+        start = seq_start + k * Q
+        end = tl.minimum(seq_end, start + Q)
+        store_entering(states_ptr, entering_ptr, (seg * H + i_h) * (P * N) + o_pn, b_state, m_pn,
+                       HAS_ENTERING)
+        p_seg = (seg * H + i_h) * Q
+        p_cb = cb_ptr + (seg * G + i_g) * (Q * Q)
+        r_prev = 0
+        if HAS_SEQ:
+            r_prev, _ = segment_runs(runs_ptr, row, start, end, L)
+        b_h0t = tl.trans(b_state.to(x_ptr.dtype.element_ty))                   # [BN, BP]
+        for i_m in range(0, tl.cdiv(end - start, BQ)):
+            o_i = i_m * BQ + tl.arange(0, BQ)
+            m_i = start + o_i < end
+            tok_i = (start + o_i).to(tl.int64)
+            b_acum_i = tl.load(acum_ptr + p_seg + o_i)
+            b_c = tl.load(p_c + tok_i[:, None] * (stride_C_l * VB) + o_n[None, :],
+                          mask=m_i[:, None] & m_n[None, :], other=0.0)
+            b_acc = mm(b_c, b_h0t, tl.zeros([BQ, BP], dtype=tl.float32), UPCAST, IEEE)
+            b_start = tl.exp(tl.minimum(b_acum_i, 0.0))
+            if HAS_SEQ:
+                b_start = tl.where(token_runs(runs_ptr, row, start, o_i, m_i, L) == r_prev,
+                                   b_start, 0.0)
+            segment_rows_out(b_acc * b_start[:, None], x_ptr, z_ptr, p_cb, dts_ptr, acum_ptr,
+                             D_ptr, y_ptr, ypre_ptr, p_x, p_seg, row, start, end, i_h, i_m, o_i,
+                             o_p, m_i, m_p, b_acum_i, stride_x_l, stride_z_b, stride_z_l,
+                             stride_z_h, stride_y_b, stride_y_l, stride_y_h, L, H, P, Q, BQ,
+                             HAS_D, D_PER_CHANNEL, HAS_Z, UPCAST, IEEE, VX)
+        b_state = advance_state(b_state, p_x, p_b, dts_ptr, acum_ptr, runs_ptr, p_seg, row,
+                                start, end, L, o_p, o_n, m_p, m_n, stride_x_l, stride_B_l, Q, BQ,
+                                UPCAST, IEEE, HAS_SEQ, VX, VB)
+    tl.store(final_ptr + p_seq, b_state, mask=m_pn)

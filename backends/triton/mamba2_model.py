@@ -37,6 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
 
 from fusedops.core.cost import Cost
 from fusedops.core.dtypes import element_size
@@ -517,3 +518,77 @@ def param_reduce_cost(problem, t: Tiles) -> Cost:
                                              if problem.has_D else 0)
     return Cost(parts, 4 * (parts + out * problem.accumulate), 4 * out)
 
+
+
+
+@per_arch
+def fused_fwd_cost(problem, t: Tiles, entering: bool) -> Cost:
+    """The states and the output in one walk. Order: a 1-D grid over (NPB, sequences·h), the
+    head-dim tile fastest; each program walks its sequence's segments (every load of its loop
+    counts as the program's). Per segment it stores the entering [BP, n] state tile (the state
+    dtype, and fp32 into segment_states with ``entering``), then for every row block i holding
+    tokens: acum rows i, C rows i over the whole n (shared by the R heads of the group,
+    NPB = 1 program apart at the production shape), the C·B tiles (i, k <= i) (shared the
+    same way), acum, dts and x rows k (its own: a reload counts once), the diagonal x block for
+    D (its own), z; y and y before the gate written; then the state update's x rows (its own
+    again), B rows (shared by the group's heads), acum and dts, and the last acum. A program
+    moves about 13 MB at the production shape (G = 3.8 on sm_90): the heads sharing C, B and
+    C·B are adjacent, so every shared tile is read once, and x once in all. initial_states read
+    and final_states written once. MMA: per row block [BQ, n] @ [n, BP] and [BQ, BQ] @ [BQ, BP]
+    per pair, per block of the update [BP, BQ] @ [BQ, n]; CUDA: as the two kernels it
+    replaces (``chunk_states_cost`` and ``chunk_scan_cost``)."""
+    d = _Dims(problem, t)
+    first, count = _sequences(problem, d)
+    steps = max(1, int(count.max()))
+    Np = triton.next_power_of_2(d.N)
+    launch = _Launch(problem, t, (d.NPB, d.seqs * d.H))
+    w, V = launch.programs, launch.V
+    ip, sh = w.coords
+    i_s, h = sh // d.H, sh % d.H
+    g = h // d.R
+    walked = count[i_s]
+    bp = launch.rows(d.P, d.BP, ip)
+
+    def segment(prog, step):
+        return (first[i_s[prog]] + step).clamp(max=d.S - 1)
+
+    def rows(prog, step, k):
+        return V[segment(prog, step), k]
+
+    # per (step, row block i)
+    prog, si = w.loop(steps * d.NQB, lambda p, si: (si // d.NQB < walked[p])
+                      & (rows(p, si // d.NQB, si % d.NQB) > 0))
+    seg, i = segment(prog, si // d.NQB), si % d.NQB
+    hp, gp, ipp = h[prog], g[prog], ip[prog]
+    vi = V[seg, i]
+    own = key((seg, d.S), (hp, d.H), (i, d.NQB))
+    w.load("acum", prog, own, d.BQ * 4)
+    w.load("dts", prog, own, d.BQ * 4)
+    w.load("C", prog, key((seg, d.S), (i, d.NQB), (gp, d.G)), vi * d.N * d.e)
+    w.load("B", prog, key((seg, d.S), (i, d.NQB), (gp, d.G)), vi * d.N * d.e)
+    w.load("x", prog, key((seg, d.S), (i, d.NQB), (hp, d.H), (ipp, d.NPB)), vi * bp[prog] * d.e)
+    w.alone(prog, vi * bp[prog] * d.e * problem.has_z)
+    w.store(prog, vi * bp[prog] * d.e * (1 + problem.has_z))
+    # per (step, row block i, block k <= i): the C·B tiles
+    prog, sik = w.loop(steps * d.NQB * d.NQB,
+                       lambda p, sik: (sik // (d.NQB * d.NQB) < walked[p])
+                       & (sik // d.NQB % d.NQB >= sik % d.NQB)
+                       & (rows(p, sik // (d.NQB * d.NQB), sik // d.NQB % d.NQB) > 0))
+    seg = segment(prog, sik // (d.NQB * d.NQB))
+    i, k = sik // d.NQB % d.NQB, sik % d.NQB
+    w.load("C·B", prog, key((seg, d.S), (g[prog], d.G), (i, d.NQB), (k, d.NQB)),
+           d.BQ * d.BQ * 4)
+    prog, step = w.loop(steps, lambda p, step: step < walked[p])
+    w.load("acum last", prog, key((segment(prog, step), d.S), (h[prog], d.H)), 4)
+    every, tile = every_program(w), bp * d.N
+    w.alone(every, tile * 4 * problem.has_initial_states)
+    w.store(every, walked * tile * (d.es + 4 * entering) + tile * 4)
+    read, written = w.count()
+    D = (d.H * d.P if problem.D_per_channel else d.H) * 4 if problem.has_D else 0
+    blocks = d.H * d.each(lambda s: s.rb)
+    pairs = d.H * d.each(lambda s: s.tri)
+    mma = d.NPB * (blocks * 2 * d.BQ * d.BP * Np * 2 + pairs * 2 * d.BQ * d.BQ * d.BP)
+    cuda = (d.NPB * (blocks * d.BQ * (Np + 4) + pairs * d.BQ * d.BQ * 6
+                     + blocks * d.BQ * d.BP * (1 + 2 * problem.has_D + 5 * problem.has_z))
+            + 2 * d.used * d.H * d.P * d.N)
+    return Cost(mma + cuda, read + D + d.table, written, mma, d.BQ)

@@ -17,12 +17,18 @@ class ScanTiles:
 
     BQ: tokens per row block (rows and columns of a segment's Q x Q blocks; the M of the output,
     C·B, dx and gradient products); BP: head-dim tile; BN: state tile; BLOCK_H: heads per dt
-    program."""
+    program. FUSED: the forward computes the states and the output in one walk along every
+    sequence (``ssd_fused_fwd_kernel``: a program holds the whole state of its BP head-dim rows,
+    so BN does not apply to it) instead of a states kernel and an output kernel; FUSED_WARPS and
+    FUSED_STAGES: that kernel's warps and software-pipelining stages."""
 
     BQ: int = 64
     BP: int = 64
     BN: int = 64
     BLOCK_H: int = 16
+    FUSED: bool = True
+    FUSED_WARPS: int = 8
+    FUSED_STAGES: int = 1
 
 
 @dataclass(frozen=True)
@@ -34,19 +40,31 @@ class Tiles:
     BN: int
     BLOCK_H: int
     SEARCH: int      # binary-search steps to find a segment's sequence (varlen)
+    FUSED: bool
+    FUSED_WARPS: int
+    FUSED_STAGES: int
+
+
+FUSED_MAX_STATE = 128
+"""The widest state the fused forward walk holds in registers: at n = 128 its [64, n] fp32 tile
+takes 32 registers a thread of 8 warps and the kernel 247 on sm_90a; twice that would spill."""
 
 
 TILES = {
     "sm_80": (ScanTiles(64, 64, 64, 16),
               "A100 (108 SMs, 164 KiB shared memory, mma.sync m16n8k16): today's tiles; the "
-              "output kernel's 40.5 KiB of shared memory at two stages allows 4 CTAs per SM; no "
-              "measurement yet says better"),
+              "output kernel's 40.5 KiB of shared memory at two stages allows 4 CTAs per SM; the "
+              "fused forward walk at one stage (212-222 registers; two spill 24 bytes at p = 64); "
+              "no measurement yet says better"),
     "sm_90": (ScanTiles(64, 64, 64, 16),
               "H100/H200 (132 SMs, 228 KiB, wgmma): BQ = BP = 64 rows is one m64 wgmma per "
-              "warpgroup, the smallest tile with no mma.sync; today's tiles, no measurement yet"),
+              "warpgroup, the smallest tile with no mma.sync; the fused forward walk with 8 "
+              "warps at one stage (243-247 registers, 1 CTA per SM; two spill 8 bytes at p = 80 "
+              "with D per channel); no measurement yet"),
     "sm_100": (ScanTiles(64, 64, 64, 16),
                "B200 (148 SMs, 228 KiB, tcgen05): today's tiles (Triton lowers the 64-row dots "
-               "to tcgen05 with a 64-row M); no measurement yet"),
+               "to tcgen05 with a 64-row M); the fused forward walk at one stage (two spill 16-24 "
+               "bytes); no measurement yet"),
 }
 
 
@@ -57,20 +75,23 @@ def _pow2_between(value: int, lo: int, hi: int) -> int:
 def tiles(problem, config: ScanTiles | None = None) -> Tiles:
     """The table entry for the plan's architecture (or ``config``) fitted to the problem:
     token, head-dim and state tiles at most the chunk, p and n (16 at least: the MMA's K),
-    heads per dt program, the varlen search depth."""
+    heads per dt program, the varlen search depth; the fused forward walk only while n (rounded
+    up to a power of two) is at most FUSED_MAX_STATE."""
     c = config or TILES[target_arch(problem.device)][0]
     search = max(1, math.ceil(math.log2(problem.sequences + 1))) if problem.num_sequences else 1
     return Tiles(BQ=min(problem.chunk, c.BQ), BP=_pow2_between(problem.head_dim, 16, c.BP),
                  BN=_pow2_between(problem.state, 16, c.BN),
-                 BLOCK_H=_pow2_between(problem.heads, 1, c.BLOCK_H), SEARCH=search)
+                 BLOCK_H=_pow2_between(problem.heads, 1, c.BLOCK_H), SEARCH=search,
+                 FUSED=c.FUSED and triton.next_power_of_2(problem.state) <= FUSED_MAX_STATE,
+                 FUSED_WARPS=c.FUSED_WARPS, FUSED_STAGES=c.FUSED_STAGES)
 
 
 def candidates(problem) -> list[ScanTiles]:
-    """Autotune candidates: the table's entry first; the whole state per program (BN = 128: x
-    read once by the states kernels, half their programs); 32-row head-dim tiles (twice the
-    output programs)."""
+    """Autotune candidates: the table's entry first; the other forward pipeline (fused or
+    split); the whole state per program (BN = 128: x read once by the states kernels, half their
+    programs); 32-row head-dim tiles (twice the output or fused programs)."""
     base = TILES[target_arch(problem.device)][0]
-    out = [base, replace(base, BN=128), replace(base, BP=32)]
+    out = [base, replace(base, FUSED=not base.FUSED), replace(base, BN=128), replace(base, BP=32)]
     return list(dict.fromkeys(out))
 
 

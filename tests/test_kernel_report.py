@@ -50,14 +50,15 @@ TRAFFIC_BOUNDS = {
     "GQAAttentionDecode": 1.16,
     # Mamba2: C·B and the passed states written and read back; the backward's gradients of
     # the segment states (x's dtype) and of C·B (fp32) passed between kernels, dy and x read by
-    # each of its per-chunk kernels (dx, d(C·B), the straddling pairs, dB/dC), which all run a
+    # each of its per-chunk kernels (dx, d(C·B) with the straddling pairs, dB/dC), which all run a
     # (segment, group)'s or (segment, head)'s programs side by side (2026-12-02: dB/dC, d(C·B),
-    # C·B; dH1 stored in x's dtype, 4.69x to 4.16x at Q128; the gate in the state walk: 3.98x);
+    # C·B; dH1 stored in x's dtype, 4.69x to 4.16x at Q128; the gate in the state walk: 3.98x;
+    # the straddling pairs in the d(C·B) kernel, 2026-12-05: 3.621x);
     # decode: dt, B and C re-read by each head-dim block (h·b programs apart); the forward
     # walk (2026-12-05: states and output in one kernel, 2.45x to 1.83x at Q128) writes the
     # bf16 entering states and y before the gate for the backward and reads C·B back
     "Mamba2ChunkScanForward": 1.83,
-    "Mamba2ChunkScanBackward": 3.98,
+    "Mamba2ChunkScanBackward": 3.63,
     "Mamba2StateUpdate": 1.01,
     "Mamba2StateRollback": 1.00,
 }
@@ -66,7 +67,7 @@ ARCHS = ("sm_90a", "sm_100a")   # CI's; `fusedops kernels` adds sm_80 for the Tr
 # (rule, family) pairs today's kernels break, and why.
 KNOWN = {
     ("wgmma_async", "mamba2_scan"):
-        "the backward state walk and the d(C·B) and dA-cumsum kernels wait for each product: "
+        "the backward state walk and the d(C·B) kernel wait for each product: "
         "the walk forms both of its operands in registers (dy·silu(z) and the decay-weighted "
         "C; weighting dy·silu(z) instead spills at the 128 registers its 4 CTAs per SM need), "
         "and issuing d(C·B)'s next head before weighing this one took it from 3 or 4 CTAs per "

@@ -40,6 +40,9 @@ __all__ = ["TILES", "ScanTiles", "Tiles", "backward_candidates", "backward_progr
            "forward_workspace", "saved_layout", "tiles", "unsupported_reason"]
 
 NUM_STAGES = 2
+DCB_STAGES = 1
+"""The d(C·B) kernel's pipelining stages: its head-dim loop is one step at p <= 64, and a second
+stage takes it from 138 to 177 registers on sm_100a (128 on sm_90a either way)."""
 
 
 def _varlen(problem) -> bool:
@@ -328,32 +331,19 @@ def dx_spec(problem, t: Tiles | None = None) -> KernelSpec:
 
 
 def dcb_spec(problem, t: Tiles | None = None) -> KernelSpec:
-    """d(C·B) per segment and group."""
+    """d(C·B) per segment and group, and per head the block pairs' pieces of the straddling sums
+    of the log-decay gradient."""
     ty, t = _Types(problem), t or tiles(problem)
     return _spec(bwd_kernels.ssd_dcb_kernel,
-                 (("x_ptr", ty.x), ("dy_ptr", ty.x), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
-                  *ty.seg, ty.runs, ("dcb_ptr", "*fp32"), *stride_args("x", "x"),
-                  *stride_args("dy", "x"), *ty.tail),
+                 (("x_ptr", ty.x), ("dy_ptr", ty.x), ("cb_ptr", "*fp32"), ("dts_ptr", "*fp32"),
+                  ("acum_ptr", "*fp32"), *ty.seg, ty.runs, ("dcb_ptr", "*fp32"),
+                  ("intra_ptr", "*fp32"), *stride_args("x", "x"), *stride_args("dy", "x"),
+                  *ty.tail),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, Q=problem.chunk,
                       BQ=t.BQ, BP=t.BP, **ty.common, **numerics(problem.dtype), **ty.seq,
                       VX=problem.vector),
                  (_pairs(problem, t) * problem.max_segments * problem.groups,), warps=8,
-                 cost=model.dcb_cost(problem, t))
-
-
-def dacs_intra_spec(problem, t: Tiles | None = None) -> KernelSpec:
-    """The straddling-pair partial sums of the log-decay gradient."""
-    ty, t = _Types(problem), t or tiles(problem)
-    c = _counts(problem, t)
-    return _spec(bwd_kernels.ssd_dacs_intra_kernel,
-                 (("x_ptr", ty.x), ("dy_ptr", ty.x), ("cb_ptr", "*fp32"), ("dts_ptr", "*fp32"),
-                  ("acum_ptr", "*fp32"), *ty.seg, ("part_ptr", "*fp32"), *stride_args("x", "x"),
-                  *stride_args("dy", "x"), *ty.tail),
-                 dict(H=problem.heads, G=problem.groups, P=problem.head_dim, Q=problem.chunk,
-                      BQ=t.BQ, BP=t.BP, **ty.common, **numerics(problem.dtype),
-                      VX=problem.vector),
-                 (c["NQB"] * problem.max_segments * problem.heads,), warps=8,
-                 cost=model.dacs_intra_cost(problem, t))
+                 stages=DCB_STAGES, cost=model.dcb_cost(problem, t))
 
 
 def dbc_spec(problem, grad_b: bool, t: Tiles | None = None) -> KernelSpec:
@@ -482,8 +472,8 @@ def forward_program(problem, config: ScanTiles | None = None) -> Program:
 
 def backward_program(problem, config: ScanTiles | None = None) -> Program:
     """The forward's prologue recomputed (and its states with recompute_states), the state
-    gradients backwards along each sequence (with the gate's backward), dx, d(C·B), the straddling
-    pairs of the log-decay gradient, dB, dC, ddt and the fixed-order parameter reduction (tiles:
+    gradients backwards along each sequence (with the gate's backward), dx, d(C·B) with the
+    straddling pairs of the log-decay gradient, dB, dC, ddt and the fixed-order parameter reduction (tiles:
     the table's entry, or ``config``)."""
     t = tiles(problem, config)
     ws = workspace_piece
@@ -514,10 +504,8 @@ def backward_program(problem, config: ScanTiles | None = None) -> Program:
         _stage(dx_spec(problem, t), dy_ptr=dy, cb_ptr=ws("cb"), dstates_ptr=ws("dstates"), D_ptr="D",
                ddt_part_ptr=ws("ddt_part"), dD_part_ptr=ws("dD_part"), **x_strides, **grad_strides,
                **strides("B", "B", "B", vb), **strides("dx", "x", "dx", v), **runs, **fixed),
-        _stage(dcb_spec(problem, t), dy_ptr=dy, dcb_ptr=ws("dcb"), **x_strides, **grad_strides,
-               **runs, **fixed),
-        _stage(dacs_intra_spec(problem, t), dy_ptr=dy, cb_ptr=ws("cb"), part_ptr=ws("intra"),
-               **x_strides, **grad_strides, **fixed),
+        _stage(dcb_spec(problem, t), dy_ptr=dy, cb_ptr=ws("cb"), dcb_ptr=ws("dcb"),
+               intra_ptr=ws("intra"), **x_strides, **grad_strides, **runs, **fixed),
         *(_stage(dbc_spec(problem, grad_b, t), dy_ptr=dy, dcb_ptr=ws("dcb"), states_ptr=states,
                  dstates_ptr=ws("dstates"), out_ptr=out, uw_part_ptr=ws(part), **x_strides,
                  **grad_strides, **strides("B", "B", "B", vb), **strides("C", "B", "C", vb),

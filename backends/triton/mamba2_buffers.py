@@ -63,7 +63,7 @@ def backward_workspace(problem, t: Tiles | None = None) -> Layout:
         ("dypre", problem.dtype, problem.batch * problem.length * H * P if problem.has_z else 0),
         ("dstates", problem.dtype, S * H * P * N),
         ("dcb", torch.float32, S * G * Q * Q),
-        ("intra", torch.float32, S * H * c["NQB"] * Q),
+        ("intra", torch.float32, S * H * c["NQB"] * (c["NQB"] + 1) // 2 * (2 * (Q // c["NQB"]) + 1)),
         ("ddt_part", torch.float32, S * H * c["NPB"] * Q),
         ("u", torch.float32, S * H * c["NNB"] * Q),
         ("w", torch.float32, S * H * c["NNB"] * Q),

@@ -258,20 +258,30 @@ def dy_xt_tile(p_dy, p_x, stride_dy_l, stride_x_l, tok_i, tok_j, m_i, m_j, P: tl
 
 
 @triton.jit
-def ssd_dcb_kernel(x_ptr, dy_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, runs_ptr, dcb_ptr,
-                   stride_x_b, stride_x_l, stride_x_h, stride_dy_b, stride_dy_l, stride_dy_h,
-                   L, NSEQ, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, Q: tl.constexpr,
-                   BQ: tl.constexpr, BP: tl.constexpr, VARLEN: tl.constexpr,
+def ssd_dcb_kernel(x_ptr, dy_ptr, cb_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, runs_ptr, dcb_ptr,
+                   intra_ptr, stride_x_b, stride_x_l, stride_x_h, stride_dy_b, stride_dy_l,
+                   stride_dy_h, L, NSEQ, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
+                   Q: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr, VARLEN: tl.constexpr,
                    SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
                    HAS_SEQ: tl.constexpr, VX: tl.constexpr):
     """dcb[σ, g, i, j] = sum over the group's heads of exp(Acum_i - Acum_j) dt_j (dy_i·x_j)
-    (sequence ids: zero across runs), for the block pairs j <= i. One program per (block pair,
-    segment·group), the pair fastest: the pairs of a (segment, group) run side by side and
-    share its heads' dy rows i and x rows j in L2."""
+    (sequence ids: zero across runs), for the block pairs (I, J <= I), and per head the pair's
+    share of the straddling sums of the log-decay gradient, intra(k) = sum_{i>=k} sum_{j<k}
+    T_ij with T_ij = (C·B)_ij exp(Acum_i - Acum_j) dt_j (dy_i·x_j) (j <= i; C·B is zero
+    across runs). With the pair's column sums cs_j = sum_i T_ij, row sums rs_i = sum_j T_ij
+    and total t, its share is, for k in block J, sum_{j<k} cs_j (less sum_{i<k} rs_i on the
+    diagonal, I = J: the pairs j < k <= i inside one block), for k in block I > J,
+    t - sum_{i<k} rs_i, and t for k in the blocks between J and I: the three pieces
+    intra[σ, h, pair] = (sum_{j<k} cs_j [- sum_{i<k} rs_i], t - sum_{i<k} rs_i, t) (2·BQ + 1
+    floats; the last two unused on the diagonal), summed by ``ssd_dt_bwd_kernel`` in pair
+    order. One program per (block pair, segment·group), the pair
+    fastest: the pairs of a (segment, group) run side by side and share its heads' dy rows i
+    and x rows j in L2."""
     NT: tl.constexpr = Q // BQ
     PAIRS: tl.constexpr = NT * (NT + 1) // 2
     pid = tl.program_id(0)
-    i_m, i_n = block_pair(pid % PAIRS, NT)
+    t_pair = pid % PAIRS
+    i_m, i_n = block_pair(t_pair, NT)
     i_sg = pid // PAIRS
     i_seg, i_g = i_sg // G, i_sg % G
     row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
@@ -280,6 +290,11 @@ def ssd_dcb_kernel(x_ptr, dy_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, runs_ptr, 
     m_i, m_j = start + o_i < end, start + o_j < end
     tok_i = (start + o_i).to(tl.int64)
     tok_j = (start + o_j).to(tl.int64)
+    keep = (o_j[None, :] <= o_i[:, None]) & m_i[:, None] & m_j[None, :]
+    p = i_sg.to(tl.int64) * (Q * Q) + o_i[:, None] * Q + o_j[None, :]
+    b_cb = tl.where(keep, tl.load(cb_ptr + p), 0.0)
+    diagonal = tl.where(i_m == i_n, 1.0, 0.0)
+    o_r = tl.arange(0, BQ)
     R: tl.constexpr = H // G
     b_dcb = tl.zeros([BQ, BQ], dtype=tl.float32)
     for r in range(R):
@@ -292,58 +307,23 @@ def ssd_dcb_kernel(x_ptr, dy_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, runs_ptr, 
         b_acum_i = tl.load(acum_ptr + p_seg + o_i)
         b_acum_j = tl.load(acum_ptr + p_seg + o_j)
         b_dt_j = tl.load(dts_ptr + p_seg + o_j)
-        b_dcb += b_dyx * tl.exp(tl.minimum(b_acum_i[:, None] - b_acum_j[None, :], 0.0)) * b_dt_j[None, :]
-    b_dcb = tl.where((o_j[None, :] <= o_i[:, None]) & m_i[:, None] & m_j[None, :], b_dcb, 0.0)
+        b_w = b_dyx * tl.exp(tl.minimum(b_acum_i[:, None] - b_acum_j[None, :], 0.0)) * b_dt_j[None, :]
+        b_dcb += b_w
+        b_t = b_w * b_cb
+        b_cs = tl.sum(b_t, axis=0)
+        b_rs = tl.sum(b_t, axis=1)
+        b_total = tl.sum(b_cs, axis=0)
+        b_rs_before = tl.cumsum(b_rs, axis=0) - b_rs                      # sum_{i<k} rs_i
+        p_part = intra_ptr + ((i_seg * H + i_h).to(tl.int64) * PAIRS + t_pair) * (2 * BQ + 1)
+        tl.store(p_part + o_r, tl.cumsum(b_cs, axis=0) - b_cs - diagonal * b_rs_before)
+        tl.store(p_part + BQ + o_r, b_total - b_rs_before)
+        tl.store(p_part + 2 * BQ, b_total)
+    b_dcb = tl.where(keep, b_dcb, 0.0)
     if HAS_SEQ:
         r_i = token_runs(runs_ptr, row, start, o_i, m_i, L)
         r_j = token_runs(runs_ptr, row, start, o_j, m_j, L)
         b_dcb = tl.where(r_i[:, None] == r_j[None, :], b_dcb, 0.0)
-    p = i_sg.to(tl.int64) * (Q * Q) + o_i[:, None] * Q + o_j[None, :]
     tl.store(dcb_ptr + p, b_dcb)
-
-
-@triton.jit
-def ssd_dacs_intra_kernel(x_ptr, dy_ptr, cb_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, part_ptr,
-                          stride_x_b, stride_x_l, stride_x_h, stride_dy_b, stride_dy_l,
-                          stride_dy_h, L, NSEQ, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
-                          Q: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr,
-                          VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                          UPCAST: tl.constexpr, IEEE: tl.constexpr, VX: tl.constexpr):
-    """part[σ, h, I, k] = sum over rows i of block I with i >= k of sum_{j<k} T_ij (C·B is zero
-    across runs of sequence ids, so T is too). One program per (row block, segment·head), the
-    row block fastest: a segment's row blocks share its x rows in L2."""
-    NQB: tl.constexpr = Q // BQ
-    pid = tl.program_id(0)
-    i_m, i_sh = pid % NQB, pid // NQB
-    i_seg, i_h = i_sh // H, i_sh % H
-    i_g = i_h // (H // G)
-    row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
-    if i_m * BQ >= end - start:
-        return
-    o_i = i_m * BQ + tl.arange(0, BQ)
-    m_i = start + o_i < end
-    tok_i = (start + o_i).to(tl.int64)
-    p_seg = i_sh.to(tl.int64) * Q
-    b_acum_i = tl.load(acum_ptr + p_seg + o_i)
-    p_cb = cb_ptr + (i_seg * G + i_g).to(tl.int64) * (Q * Q)
-    p_dy = dy_ptr + row * (stride_dy_b * VX) + i_h * (stride_dy_h * VX)
-    p_x = x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX)
-    b_carry = tl.zeros([BQ], dtype=tl.float32)
-    for i_n in range(0, i_m + 1):
-        o_j = i_n * BQ + tl.arange(0, BQ)
-        m_j = start + o_j < end
-        tok_j = (start + o_j).to(tl.int64)
-        b_dyx = dy_xt_tile(p_dy, p_x, stride_dy_l, stride_x_l, tok_i, tok_j, m_i, m_j, P, BQ, BP,
-                           UPCAST, IEEE, VX)
-        b_cb = tl.load(p_cb + o_i[:, None] * Q + o_j[None, :])
-        b_acum_j = tl.load(acum_ptr + p_seg + o_j)
-        b_dt_j = tl.load(dts_ptr + p_seg + o_j)
-        b_t = b_dyx * b_cb * tl.exp(tl.minimum(b_acum_i[:, None] - b_acum_j[None, :], 0.0)) * b_dt_j[None, :]
-        b_t = tl.where((o_j[None, :] <= o_i[:, None]) & m_i[:, None] & m_j[None, :], b_t, 0.0)
-        b_prefix = tl.cumsum(b_t, axis=1) - b_t + b_carry[:, None]            # sum_{j<k} T_ik
-        b_part = tl.sum(tl.where(o_i[:, None] >= o_j[None, :], b_prefix, 0.0), axis=0)
-        tl.store(part_ptr + (i_sh.to(tl.int64) * NQB + i_m) * Q + o_j, b_part)
-        b_carry += tl.sum(b_t, axis=1)
 
 
 @triton.jit
@@ -471,9 +451,16 @@ def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt
     o_k = tl.arange(0, Q)
     m_k = start + o_k < end
     p_sh = i_sh.to(tl.int64)
+    PAIRS: tl.constexpr = NQB * (NQB + 1) // 2
+    blk, pos = o_k // BQ, o_k % BQ
     b_intra = tl.zeros([Q], dtype=tl.float32)
-    for i_m in range(0, tl.cdiv(end - start, BQ)):
-        b_intra += tl.where(o_k < (i_m + 1) * BQ, tl.load(intra_ptr + (p_sh * NQB + i_m) * Q + o_k), 0.0)
+    for i_m in tl.static_range(NQB):            # the d(C·B) kernel's pieces, in pair order
+        for i_n in tl.static_range(i_m + 1):
+            p_part = intra_ptr + (p_sh * PAIRS + i_m * (i_m + 1) // 2 + i_n) * (2 * BQ + 1)
+            b_intra += tl.load(p_part + pos, mask=blk == i_n, other=0.0)
+            if i_m > i_n:
+                b_intra += tl.load(p_part + BQ + pos, mask=blk == i_m, other=0.0)
+                b_intra += tl.where((blk > i_n) & (blk < i_m), tl.load(p_part + 2 * BQ), 0.0)
     b_direct = tl.zeros([Q], dtype=tl.float32)
     for i_p in range(NPB):
         b_direct += tl.load(ddt_part_ptr + (p_sh * NPB + i_p) * Q + o_k)

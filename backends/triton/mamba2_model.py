@@ -373,15 +373,18 @@ def dx_cost(problem, t: Tiles) -> Cost:
 
 @per_arch
 def dcb_cost(problem, t: Tiles) -> Cost:
-    """d(C·B). Order: a 1-D grid over (block pair, S·g), the pairs (i, j <= i) of a (segment,
-    group) fastest, row-major (tri programs, none above the diagonal). Reuse: each program
-    loads, for the R heads of its group, dy rows i and x rows j over p and acum/dts (3·BQ·4);
-    the pairs (i, 0..i) sharing dy rows i, and (j..NQB-1, j) sharing x rows j (and the heads'
-    acum and dts rows), are at most tri - 1 = 9 programs apart, and a program moves 284 KiB (its
-    16 heads' rows): G = 86 (217 on sm_100), so dy, x, acum and dts are read once (where
-    (S·g, NQB²) order, the pairs S·g = 512 programs apart, read dy and x (NQB + 1)/2 = 2.5
-    times for full segments, acum and dts in every program). One fp32 [BQ, BQ] tile written.
-    MMA: [BQ, BP] @ [BP, BQ] over p, per head and pair of every grid segment."""
+    """d(C·B) with the straddling pairs of the decay gradient. Order: a 1-D grid over (block
+    pair, S·g), the pairs (i, j <= i) of a (segment, group) fastest, row-major (tri programs,
+    none above the diagonal). Reuse: each program loads its C·B tile (its own) and, for the R
+    heads of its group, dy rows i and x rows j over p and acum/dts (3·BQ·4); the pairs
+    (i, 0..i) sharing dy rows i, and (j..NQB-1, j) sharing x rows j (and the heads' acum and
+    dts rows), are at most tri - 1 = 9 programs apart, and a program moves 308 KiB (its 16
+    heads' rows): G = 79 (200 on sm_100), so dy, x, acum and dts are read once (where (S·g,
+    NQB²) order, the pairs S·g = 512 programs apart, read dy and x (NQB + 1)/2 = 2.5 times for
+    full segments, acum and dts in every program). One fp32 [BQ, BQ] tile written, and per
+    head the pair's 2·BQ + 1 fp32 pieces of the straddling sums. MMA: [BQ, BP] @ [BP, BQ] over
+    p, per head and pair of every grid segment (the straddling-pair kernel before 2026-12-05
+    computed the same products a second time)."""
     d = _Dims(problem, t)
     nqb = d.NQB
     launch = _Launch(problem, t, (d.pairs, d.S * d.G))
@@ -389,6 +392,8 @@ def dcb_cost(problem, t: Tiles) -> Cost:
     ij, sg = w.coords
     pi, pj = _block_pairs(nqb)
     s, g, i, j = sg // d.G, sg % d.G, pi[ij], pj[ij]
+    every = every_program(w)
+    w.load("C·B", every, key((s, d.S), (g, d.G), (i, nqb), (j, nqb)), d.BQ * d.BQ * 4)
     prog, r = w.loop(d.R)
     sp, ip_, jp = s[prog], i[prog], j[prog]
     h = g[prog] * d.R + r
@@ -397,44 +402,12 @@ def dcb_cost(problem, t: Tiles) -> Cost:
     w.load("acum", prog, key((sp, d.S), (h, d.H), (ip_, nqb)), d.BQ * 4)
     w.load("acum", prog, key((sp, d.S), (h, d.H), (jp, nqb)), d.BQ * 4)
     w.load("dts", prog, key((sp, d.S), (h, d.H), (jp, nqb)), d.BQ * 4)
-    w.store(every_program(w), d.BQ * d.BQ * 4)
+    w.store(prog, (2 * d.BQ + 1) * 4)
+    w.store(every, d.BQ * d.BQ * 4)
     read, written = w.count()
     mma = d.S * d.H * d.pairs * 2 * d.BQ * d.BQ * d.Pp
-    return Cost(mma + d.S * d.H * d.pairs * d.BQ * d.BQ * 6, read + d.table, written, mma, d.BQ)
-
-
-@per_arch
-def dacs_intra_cost(problem, t: Tiles) -> Cost:
-    """Straddling-pair sums of the decay gradient. Order: a 1-D grid over (NQB, S·h), the row
-    block i fastest; programs past the segment's end return. Reuse: the C·B tiles (i, j <= i)
-    are shared by the R heads of the group (NQB = 4 programs apart); dy rows i are re-loaded by
-    the program for every block j (counted once); x rows j, acum and dts by every row block
-    i >= j of the segment (at most NQB - 1 apart). A program moves 70 KiB on average at the
-    production shape: G = 348, so every shared tile is read once. BQ·4 partials written per
-    pair. MMA: dy·x^T [BQ, BP] @ [BP, BQ] over p per pair (the same products the d(C·B) kernel
-    computes, again)."""
-    d = _Dims(problem, t)
-    launch = _Launch(problem, t, (d.NQB, d.S * d.H),
-                     active=lambda la, im, sh: im * d.BQ < la.L[sh // d.H])
-    w, V = launch.programs, launch.V
-    i, sh = w.coords
-    s, h = sh // d.H, sh % d.H
-    g = h // d.R
-    every = every_program(w)
-    w.load("acum", every, key((s, d.S), (h, d.H), (i, d.NQB)), d.BQ * 4)
-    w.load("dy", every, key((s, d.S), (i, d.NQB), (h, d.H)), V[s, i] * d.P * d.e)
-    prog, j = w.loop(d.NQB, lambda p, j: j <= i[p])
-    sj, hj = s[prog], h[prog]
-    w.load("x", prog, key((sj, d.S), (j, d.NQB), (hj, d.H)), V[sj, j] * d.P * d.e)
-    w.load("C·B", prog, key((sj, d.S), (g[prog], d.G), (i[prog], d.NQB), (j, d.NQB)),
-           d.BQ * d.BQ * 4)
-    w.load("acum", prog, key((sj, d.S), (hj, d.H), (j, d.NQB)), d.BQ * 4)
-    w.load("dts", prog, key((sj, d.S), (hj, d.H), (j, d.NQB)), d.BQ * 4)
-    w.store(prog, d.BQ * 4)
-    read, written = w.count()
-    pairs = d.H * d.each(lambda s: s.tri)
-    mma = pairs * 2 * d.BQ * d.BQ * d.Pp
-    return Cost(mma + pairs * d.BQ * d.BQ * 10, read + d.table, written, mma, d.BQ)
+    cuda = d.S * d.H * d.pairs * d.BQ * (d.BQ * 9 + 4)
+    return Cost(mma + cuda, read + d.table, written, mma, d.BQ)
 
 
 @per_arch
@@ -494,17 +467,18 @@ def dbc_cost(problem, t: Tiles, grad_b: bool) -> Cost:
 
 
 def dt_bwd_cost(problem, t: Tiles) -> Cost:
-    """ddt, per (segment, head) program (grid (S·h)): the straddling partials of its row blocks
-    (rb·Q·4), the dx, U and W partials (NPB, NNB, NNB rows of Q·4), the <dH1, H0> partials and
-    dts, all unmasked, for every grid segment: each read by its one program (values passed
+    """ddt, per (segment, head) program (grid (S·h)): the straddling pieces of its block pairs
+    (BQ floats of every pair, BQ + 1 more of every pair off the diagonal: the lanes the masked
+    loads take), the dx, U and W partials (NPB, NNB, NNB rows of Q·4), the <dH1, H0> partials
+    and dts, all unmasked, for every grid segment: each read by its one program (values passed
     between kernels); dt read and ddt written once; A, dt_bias counted once; dA and ddt_bias
     partials (4 bytes per program each)."""
     d = _Dims(problem, t)
-    rows = d.each(lambda s: s.rb)
-    read = (d.H * rows * d.Q * 4 + d.S * d.H * ((d.NPB + 2 * d.NNB + 1) * d.Q * 4 + d.NT * 4)
+    pieces = d.pairs * d.BQ + (d.pairs - d.NQB) * (d.BQ + 1)
+    read = (d.S * d.H * (pieces * 4 + (d.NPB + 2 * d.NNB + 1) * d.Q * 4 + d.NT * 4)
             + d.T * d.H * d.edt + 4 * d.H * (1 + problem.has_dt_bias) + d.table)
     written = d.T * d.H * d.edt + d.S * d.H * 4 * (1 + problem.has_dt_bias)
-    flops = d.S * d.H * d.Q * (d.NPB + 2 * d.NNB + 12 + 6 * problem.dt_softplus) + d.H * rows * d.Q
+    flops = d.S * d.H * d.Q * (d.NPB + 2 * d.NNB + 12 + 6 * problem.dt_softplus + 3 * d.pairs)
     return Cost(flops, read, written)
 
 

@@ -113,32 +113,36 @@ def cases(kind: str, *, dtype=torch.float32, device="cpu", backend: str = "torch
 
 
 def production() -> list[tuple[str, list[PlanCall]]]:
-    """Nemotron-H shapes (h=128, p=64, n=128, g=8, bf16, every option) at chunk 256 and 128,
-    packed sequences (64 of them in 8192 tokens, with a status word) and p = 80 with D per
-    channel; forward and backward, as TensorDescs on the CPU."""
+    """Nemotron-H shapes (h=128, p=64, n=128, g=8, bf16): as the Nemotron-H 8B mixer calls the
+    scan (8K tokens, chunk 256, D and dt_bias, no z: its gate is applied by the gated RMSNorm
+    after the scan, no initial states), then with every option (z, initial and final states)
+    at chunk 256 and 128, packed sequences (64 of them in 8192 tokens, with a status word) and
+    p = 80 with D per channel; forward and backward, as TensorDescs on the CPU."""
     def desc(*shape, dtype=torch.bfloat16):
         return TensorDesc(shape, dtype, device="cpu")
 
     out = []
-    for label, b, p, chunk, nseq, per_channel in (("h128 p64 n128 Q256", 2, 64, 256, None, False),
-                                                  ("h128 p64 n128 Q128", 2, 64, 128, None, False),
-                                                  ("varlen Q256", 1, 64, 256, 64, False),
-                                                  ("p80 Q128", 2, 80, 128, None, True)):
+    for label, b, p, chunk, nseq, per_channel, every in (
+            ("nemotron-h 8K", 1, 64, 256, None, False, False),
+            ("h128 p64 n128 Q256", 2, 64, 256, None, False, True),
+            ("h128 p64 n128 Q128", 2, 64, 128, None, False, True),
+            ("varlen Q256", 1, 64, 256, 64, False, True),
+            ("p80 Q128", 2, 80, 128, None, True, True)):
         l, h, g, n = 8192, 128, 8, 128
         seqs = b if nseq is None else nseq
         f32 = torch.float32
         tensors = dict(x=desc(b, l, h, p), dt=desc(b, l, h), A=desc(h, dtype=f32),
                        B=desc(b, l, g, n), C=desc(b, l, g, n),
                        D=desc(h, p, dtype=f32) if per_channel else desc(h, dtype=f32),
-                       z=desc(b, l, h, p), dt_bias=desc(h, dtype=f32),
-                       initial_states=desc(seqs, h, p, n, dtype=f32),
+                       z=desc(b, l, h, p) if every else None, dt_bias=desc(h, dtype=f32),
+                       initial_states=desc(seqs, h, p, n, dtype=f32) if every else None,
                        cu_seqlens=None if nseq is None else desc(nseq + 1, dtype=torch.int32),
                        status=None if nseq is None else desc(1, dtype=STATUS_DTYPE))
         options = dict(chunk_size=chunk, dt_softplus=True)
+        final = dict(dfinal_states=desc(seqs, h, p, n, dtype=f32)) if every else {}
         out.append((f"scan {label}", [
             PlanCall(Mamba2ChunkScanForward, tensors, options),
-            PlanCall(Mamba2ChunkScanBackward, dict(tensors, dy=desc(b, l, h, p),
-                                                   dfinal_states=desc(seqs, h, p, n, dtype=f32)),
+            PlanCall(Mamba2ChunkScanBackward, dict(tensors, dy=desc(b, l, h, p), **final),
                      options)]))
     return out
 

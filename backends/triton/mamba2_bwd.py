@@ -11,7 +11,9 @@ of y before the z gate:
     da_k   = sum_{i>=k>j} T_ij + sum_{i>=k} U_i + V + sum_{j<k} W'_j       (a_k = dt_k A)
 
 with T_ij = W_ij dt_j (dy_i·x_j), U_i = exp(Acum_i) dy_i·(H0 C_i), V = exp(Acum_last) <dH1, H0>,
-W'_j = exp(Acum_last - Acum_j) dt_j x_j·(dH1 B_j): the pairs crossing k, so no cancellation.
+W'_j = exp(Acum_last - Acum_j) dt_j x_j·(dH1 B_j): the pairs crossing k, never differences of
+sums over the sequence (the d(C·B) kernel forms each block pair's share from prefix sums of
+its own tile's row and column sums, so what cancels is bounded by that tile's terms).
 Every reduction over tokens, heads or tiles goes through fixed-order partials in the workspace.
 Activations are addressed through their strides as in the forward kernels (mamba2_fwd.py); with
 sequence ids the forward's masks apply (C·B and dcb zero across runs, dH1 reaches only the last

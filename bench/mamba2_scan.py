@@ -45,11 +45,12 @@ def inputs(b, l, h, p, g, n, device, dtype, seed=0):
     return t, rnd(b, l, h, p).to(dtype)
 
 
-def fusedops_runners(t, dy, chunk, backend, packed=False):
+def fusedops_runners(t, dy, chunk, backend, packed=False, autotune=False):
     """(forward, backward, floors) through compiled plans and their buffers; ``packed``: the
     b·l tokens as one row of PACKED_SEQUENCES sequences (cu_seqlens) with a status word: the
     same tokens and segments as the b rows when b·l / PACKED_SEQUENCES is a multiple of the
-    chunk."""
+    chunk; ``autotune``: each plan compiled with autotune=True (the fastest candidate on this
+    device, the candidates' times kept in the autotune record)."""
     device = t["x"].device
     b, l = t["x"].shape[:2]
     flat = (lambda v: v.reshape(1, b * l, *v.shape[2:])) if packed else (lambda v: v)
@@ -61,8 +62,9 @@ def fusedops_runners(t, dy, chunk, backend, packed=False):
                                // PACKED_SEQUENCES).to(torch.int32)
         extra["status"] = torch.zeros(1, dtype=torch.int32, device=device)
     opts = dict(chunk_size=chunk, dt_softplus=True, backend=backend)
-    fwd = fusedops.Mamba2ChunkScanForward(**core, **extra, **opts).compile()
-    bwd = fusedops.Mamba2ChunkScanBackward(**core, dy=dy, **extra, **opts).compile()
+    fwd = fusedops.Mamba2ChunkScanForward(**core, **extra, **opts).compile(autotune=autotune)
+    bwd = fusedops.Mamba2ChunkScanBackward(**core, dy=dy, **extra, **opts).compile(
+        autotune=autotune)
     outputs = fwd.allocate_outputs()
     grads = bwd.allocate_outputs()
     wf = fwd.allocate_workspace() if fwd.workspace_size else None
@@ -166,6 +168,11 @@ def main(argv=None) -> None:
             run_f, run_b, _ = fusedops_runners(t, dy, args.chunk, backend, packed=True)
             rows.append((f"fusedops {backend} packed+status", run_f, run_b, True,
                          f"the b·l tokens as {PACKED_SEQUENCES} packed sequences"))
+            if backend == "triton":
+                run_f, run_b, _ = fusedops_runners(t, dy, args.chunk, backend, autotune=True)
+                rows.append(("fusedops triton autotuned", run_f, run_b, True,
+                             "the fastest tile-table candidate: the fused or the split forward, "
+                             "BN = 128, BP = 32"))
         run_f, run_b, torch_floors = fusedops_runners(t, dy, args.chunk, "torch")
         floors = floors or torch_floors
         rows.append(("fusedops torch", run_f, run_b, True, "the reference backend"))

@@ -874,10 +874,13 @@ def test_tile_table_follows_the_target_arch():
     assert walk.name == "ssd_fused_fwd_kernel"
     assert walk.grid == (2 * 2 * 128, 1, 1)            # p / BP programs per (sequence, head)
     assert (walk.num_warps, walk.num_stages) == (4, 2)
-    wide = samples.make(1, 20, 2, 8, 1, kernels_tiles.FUSED_MAX_STATE + 1, device="cpu")
+    wide = samples.make(1, 20, 2, 64, 1, kernels_tiles.FUSED_MAX_STATE + 1, device="cpu")
     wide_plan = Mamba2ChunkScanForward(**{k: wide.tensors[k] for k in samples._FORWARD_TENSORS},
                                        **wide.options, backend="torch")
     assert not kernels.tiles(wide_plan.problem).FUSED      # the walk would hold 256 state columns
+    wide_candidates = kernels.forward_candidates(wide_plan.problem)
+    assert len({kernels.tiles(wide_plan.problem, c) for c in wide_candidates}) \
+        == len(wide_candidates) == 3                        # the two pipelines' entries coincide
 
 
 SPLIT_COMPILE = """
@@ -1145,8 +1148,9 @@ def test_tuning_tensors_are_valid_packed_offsets():
 @pytest.mark.parametrize("backend", [b for b in SCAN_KERNEL_BACKENDS if b == "triton"])
 def test_every_autotune_candidate_computes_the_scan(backend):
     """Each candidate's forward and backward programs (the other forward pipeline, another state
-    tile, head-dim tile) give the reference's results; with z, so the backward walk's gate runs on 2 state tiles
-    (only the first writes dz and dy·silu(z)) and, at BP = 32, 2 head-dim tiles."""
+    tile, head-dim tile) give the reference's results; with z, so the backward walk's gate runs
+    on 2 state tiles (only the first writes dz and dy·silu(z)) and, at BP = 32, 2 head-dim
+    tiles."""
     from fusedops.backends.triton import mamba2 as kernels
     case = samples.make(1, 70, 2, 64, 1, 128, torch.float32, seed=3, device=DEVICE, chunk=64,
                         D="h", z=True, dt_bias=True, initial_states=True, dfinal=True)

@@ -473,8 +473,8 @@ def forward_program(problem, config: ScanTiles | None = None) -> Program:
 def backward_program(problem, config: ScanTiles | None = None) -> Program:
     """The forward's prologue recomputed (and its states with recompute_states), the state
     gradients backwards along each sequence (with the gate's backward), dx, d(C·B) with the
-    straddling pairs of the log-decay gradient, dB, dC, ddt and the fixed-order parameter reduction (tiles:
-    the table's entry, or ``config``)."""
+    straddling pairs of the log-decay gradient, dB, dC, ddt and the fixed-order parameter
+    reduction (tiles: the table's entry, or ``config``)."""
     t = tiles(problem, config)
     ws = workspace_piece
     seg = _segment_args(problem)

@@ -51,6 +51,7 @@ def backward_workspace(problem, t: Tiles | None = None) -> Layout:
                         problem.state, problem.chunk)
     c = counts(problem, t or tiles(problem))
     recompute = problem.recompute_states
+    pairs = c["NQB"] * (c["NQB"] + 1) // 2          # the d(C·B) kernel's block pairs
     return Layout([
         ("cu", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
         ("offsets", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
@@ -63,7 +64,7 @@ def backward_workspace(problem, t: Tiles | None = None) -> Layout:
         ("dypre", problem.dtype, problem.batch * problem.length * H * P if problem.has_z else 0),
         ("dstates", problem.dtype, S * H * P * N),
         ("dcb", torch.float32, S * G * Q * Q),
-        ("intra", torch.float32, S * H * c["NQB"] * (c["NQB"] + 1) // 2 * (2 * (Q // c["NQB"]) + 1)),
+        ("intra", torch.float32, S * H * pairs * (2 * (Q // c["NQB"]) + 1)),
         ("ddt_part", torch.float32, S * H * c["NPB"] * Q),
         ("u", torch.float32, S * H * c["NNB"] * Q),
         ("w", torch.float32, S * H * c["NNB"] * Q),

@@ -87,12 +87,16 @@ def tiles(problem, config: ScanTiles | None = None) -> Tiles:
 
 
 def candidates(problem) -> list[ScanTiles]:
-    """Autotune candidates: the table's entry first; the other forward pipeline (fused or
-    split); the whole state per program (BN = 128: x read once by the states kernels, half their
-    programs); 32-row head-dim tiles (twice the output or fused programs)."""
+    """Autotune candidates, one per distinct fit to the problem: the table's entry first; the
+    other forward pipeline (fused or split); the whole state per program (BN = 128: x read once
+    by the states kernels, half their programs); 32-row head-dim tiles (twice the output or
+    fused programs)."""
     base = TILES[target_arch(problem.device)][0]
     out = [base, replace(base, FUSED=not base.FUSED), replace(base, BN=128), replace(base, BP=32)]
-    return list(dict.fromkeys(out))
+    fitted = {}
+    for config in out:                  # one per distinct fit (past n = 128 both are split)
+        fitted.setdefault(tiles(problem, config), config)
+    return list(fitted.values())
 
 
 def counts(problem, t: Tiles) -> dict:

@@ -53,15 +53,15 @@ TRAFFIC_BOUNDS = {
     # each of its per-chunk kernels (dx, d(C·B) with the straddling pairs, dB/dC), which all run a
     # (segment, group)'s or (segment, head)'s programs side by side (2026-12-02: dB/dC, d(C·B),
     # C·B; dH1 stored in x's dtype, 4.69x to 4.16x at Q128; the gate in the state walk: 3.98x;
-    # the straddling pairs in the d(C·B) kernel, 2026-12-05: 3.621x);
+    # the straddling pairs in the d(C·B) kernel, 2026-12-05: 3.621x; and C·B: 3.587x);
     # decode: dt, B and C re-read by each head-dim block (h·b programs apart); the forward
     # walk (2026-12-05: states and output in one kernel, 2.45x to 1.83x at Q128) writes the
     # bf16 entering states and y before the gate for the backward and reads C·B back
     "Mamba2ChunkScanForward": 1.83,
-    "Mamba2ChunkScanBackward": 3.63,
+    "Mamba2ChunkScanBackward": 3.59,
     # without z the floor loses z, dz and y before the gate while the passes between kernels
     # (dH1, C·B, d(C·B), the partials) and the re-reads of dy and x stay
-    ("Mamba2ChunkScanBackward", "scan nemotron-h 8K"): 4.16,
+    ("Mamba2ChunkScanBackward", "scan nemotron-h 8K"): 4.07,
     "Mamba2StateUpdate": 1.01,
     "Mamba2StateRollback": 1.00,
 }

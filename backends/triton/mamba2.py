@@ -42,7 +42,8 @@ __all__ = ["TILES", "ScanTiles", "Tiles", "backward_candidates", "backward_progr
 NUM_STAGES = 2
 DCB_STAGES = 1
 """The d(C·B) kernel's pipelining stages: its head-dim loop is one step at p <= 64, and a second
-stage takes it from 138 to 177 registers on sm_100a (128 on sm_90a either way)."""
+stage took it from 138 to 177 registers on sm_100a (128 on sm_90a either way) before it
+computed C·B itself."""
 
 
 def _varlen(problem) -> bool:
@@ -331,19 +332,21 @@ def dx_spec(problem, t: Tiles | None = None) -> KernelSpec:
 
 
 def dcb_spec(problem, t: Tiles | None = None) -> KernelSpec:
-    """d(C·B) per segment and group, and per head the block pairs' pieces of the straddling sums
-    of the log-decay gradient."""
+    """The backward's C·B (for dx) and d(C·B) per segment and group, and per head the block
+    pairs' pieces of the straddling sums of the log-decay gradient."""
     ty, t = _Types(problem), t or tiles(problem)
     return _spec(bwd_kernels.ssd_dcb_kernel,
-                 (("x_ptr", ty.x), ("dy_ptr", ty.x), ("cb_ptr", "*fp32"), ("dts_ptr", "*fp32"),
-                  ("acum_ptr", "*fp32"), *ty.seg, ty.runs, ("dcb_ptr", "*fp32"),
-                  ("intra_ptr", "*fp32"), *stride_args("x", "x"), *stride_args("dy", "x"),
-                  *ty.tail),
-                 dict(H=problem.heads, G=problem.groups, P=problem.head_dim, Q=problem.chunk,
-                      BQ=t.BQ, BP=t.BP, **ty.common, **numerics(problem.dtype), **ty.seq,
-                      VX=problem.vector),
+                 (("x_ptr", ty.x), ("dy_ptr", ty.x), ("C_ptr", ty.x), ("B_ptr", ty.x),
+                  ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"), *ty.seg, ty.runs,
+                  ("cb_ptr", "*fp32"), ("dcb_ptr", "*fp32"), ("intra_ptr", "*fp32"),
+                  *stride_args("x", "x"), *stride_args("dy", "x"), *stride_args("C", "B"),
+                  *stride_args("B", "B"), *ty.tail),
+                 dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
+                      Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.BN, **ty.common,
+                      **numerics(problem.dtype), **ty.seq, VX=problem.vector,
+                      VB=problem.bc_vector),
                  (_pairs(problem, t) * problem.max_segments * problem.groups,), warps=8,
-                 stages=DCB_STAGES, cost=model.dcb_cost(problem, t))
+                 stages=DCB_STAGES, maxnreg=t.DCB_MAXNREG, cost=model.dcb_cost(problem, t))
 
 
 def dbc_spec(problem, grad_b: bool, t: Tiles | None = None) -> KernelSpec:
@@ -406,9 +409,10 @@ def unsupported_reason(problem) -> str | None:
     return kernel_dtype_reason("Triton scan kernels", problem.dtype)
 
 
-def _prologue(problem, t: Tiles) -> list[Stage]:
+def _prologue(problem, t: Tiles, cb: bool = True) -> list[Stage]:
     """The segment table (varlen) or the runs of sequence ids, the dt transform with its
-    cumulative log-decay, and C·B."""
+    cumulative log-decay, and C·B (unless not ``cb``: the backward's d(C·B) kernel computes
+    it)."""
     ws = workspace_piece
     seg = _segment_args(problem)
     dts, acum = ws("dts"), ws("acum")
@@ -420,13 +424,13 @@ def _prologue(problem, t: Tiles) -> list[Stage]:
     if problem.has_seq_idx:
         stages.append(_stage(runs_spec(problem), runs_ptr=ws("runs"), L=problem.length))
     lo, hi = problem.dt_limit
-    stages += [
-        _stage(dt_cumsum_spec(problem, t), bias_ptr="dt_bias", dts_ptr=dts, acum_ptr=acum,
-               dt_min=lo, dt_max=hi, **strides("dt", "dt", "dt", problem.dt_vector), **seg),
-        _stage(cb_spec(problem, t), cb_ptr=ws("cb"), runs_ptr=ws("runs"),
-               **strides("C", "B", "C", problem.bc_vector),
-               **strides("B", "B", "B", problem.bc_vector), **seg),
-    ]
+    stages.append(_stage(dt_cumsum_spec(problem, t), bias_ptr="dt_bias", dts_ptr=dts,
+                         acum_ptr=acum, dt_min=lo, dt_max=hi,
+                         **strides("dt", "dt", "dt", problem.dt_vector), **seg))
+    if cb:
+        stages.append(_stage(cb_spec(problem, t), cb_ptr=ws("cb"), runs_ptr=ws("runs"),
+                             **strides("C", "B", "C", problem.bc_vector),
+                             **strides("B", "B", "B", problem.bc_vector), **seg))
     return stages
 
 
@@ -471,15 +475,15 @@ def forward_program(problem, config: ScanTiles | None = None) -> Program:
 
 
 def backward_program(problem, config: ScanTiles | None = None) -> Program:
-    """The forward's prologue recomputed (and its states with recompute_states), the state
-    gradients backwards along each sequence (with the gate's backward), dx, d(C·B) with the
-    straddling pairs of the log-decay gradient, dB, dC, ddt and the fixed-order parameter
-    reduction (tiles: the table's entry, or ``config``)."""
+    """The forward's prologue recomputed but C·B (and its states with recompute_states), the
+    state gradients backwards along each sequence (with the gate's backward), C·B with d(C·B)
+    and the straddling pairs of the log-decay gradient, dx, dB, dC, ddt and the fixed-order
+    parameter reduction (tiles: the table's entry, or ``config``)."""
     t = tiles(problem, config)
     ws = workspace_piece
     seg = _segment_args(problem)
     v, vb = problem.vector, problem.bc_vector
-    stages = _prologue(problem, t)
+    stages = _prologue(problem, t, cb=False)
     if problem.recompute_states:
         states = ws("states")
         stages.append(_states_stage(problem, t, states, ws("final")))
@@ -501,11 +505,12 @@ def backward_program(problem, config: ScanTiles | None = None) -> Program:
                **strides("dy", "x", "dy", v), **strides("z", "x", "z", v, gate),
                **strides("y", "x", contiguous_x(problem), v, gate),
                **strides("dz", "x", "dz", v, gate), **strides("C", "B", "C", vb), **runs),
+        _stage(dcb_spec(problem, t), dy_ptr=dy, cb_ptr=ws("cb"), dcb_ptr=ws("dcb"),
+               intra_ptr=ws("intra"), **x_strides, **grad_strides, **strides("C", "B", "C", vb),
+               **strides("B", "B", "B", vb), **runs, **fixed),
         _stage(dx_spec(problem, t), dy_ptr=dy, cb_ptr=ws("cb"), dstates_ptr=ws("dstates"), D_ptr="D",
                ddt_part_ptr=ws("ddt_part"), dD_part_ptr=ws("dD_part"), **x_strides, **grad_strides,
                **strides("B", "B", "B", vb), **strides("dx", "x", "dx", v), **runs, **fixed),
-        _stage(dcb_spec(problem, t), dy_ptr=dy, cb_ptr=ws("cb"), dcb_ptr=ws("dcb"),
-               intra_ptr=ws("intra"), **x_strides, **grad_strides, **runs, **fixed),
         *(_stage(dbc_spec(problem, grad_b, t), dy_ptr=dy, dcb_ptr=ws("dcb"), states_ptr=states,
                  dstates_ptr=ws("dstates"), out_ptr=out, uw_part_ptr=ws(part), **x_strides,
                  **grad_strides, **strides("B", "B", "B", vb), **strides("C", "B", "C", vb),

@@ -23,7 +23,7 @@ token's run, H0 only the run before the segment, dH1 passes H0 only when the seg
 import triton
 import triton.language as tl
 
-from .mamba2_fwd import (accumulate_state, block_pair, segment_bounds, segment_runs,
+from .mamba2_fwd import (accumulate_state, block_pair, cb_tile, segment_bounds, segment_runs,
                           sequence_span, state_tile, token_runs, token_weights)
 from .ssm_math import softplus
 from .tiles import mm
@@ -260,13 +260,16 @@ def dy_xt_tile(p_dy, p_x, stride_dy_l, stride_x_l, tok_i, tok_j, m_i, m_j, P: tl
 
 
 @triton.jit
-def ssd_dcb_kernel(x_ptr, dy_ptr, cb_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, runs_ptr, dcb_ptr,
-                   intra_ptr, stride_x_b, stride_x_l, stride_x_h, stride_dy_b, stride_dy_l,
-                   stride_dy_h, L, NSEQ, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
-                   Q: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr, VARLEN: tl.constexpr,
+def ssd_dcb_kernel(x_ptr, dy_ptr, C_ptr, B_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, runs_ptr,
+                   cb_ptr, dcb_ptr, intra_ptr, stride_x_b, stride_x_l, stride_x_h, stride_dy_b,
+                   stride_dy_l, stride_dy_h, stride_C_b, stride_C_l, stride_C_g, stride_B_b,
+                   stride_B_l, stride_B_g, L, NSEQ, H: tl.constexpr, G: tl.constexpr,
+                   P: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr,
+                   BP: tl.constexpr, BN: tl.constexpr, VARLEN: tl.constexpr,
                    SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                   HAS_SEQ: tl.constexpr, VX: tl.constexpr):
-    """dcb[σ, g, i, j] = sum over the group's heads of exp(Acum_i - Acum_j) dt_j (dy_i·x_j)
+                   HAS_SEQ: tl.constexpr, VX: tl.constexpr, VB: tl.constexpr):
+    """The backward's C·B tile (as ``ssd_cb_kernel`` computes it, stored for the dx kernel), then
+    dcb[σ, g, i, j] = sum over the group's heads of exp(Acum_i - Acum_j) dt_j (dy_i·x_j)
     (sequence ids: zero across runs), for the block pairs (I, J <= I), and per head the pair's
     share of the straddling sums of the log-decay gradient, intra(k) = sum_{i>=k} sum_{j<k}
     T_ij with T_ij = (C·B)_ij exp(Acum_i - Acum_j) dt_j (dy_i·x_j) (j <= i; C·B is zero
@@ -294,7 +297,11 @@ def ssd_dcb_kernel(x_ptr, dy_ptr, cb_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, ru
     tok_j = (start + o_j).to(tl.int64)
     keep = (o_j[None, :] <= o_i[:, None]) & m_i[:, None] & m_j[None, :]
     p = i_sg.to(tl.int64) * (Q * Q) + o_i[:, None] * Q + o_j[None, :]
-    b_cb = tl.where(keep, tl.load(cb_ptr + p), 0.0)
+    b_cb = cb_tile(C_ptr, B_ptr, runs_ptr, row, start, i_g, o_i, o_j, m_i, m_j, stride_C_b,
+                   stride_C_l, stride_C_g, stride_B_b, stride_B_l, stride_B_g, L, N, BQ, BN,
+                   UPCAST, IEEE, HAS_SEQ, VB)
+    tl.store(cb_ptr + p, b_cb)
+    b_cb = tl.where(keep, b_cb, 0.0)
     diagonal = tl.where(i_m == i_n, 1.0, 0.0)
     o_r = tl.arange(0, BQ)
     R: tl.constexpr = H // G

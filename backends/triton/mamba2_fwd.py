@@ -250,6 +250,33 @@ def block_pair(t, NT: tl.constexpr):
 
 
 @triton.jit
+def cb_tile(C_ptr, B_ptr, runs_ptr, row, start, i_g, o_i, o_j, m_i, m_j, stride_C_b, stride_C_l,
+            stride_C_g, stride_B_b, stride_B_l, stride_B_g, L, N: tl.constexpr,
+            BQ: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+            HAS_SEQ: tl.constexpr, VB: tl.constexpr):
+    """The fp32 [BQ, BQ] tile C_i·B_j of group i_g for a segment's rows o_i and columns o_j
+    (m_i, m_j: inside the segment), over n in BN-wide steps; sequence ids: zero across runs."""
+    p_c = C_ptr + row * (stride_C_b * VB) + i_g * (stride_C_g * VB)
+    p_b = B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB)
+    tok_i = (start + o_i).to(tl.int64)
+    tok_j = (start + o_j).to(tl.int64)
+    b_acc = tl.zeros([BQ, BQ], dtype=tl.float32)
+    for n0 in range(0, N, BN):
+        o_n = n0 + tl.arange(0, BN)
+        m_n = o_n < N
+        b_c = tl.load(p_c + tok_i[:, None] * (stride_C_l * VB) + o_n[None, :],
+                      mask=m_i[:, None] & m_n[None, :], other=0.0)
+        b_bt = tl.load(p_b + tok_j[None, :] * (stride_B_l * VB) + o_n[:, None],
+                       mask=m_n[:, None] & m_j[None, :], other=0.0)
+        b_acc = mm(b_c, b_bt, b_acc, UPCAST, IEEE)                  # [BQ, BN] @ [BN, BQ]
+    if HAS_SEQ:              # pairs of one run only
+        r_i = token_runs(runs_ptr, row, start, o_i, m_i, L)
+        r_j = token_runs(runs_ptr, row, start, o_j, m_j, L)
+        b_acc = tl.where(r_i[:, None] == r_j[None, :], b_acc, 0.0)
+    return b_acc
+
+
+@triton.jit
 def ssd_cb_kernel(C_ptr, B_ptr, cu_ptr, off_ptr, runs_ptr, cb_ptr, stride_C_b, stride_C_l,
                   stride_C_g, stride_B_b, stride_B_l, stride_B_g, L, NSEQ,
                   G: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr,
@@ -268,24 +295,10 @@ def ssd_cb_kernel(C_ptr, B_ptr, cu_ptr, off_ptr, runs_ptr, cb_ptr, stride_C_b, s
     row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
     o_i = i_m * BQ + tl.arange(0, BQ)
     o_j = i_n * BQ + tl.arange(0, BQ)
-    tok_i = (start + o_i).to(tl.int64)
-    tok_j = (start + o_j).to(tl.int64)
     m_i, m_j = start + o_i < end, start + o_j < end
-    p_c = C_ptr + row * (stride_C_b * VB) + i_g * (stride_C_g * VB)
-    p_b = B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB)
-    b_acc = tl.zeros([BQ, BQ], dtype=tl.float32)
-    for n0 in range(0, N, BN):
-        o_n = n0 + tl.arange(0, BN)
-        m_n = o_n < N
-        b_c = tl.load(p_c + tok_i[:, None] * (stride_C_l * VB) + o_n[None, :],
-                      mask=m_i[:, None] & m_n[None, :], other=0.0)
-        b_bt = tl.load(p_b + tok_j[None, :] * (stride_B_l * VB) + o_n[:, None],
-                       mask=m_n[:, None] & m_j[None, :], other=0.0)
-        b_acc = mm(b_c, b_bt, b_acc, UPCAST, IEEE)                  # [BQ, BN] @ [BN, BQ]
-    if HAS_SEQ:              # pairs of one run only
-        r_i = token_runs(runs_ptr, row, start, o_i, m_i, L)
-        r_j = token_runs(runs_ptr, row, start, o_j, m_j, L)
-        b_acc = tl.where(r_i[:, None] == r_j[None, :], b_acc, 0.0)
+    b_acc = cb_tile(C_ptr, B_ptr, runs_ptr, row, start, i_g, o_i, o_j, m_i, m_j, stride_C_b,
+                    stride_C_l, stride_C_g, stride_B_b, stride_B_l, stride_B_g, L, N, BQ, BN,
+                    UPCAST, IEEE, HAS_SEQ, VB)
     p = i_sg.to(tl.int64) * (Q * Q) + o_i[:, None] * Q + o_j[None, :]
     tl.store(cb_ptr + p, b_acc)
 

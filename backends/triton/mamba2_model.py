@@ -373,18 +373,20 @@ def dx_cost(problem, t: Tiles) -> Cost:
 
 @per_arch
 def dcb_cost(problem, t: Tiles) -> Cost:
-    """d(C·B) with the straddling pairs of the decay gradient. Order: a 1-D grid over (block
-    pair, S·g), the pairs (i, j <= i) of a (segment, group) fastest, row-major (tri programs,
-    none above the diagonal). Reuse: each program loads its C·B tile (its own) and, for the R
-    heads of its group, dy rows i and x rows j over p and acum/dts (3·BQ·4); the pairs
-    (i, 0..i) sharing dy rows i, and (j..NQB-1, j) sharing x rows j (and the heads' acum and
-    dts rows), are at most tri - 1 = 9 programs apart, and a program moves 308 KiB (its 16
-    heads' rows): G = 79 (200 on sm_100), so dy, x, acum and dts are read once (where (S·g,
-    NQB²) order, the pairs S·g = 512 programs apart, read dy and x (NQB + 1)/2 = 2.5 times for
-    full segments, acum and dts in every program). One fp32 [BQ, BQ] tile written, and per
-    head the pair's 2·BQ + 1 fp32 pieces of the straddling sums. MMA: [BQ, BP] @ [BP, BQ] over
-    p, per head and pair of every grid segment (the straddling-pair kernel before 2026-12-05
-    computed the same products a second time)."""
+    """The backward's C·B with d(C·B) and the straddling pairs of the decay gradient. Order: a
+    1-D grid over (block pair, S·g), the pairs (i, j <= i) of a (segment, group) fastest,
+    row-major (tri programs, none above the diagonal). Reuse: each program loads C rows i and B
+    rows j over n (shared like dy and x below) and, for the R heads of its group, dy rows i and
+    x rows j over p and acum/dts (3·BQ·4); the pairs (i, 0..i) sharing C and dy rows i, and
+    (j..NQB-1, j) sharing B and x rows j (and the heads' acum and dts rows), are at most
+    tri - 1 = 9 programs apart, and a program moves 340 KiB (its 16 heads' rows): G = 72 (181
+    on sm_100), so C, B, dy, x, acum and dts are read once (where (S·g, NQB²) order, the pairs
+    S·g = 512 programs apart, read dy and x (NQB + 1)/2 = 2.5 times for full segments, acum and
+    dts in every program). Two fp32 [BQ, BQ] tiles written (C·B for the dx kernel, d(C·B)),
+    and per head the pair's 2·BQ + 1 fp32 pieces of the straddling sums. MMA: [BQ, BN] @
+    [BN, BQ] over n per pair, and [BQ, BP] @ [BP, BQ] over p per head and pair, of every grid
+    segment (before 2026-12-05 a C·B kernel wrote the tile for this kernel to read back, and
+    the straddling-pair kernel computed the products over p a second time)."""
     d = _Dims(problem, t)
     nqb = d.NQB
     launch = _Launch(problem, t, (d.pairs, d.S * d.G))
@@ -393,7 +395,8 @@ def dcb_cost(problem, t: Tiles) -> Cost:
     pi, pj = _block_pairs(nqb)
     s, g, i, j = sg // d.G, sg % d.G, pi[ij], pj[ij]
     every = every_program(w)
-    w.load("C·B", every, key((s, d.S), (g, d.G), (i, nqb), (j, nqb)), d.BQ * d.BQ * 4)
+    w.load("C", every, key((s, d.S), (i, nqb), (g, d.G)), launch.V[s, i] * d.N * d.e)
+    w.load("B", every, key((s, d.S), (j, nqb), (g, d.G)), launch.V[s, j] * d.N * d.e)
     prog, r = w.loop(d.R)
     sp, ip_, jp = s[prog], i[prog], j[prog]
     h = g[prog] * d.R + r
@@ -403,9 +406,9 @@ def dcb_cost(problem, t: Tiles) -> Cost:
     w.load("acum", prog, key((sp, d.S), (h, d.H), (jp, nqb)), d.BQ * 4)
     w.load("dts", prog, key((sp, d.S), (h, d.H), (jp, nqb)), d.BQ * 4)
     w.store(prog, (2 * d.BQ + 1) * 4)
-    w.store(every, d.BQ * d.BQ * 4)
+    w.store(every, 2 * d.BQ * d.BQ * 4)
     read, written = w.count()
-    mma = d.S * d.H * d.pairs * 2 * d.BQ * d.BQ * d.Pp
+    mma = d.S * d.pairs * 2 * d.BQ * d.BQ * (d.H * d.Pp + d.G * d.Np)
     cuda = d.S * d.H * d.pairs * d.BQ * (d.BQ * 9 + 4)
     return Cost(mma + cuda, read + d.table, written, mma, d.BQ)
 

@@ -20,7 +20,9 @@ class ScanTiles:
     program. FUSED: the forward computes the states and the output in one walk along every
     sequence (``ssd_fused_fwd_kernel``: a program holds the whole state of its BP head-dim rows,
     so BN does not apply to it) instead of a states kernel and an output kernel; FUSED_WARPS and
-    FUSED_STAGES: that kernel's warps and software-pipelining stages."""
+    FUSED_STAGES: that kernel's warps and software-pipelining stages. DCB_MAXNREG: the
+    backward d(C·B) kernel's register budget (None: ptxas's choice), where ptxas would
+    otherwise take 2 CTAs of 8 warps per SM down to 1."""
 
     BQ: int = 64
     BP: int = 64
@@ -29,6 +31,7 @@ class ScanTiles:
     FUSED: bool = True
     FUSED_WARPS: int = 8
     FUSED_STAGES: int = 1
+    DCB_MAXNREG: int | None = None
 
 
 @dataclass(frozen=True)
@@ -43,6 +46,7 @@ class Tiles:
     FUSED: bool
     FUSED_WARPS: int
     FUSED_STAGES: int
+    DCB_MAXNREG: int | None
 
 
 FUSED_MAX_STATE = 128
@@ -51,19 +55,22 @@ takes 32 registers a thread of 8 warps and the kernel 247 on sm_90a; twice that 
 
 
 TILES = {
-    "sm_80": (ScanTiles(64, 64, 64, 16),
+    "sm_80": (ScanTiles(64, 64, 64, 16, DCB_MAXNREG=128),
               "A100 (108 SMs, 164 KiB shared memory, mma.sync m16n8k16): today's tiles; the "
               "output kernel's 40.5 KiB of shared memory at two stages allows 4 CTAs per SM; the "
-              "fused forward walk at one stage (212-222 registers; two spill 24 bytes at p = 64); "
-              "no measurement yet says better"),
-    "sm_90": (ScanTiles(64, 64, 64, 16),
+              "fused forward walk at one stage (206-222 registers; two spill 24 bytes at p = 64); "
+              "d(C·B) capped at 128 registers, 2 CTAs per SM without spilling (ptxas alone takes "
+              "128-170); no measurement yet says better"),
+    "sm_90": (ScanTiles(64, 64, 64, 16, DCB_MAXNREG=128),
               "H100/H200 (132 SMs, 228 KiB, wgmma): BQ = BP = 64 rows is one m64 wgmma per "
               "warpgroup, the smallest tile with no mma.sync; the fused forward walk with 8 "
-              "warps at one stage (243-247 registers, 1 CTA per SM; two spill 8 bytes at p = 80 "
-              "with D per channel); no measurement yet"),
+              "warps at one stage (239-247 registers, 1 CTA per SM; two spill 8 bytes at p = 80 "
+              "with D per channel); d(C·B) capped at 128 registers, 2 CTAs per SM without "
+              "spilling (ptxas alone takes 128-142); no measurement yet"),
     "sm_100": (ScanTiles(64, 64, 64, 16),
                "B200 (148 SMs, 228 KiB, tcgen05): today's tiles (Triton lowers the 64-row dots "
                "to tcgen05 with a 64-row M); the fused forward walk at one stage (two spill 16-24 "
+               "bytes); d(C·B) uncapped (142-162 registers, 1 CTA per SM: at 128 it spills 8-40 "
                "bytes); no measurement yet"),
 }
 
@@ -83,7 +90,8 @@ def tiles(problem, config: ScanTiles | None = None) -> Tiles:
                  BN=_pow2_between(problem.state, 16, c.BN),
                  BLOCK_H=_pow2_between(problem.heads, 1, c.BLOCK_H), SEARCH=search,
                  FUSED=c.FUSED and triton.next_power_of_2(problem.state) <= FUSED_MAX_STATE,
-                 FUSED_WARPS=c.FUSED_WARPS, FUSED_STAGES=c.FUSED_STAGES)
+                 FUSED_WARPS=c.FUSED_WARPS, FUSED_STAGES=c.FUSED_STAGES,
+                 DCB_MAXNREG=c.DCB_MAXNREG)
 
 
 def candidates(problem) -> list[ScanTiles]:

@@ -994,6 +994,18 @@ def test_segment_tokens_follow_the_segment_lengths():
     assert segment_tokens(_production("scan varlen Q256")[0].problem)[:65] == [128] * 64 + [0]
 
 
+def _production_bytes():
+    """Sizes the production shape's cost tests count with (b=2, l=8192, h=128, p=64, n=128,
+    g=8, Q=256, bf16, BQ=64): T, S, BQ, Q, h, p, g, n, the element size e, then the bytes of x
+    (xb), of the segment states in fp32 (state), of one fp32 state per sequence (seq_state),
+    of dts or acum (fp32 per segment), of B or C rows (bc) and of the fp32 C·B tiles of the 10
+    pairs (cb)."""
+    b, l, h, p, g, n, Q, e = 2, 8192, 128, 64, 8, 128, 256, 2
+    T, S, BQ = b * l, b * l // Q, 64
+    return (T, S, BQ, Q, h, p, g, n, e, T * h * p * e, S * h * p * n * 4, b * h * p * n * 4,
+            S * h * Q * 4, T * g * n * e, S * g * 10 * BQ * BQ * 4)
+
+
 def test_forward_model_and_floor_at_the_production_shape():
     """The forward's modelled bytes on sm_90 (b=2, l=8192, h=128, p=64, n=128, g=8, Q=256, bf16,
     BQ=BP=BN=64, D and z, initial states, bf16 passed states), recomputed here by reuse distance
@@ -1017,12 +1029,7 @@ def test_forward_model_and_floor_at_the_production_shape():
     with compiling_for("sm_90"):
         fwd, _ = _production("scan h128 p64 n128 Q256")
         kernels = fwd.kernel_program("triton").kernels
-    b, l, h, p, g, n, Q, e = 2, 8192, 128, 64, 8, 128, 256, 2
-    T, S, BQ = b * l, b * l // Q, 64
-    xb, state, seq_state = T * h * p * e, S * h * p * n * 4, b * h * p * n * 4
-    acum = S * h * Q * 4                                  # dts and acum, fp32 per segment
-    bc = T * g * n * e                                    # B (or C) rows of every group, once
-    cb = S * g * 10 * BQ * BQ * 4                         # the fp32 C·B tiles of the 10 pairs
+    T, S, BQ, Q, h, p, g, n, e, xb, state, seq_state, acum, bc, cb = _production_bytes()
     assert 0.5 * 50e6 / (2 * BQ * n * e + BQ * BQ * 4) > 9
     assert 0.5 * 50e6 / (14 * 2**20) > 1
     expected = {
@@ -1063,12 +1070,7 @@ def test_split_forward_model_at_the_production_shape():
         fwd, _ = _production("scan h128 p64 n128 Q256")
         split = replace(kernels_module.TILES["sm_90"][0], FUSED=False)
         kernels = kernels_module.forward_program(fwd.problem, config=split).kernels
-    b, l, h, p, g, n, Q, e = 2, 8192, 128, 64, 8, 128, 256, 2
-    T, S, BQ = b * l, b * l // Q, 64
-    xb, state, seq_state = T * h * p * e, S * h * p * n * 4, b * h * p * n * 4
-    acum = S * h * Q * 4
-    bc = T * g * n * e
-    cb = S * g * 10 * BQ * BQ * 4
+    T, S, BQ, Q, h, p, g, n, e, xb, state, seq_state, acum, bc, cb = _production_bytes()
     expected = {
         "ssd_dt_cumsum_kernel": T * h * e + 8 * h + 2 * acum,
         "ssd_cb_kernel": 2 * bc + cb,
@@ -1105,12 +1107,7 @@ def test_backward_pair_and_state_tile_kernels_at_the_production_shape():
     with compiling_for("sm_90"):
         _, bwd = _production("scan h128 p64 n128 Q256")
         kernels = bwd.kernel_program("triton").kernels
-    b, l, h, p, g, n, Q, e = 2, 8192, 128, 64, 8, 128, 256, 2
-    T, S, BQ = b * l, b * l // Q, 64
-    xb, state = T * h * p * e, S * h * p * n * 4
-    acum = S * h * Q * 4
-    bc = T * g * n * e
-    cb = S * g * 10 * BQ * BQ * 4
+    T, S, BQ, Q, h, p, g, n, e, xb, state, seq_state, acum, bc, cb = _production_bytes()
     assert 0.5 * 50e6 / 352_320 > 7 and 0.5 * 50e6 / 348_224 > 9
     costs = [(k.name, k.cost.bytes_read, k.cost.bytes_written) for k in kernels
              if k.name in ("ssd_cb_kernel", "ssd_dcb_kernel", "ssd_dbc_kernel")]

@@ -27,12 +27,10 @@ def saved_layout(problem) -> Layout:
     ])
 
 
-def forward_workspace(problem) -> Layout:
-    """Varlen: the sanitised cu_seqlens and the segment table; sequence ids: the run of every
-    token; the transformed dt and its cumulative log-decay per segment, C·B per group, and the
-    segment states when they are not saved."""
+def _forward_pieces(problem) -> list:
+    """The forward workspace's pieces, which the backward recomputes into its own."""
     S, H, Q = problem.max_segments, problem.heads, problem.chunk
-    return Layout([
+    return [
         ("cu", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
         ("offsets", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
         ("runs", torch.int32, problem.batch * problem.length if problem.has_seq_idx else 0),
@@ -41,7 +39,14 @@ def forward_workspace(problem) -> Layout:
         ("cb", torch.float32, S * problem.groups * Q * Q),
         ("states", problem.state_dtype,
          S * H * problem.head_dim * problem.state if problem.recompute_states else 0),
-    ])
+    ]
+
+
+def forward_workspace(problem) -> Layout:
+    """Varlen: the sanitised cu_seqlens and the segment table; sequence ids: the run of every
+    token; the transformed dt and its cumulative log-decay per segment, C·B per group, and the
+    segment states when they are not saved."""
+    return Layout(_forward_pieces(problem))
 
 
 def backward_workspace(problem, t: Tiles | None = None) -> Layout:
@@ -52,14 +57,7 @@ def backward_workspace(problem, t: Tiles | None = None) -> Layout:
     c = counts(problem, t or tiles(problem))
     recompute = problem.recompute_states
     pairs = c["NQB"] * (c["NQB"] + 1) // 2          # the d(C·B) kernel's block pairs
-    return Layout([
-        ("cu", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
-        ("offsets", torch.int32, problem.sequences + 1 if _varlen(problem) else 0),
-        ("runs", torch.int32, problem.batch * problem.length if problem.has_seq_idx else 0),
-        ("dts", torch.float32, S * H * Q),
-        ("acum", torch.float32, S * H * Q),
-        ("cb", torch.float32, S * G * Q * Q),
-        ("states", problem.state_dtype, S * H * P * N if recompute else 0),
+    return Layout(_forward_pieces(problem) + [
         ("final", torch.float32, problem.sequences * H * P * N if recompute else 0),
         ("dypre", problem.dtype, problem.batch * problem.length * H * P if problem.has_z else 0),
         ("dstates", problem.dtype, S * H * P * N),

@@ -23,8 +23,9 @@ token's run, H0 only the run before the segment, dH1 passes H0 only when the seg
 import triton
 import triton.language as tl
 
-from .mamba2_fwd import (accumulate_state, block_pair, cb_tile, segment_bounds, segment_runs,
-                          sequence_span, state_tile, token_runs, token_weights)
+from .mamba2_fwd import (accumulate_state, block_pair, cb_tile, rows_product, segment_bounds,
+                          segment_runs, sequence_span, state_tile, token_runs, token_weights,
+                          walk_tile)
 from .ssm_math import softplus
 from .tiles import mm
 
@@ -104,12 +105,7 @@ def ssd_chunk_states_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, C_pt
     i_s, i_h = i_sh // H, i_sh % H
     i_g = i_h // (H // G)
     first, last, row, seq_start, seq_end = sequence_span(i_s, cu_ptr, off_ptr, L, Q, VARLEN)
-    o_p = i_p * BP + tl.arange(0, BP)
-    o_n = i_n * BN + tl.arange(0, BN)
-    m_p, m_n = o_p < P, o_n < N
-    m_pn = m_p[:, None] & m_n[None, :]
-    o_pn = o_p[:, None] * N + o_n[None, :]
-    p_seq = i_sh.to(tl.int64) * (P * N) + o_pn
+    o_p, o_n, m_p, m_n, m_pn, o_pn, p_seq = walk_tile(i_p, i_n, i_sh, P, N, BP, BN)
     b_dh = state_tile(dfinal_ptr, p_seq, m_pn, BP, BN, HAS_DFINAL)
     p_dy = dy_ptr + row * (stride_dy_b * VX) + i_h * (stride_dy_h * VX)
     p_c = C_ptr + row * (stride_C_b * VB) + i_g * (stride_C_g * VB)
@@ -242,24 +238,6 @@ def ssd_chunk_scan_bwd_dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr
 
 
 @triton.jit
-def dy_xt_tile(p_dy, p_x, stride_dy_l, stride_x_l, tok_i, tok_j, m_i, m_j, P: tl.constexpr,
-               BQ: tl.constexpr, BP: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-               VX: tl.constexpr):
-    """[BQ, BQ] tile of dy_i·x_j over the head dim, for rows tok_i and columns tok_j (p_dy,
-    p_x: the head's row and head offsets applied)."""
-    b_dyx = tl.zeros([BQ, BQ], dtype=tl.float32)
-    for p0 in range(0, P, BP):
-        o_p = p0 + tl.arange(0, BP)
-        m_p = o_p < P
-        b_dy = tl.load(p_dy + tok_i[:, None] * (stride_dy_l * VX) + o_p[None, :],
-                       mask=m_i[:, None] & m_p[None, :], other=0.0)
-        b_xt = tl.load(p_x + tok_j[None, :] * (stride_x_l * VX) + o_p[:, None],
-                       mask=m_p[:, None] & m_j[None, :], other=0.0)
-        b_dyx = mm(b_dy, b_xt, b_dyx, UPCAST, IEEE)                 # [BQ, BP] @ [BP, BQ]
-    return b_dyx
-
-
-@triton.jit
 def ssd_dcb_kernel(x_ptr, dy_ptr, C_ptr, B_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, runs_ptr,
                    cb_ptr, dcb_ptr, intra_ptr, stride_x_b, stride_x_l, stride_x_h, stride_dy_b,
                    stride_dy_l, stride_dy_h, stride_C_b, stride_C_l, stride_C_g, stride_B_b,
@@ -308,10 +286,10 @@ def ssd_dcb_kernel(x_ptr, dy_ptr, C_ptr, B_ptr, dts_ptr, acum_ptr, cu_ptr, off_p
     b_dcb = tl.zeros([BQ, BQ], dtype=tl.float32)
     for r in range(R):
         i_h = i_g * R + r
-        b_dyx = dy_xt_tile(dy_ptr + row * (stride_dy_b * VX) + i_h * (stride_dy_h * VX),
-                           x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX),
-                           stride_dy_l, stride_x_l, tok_i, tok_j, m_i, m_j, P, BQ, BP, UPCAST,
-                           IEEE, VX)
+        b_dyx = rows_product(dy_ptr + row * (stride_dy_b * VX) + i_h * (stride_dy_h * VX),
+                             x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX),
+                             stride_dy_l, stride_x_l, tok_i, tok_j, m_i, m_j, P, BQ, BP, UPCAST,
+                             IEEE, VX)
         p_seg = (i_seg * H + i_h).to(tl.int64) * Q
         b_acum_i = tl.load(acum_ptr + p_seg + o_i)
         b_acum_j = tl.load(acum_ptr + p_seg + o_j)

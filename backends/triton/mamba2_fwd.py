@@ -88,6 +88,20 @@ def sequence_span(i_s, cu_ptr, off_ptr, L, Q: tl.constexpr, VARLEN: tl.constexpr
 
 
 @triton.jit
+def walk_tile(i_p, i_n, i_sh, P: tl.constexpr, N: tl.constexpr, BP: tl.constexpr,
+              BN: tl.constexpr):
+    """The [BP, BN] state tile a walk along sequence·head i_sh holds (head-dim tile i_p, state
+    tile i_n): (o_p, o_n, m_p, m_n) its rows, columns and their masks, m_pn its mask, o_pn its
+    offsets in one [P, N] state, p_seq those in the per-sequence states (initial, final)."""
+    o_p = i_p * BP + tl.arange(0, BP)
+    o_n = i_n * BN + tl.arange(0, BN)
+    m_p, m_n = o_p < P, o_n < N
+    o_pn = o_p[:, None] * N + o_n[None, :]
+    return (o_p, o_n, m_p, m_n, m_p[:, None] & m_n[None, :], o_pn,
+            i_sh.to(tl.int64) * (P * N) + o_pn)
+
+
+@triton.jit
 def state_tile(ptr, offsets, mask, BP: tl.constexpr, BN: tl.constexpr, PRESENT: tl.constexpr):
     """The fp32 [BP, BN] state tile at ``offsets`` of ``ptr``, or zeros when absent."""
     if PRESENT:
@@ -250,25 +264,36 @@ def block_pair(t, NT: tl.constexpr):
 
 
 @triton.jit
+def rows_product(p_a, p_b, stride_a_l, stride_b_l, tok_i, tok_j, m_i, m_j, K: tl.constexpr,
+                 BQ: tl.constexpr, BK: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                 V: tl.constexpr):
+    """The fp32 [BQ, BQ] tile a_i·b_j over the K columns of two per-token operands (C·B over n,
+    dy·xᵀ over p), for rows tok_i of a and tok_j of b (m_i, m_j: the tokens that exist; p_a,
+    p_b: the row and head or group offsets applied, row strides in units of V), in BK-wide
+    steps."""
+    b_acc = tl.zeros([BQ, BQ], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        o_k = k0 + tl.arange(0, BK)
+        m_k = o_k < K
+        b_a = tl.load(p_a + tok_i[:, None] * (stride_a_l * V) + o_k[None, :],
+                      mask=m_i[:, None] & m_k[None, :], other=0.0)
+        b_bt = tl.load(p_b + tok_j[None, :] * (stride_b_l * V) + o_k[:, None],
+                       mask=m_k[:, None] & m_j[None, :], other=0.0)
+        b_acc = mm(b_a, b_bt, b_acc, UPCAST, IEEE)                  # [BQ, BK] @ [BK, BQ]
+    return b_acc
+
+
+@triton.jit
 def cb_tile(C_ptr, B_ptr, runs_ptr, row, start, i_g, o_i, o_j, m_i, m_j, stride_C_b, stride_C_l,
             stride_C_g, stride_B_b, stride_B_l, stride_B_g, L, N: tl.constexpr,
             BQ: tl.constexpr, BN: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
             HAS_SEQ: tl.constexpr, VB: tl.constexpr):
     """The fp32 [BQ, BQ] tile C_i·B_j of group i_g for a segment's rows o_i and columns o_j
     (m_i, m_j: inside the segment), over n in BN-wide steps; sequence ids: zero across runs."""
-    p_c = C_ptr + row * (stride_C_b * VB) + i_g * (stride_C_g * VB)
-    p_b = B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB)
-    tok_i = (start + o_i).to(tl.int64)
-    tok_j = (start + o_j).to(tl.int64)
-    b_acc = tl.zeros([BQ, BQ], dtype=tl.float32)
-    for n0 in range(0, N, BN):
-        o_n = n0 + tl.arange(0, BN)
-        m_n = o_n < N
-        b_c = tl.load(p_c + tok_i[:, None] * (stride_C_l * VB) + o_n[None, :],
-                      mask=m_i[:, None] & m_n[None, :], other=0.0)
-        b_bt = tl.load(p_b + tok_j[None, :] * (stride_B_l * VB) + o_n[:, None],
-                       mask=m_n[:, None] & m_j[None, :], other=0.0)
-        b_acc = mm(b_c, b_bt, b_acc, UPCAST, IEEE)                  # [BQ, BN] @ [BN, BQ]
+    b_acc = rows_product(C_ptr + row * (stride_C_b * VB) + i_g * (stride_C_g * VB),
+                         B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB), stride_C_l,
+                         stride_B_l, (start + o_i).to(tl.int64), (start + o_j).to(tl.int64),
+                         m_i, m_j, N, BQ, BN, UPCAST, IEEE, VB)
     if HAS_SEQ:              # pairs of one run only
         r_i = token_runs(runs_ptr, row, start, o_i, m_i, L)
         r_j = token_runs(runs_ptr, row, start, o_j, m_j, L)
@@ -398,12 +423,7 @@ def ssd_chunk_states_kernel(x_ptr, B_ptr, dts_ptr, acum_ptr, h0_ptr, cu_ptr, off
     i_s, i_h = i_sh // H, i_sh % H
     i_g = i_h // (H // G)
     first, last, row, seq_start, seq_end = sequence_span(i_s, cu_ptr, off_ptr, L, Q, VARLEN)
-    o_p = i_p * BP + tl.arange(0, BP)
-    o_n = i_n * BN + tl.arange(0, BN)
-    m_p, m_n = o_p < P, o_n < N
-    m_pn = m_p[:, None] & m_n[None, :]
-    o_pn = o_p[:, None] * N + o_n[None, :]
-    p_seq = i_sh.to(tl.int64) * (P * N) + o_pn
+    o_p, o_n, m_p, m_n, m_pn, o_pn, p_seq = walk_tile(i_p, i_n, i_sh, P, N, BP, BN)
     b_state = state_tile(h0_ptr, p_seq, m_pn, BP, BN, HAS_H0)
     p_x = x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX)
     p_b = B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB)
@@ -551,12 +571,7 @@ def ssd_fused_fwd_kernel(x_ptr, z_ptr, B_ptr, C_ptr, cb_ptr, dts_ptr, acum_ptr, 
     i_s, i_h = i_sh // H, i_sh % H
     i_g = i_h // (H // G)
     first, last, row, seq_start, seq_end = sequence_span(i_s, cu_ptr, off_ptr, L, Q, VARLEN)
-    o_p = i_p * BP + tl.arange(0, BP)
-    o_n = tl.arange(0, BN)
-    m_p, m_n = o_p < P, o_n < N
-    m_pn = m_p[:, None] & m_n[None, :]
-    o_pn = o_p[:, None] * N + o_n[None, :]
-    p_seq = i_sh.to(tl.int64) * (P * N) + o_pn
+    o_p, o_n, m_p, m_n, m_pn, o_pn, p_seq = walk_tile(i_p, 0, i_sh, P, N, BP, BN)
     b_state = state_tile(h0_ptr, p_seq, m_pn, BP, BN, HAS_H0)
     p_x = x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX)
     p_b = B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB)

@@ -49,19 +49,20 @@ TRAFFIC_BOUNDS = {
     ("GQAAttentionBackward", "attn hkv2 d128"): 16.51,
     "GQAAttentionDecode": 1.16,
     # Mamba2: C·B and the passed states written and read back; the backward's gradients of
-    # the segment states (x's dtype) and of C·B (fp32) passed between kernels, dy and x read by
-    # each of its per-chunk kernels (dx, d(C·B) with the straddling pairs, dB/dC), which all run a
-    # (segment, group)'s or (segment, head)'s programs side by side (2026-12-02: dB/dC, d(C·B),
-    # C·B; dH1 stored in x's dtype, 4.69x to 4.16x at Q128; the gate in the state walk: 3.98x;
-    # the straddling pairs in the d(C·B) kernel, 2026-12-05: 3.621x; and C·B: 3.587x);
+    # the segment states (x's dtype) and C·B (fp32) passed between kernels, dy and x read by
+    # the state walk, dx and the dB/dC kernel, which run a (segment, group)'s or (segment,
+    # head)'s programs side by side (2026-12-02: dB/dC, d(C·B), C·B; dH1 stored in x's dtype,
+    # 4.69x to 4.16x at Q128; the gate in the state walk: 3.98x; the straddling pairs in the
+    # d(C·B) kernel, 2026-12-05: 3.621x; and C·B: 3.587x; dB and dC forming the d(C·B) tiles in
+    # one launch: 3.00x at Q128, 3.01x at p80);
     # decode: dt, B and C re-read by each head-dim block (h·b programs apart); the forward
     # walk (2026-12-05: states and output in one kernel, 2.45x to 1.83x at Q128) writes the
     # bf16 entering states and y before the gate for the backward and reads C·B back
     "Mamba2ChunkScanForward": 1.83,
-    "Mamba2ChunkScanBackward": 3.59,
+    "Mamba2ChunkScanBackward": 3.01,
     # without z the floor loses z, dz and y before the gate while the passes between kernels
-    # (dH1, C·B, d(C·B), the partials) and the re-reads of dy and x stay
-    ("Mamba2ChunkScanBackward", "scan nemotron-h 8K"): 4.07,
+    # (dH1, C·B, the partials) and the re-reads of dy and x stay
+    ("Mamba2ChunkScanBackward", "scan nemotron-h 8K"): 3.04,
     "Mamba2StateUpdate": 1.01,
     "Mamba2StateRollback": 1.00,
 }
@@ -70,12 +71,13 @@ ARCHS = ("sm_90a", "sm_100a")   # CI's; `fusedops kernels` adds sm_80 for the Tr
 # (rule, family) pairs today's kernels break, and why.
 KNOWN = {
     ("wgmma_async", "mamba2_scan"):
-        "the backward state walk and the d(C·B) kernel wait for each product: "
+        "the backward state walk and the dB/dC kernel wait for each product: "
         "the walk forms both of its operands in registers (dy·silu(z) and the decay-weighted "
         "C; weighting dy·silu(z) instead spills at the 128 registers its 4 CTAs per SM need), "
-        "and issuing d(C·B)'s next head before weighing this one took it from 3 or 4 CTAs per "
-        "SM to 2 (the forward walk weighs x, its register operand, and is asynchronous since "
-        "2026-12-04)",
+        "and dB/dC weighs each head's dy·xᵀ tile before the next (it holds a [64, n] "
+        "accumulator and three [64, 64] tiles at 229-239 registers; issuing the next head "
+        "first took the d(C·B) kernel it absorbed from 3 or 4 CTAs per SM to 2) (the forward "
+        "walk weighs x, its register operand, and is asynchronous since 2026-12-04)",
 }
 
 

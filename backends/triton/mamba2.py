@@ -40,10 +40,8 @@ __all__ = ["TILES", "ScanTiles", "Tiles", "backward_candidates", "backward_progr
            "forward_workspace", "saved_layout", "tiles", "unsupported_reason"]
 
 NUM_STAGES = 2
-DCB_STAGES = 1
-"""The d(C·B) kernel's pipelining stages: its head-dim loop is one step at p <= 64, and a second
-stage took it from 138 to 177 registers on sm_100a (128 on sm_90a either way) before it
-computed C·B itself."""
+DBC_STAGES = 1
+"""The dB/dC kernel's pipelining stages: its head-dim loops are one step at p <= 64."""
 
 
 def _varlen(problem) -> bool:
@@ -55,8 +53,8 @@ def _counts(problem, t: Tiles | None = None) -> dict:
 
 
 def _pairs(problem, t: Tiles) -> int:
-    """Block pairs (i, j <= i) of a segment's row blocks: the C·B and d(C·B) programs per
-    (segment, group)."""
+    """Block pairs (i, j <= i) of a segment's row blocks: the C·B programs per (segment,
+    group)."""
     nqb = _counts(problem, t)["NQB"]
     return nqb * (nqb + 1) // 2
 
@@ -331,41 +329,28 @@ def dx_spec(problem, t: Tiles | None = None) -> KernelSpec:
                  cost=model.dx_cost(problem, t))
 
 
-def dcb_spec(problem, t: Tiles | None = None) -> KernelSpec:
-    """The backward's C·B (for dx) and d(C·B) per segment and group, and per head the block
-    pairs' pieces of the straddling sums of the log-decay gradient."""
-    ty, t = _Types(problem), t or tiles(problem)
-    return _spec(bwd_kernels.ssd_dcb_kernel,
-                 (("x_ptr", ty.x), ("dy_ptr", ty.x), ("C_ptr", ty.x), ("B_ptr", ty.x),
-                  ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"), *ty.seg, ty.runs,
-                  ("cb_ptr", "*fp32"), ("dcb_ptr", "*fp32"), ("intra_ptr", "*fp32"),
-                  *stride_args("x", "x"), *stride_args("dy", "x"), *stride_args("C", "B"),
-                  *stride_args("B", "B"), *ty.tail),
-                 dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
-                      Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.BN, **ty.common,
-                      **numerics(problem.dtype), **ty.seq, VX=problem.vector,
-                      VB=problem.bc_vector),
-                 (_pairs(problem, t) * problem.max_segments * problem.groups,), warps=8,
-                 stages=DCB_STAGES, maxnreg=t.DCB_MAXNREG, cost=model.dcb_cost(problem, t))
-
-
-def dbc_spec(problem, grad_b: bool, t: Tiles | None = None) -> KernelSpec:
-    """dB (``grad_b``) or dC with their per-head state terms."""
+def dbc_spec(problem, t: Tiles | None = None) -> KernelSpec:
+    """dB and dC with their per-head state terms and the d(C·B) tiles they need, the backward's
+    C·B (for dx) and per head the block pairs' pieces of the straddling sums of the log-decay
+    gradient."""
     ty, t = _Types(problem), t or tiles(problem)
     c = _counts(problem, t)
     return _spec(bwd_kernels.ssd_dbc_kernel,
                  (("x_ptr", ty.x), ("dy_ptr", ty.x), ("B_ptr", ty.x), ("C_ptr", ty.x),
-                  ("dcb_ptr", "*fp32"), ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
+                  ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
                   ("states_ptr", pointer_type(problem.state_dtype)), ("dstates_ptr", ty.x),
-                  *ty.seg, ty.runs, ("out_ptr", ty.x), ("uw_part_ptr", "*fp32"), *stride_args("x", "x"),
-                  *stride_args("dy", "x"), *stride_args("B", "B"), *stride_args("C", "B"),
-                  *stride_args("out", "B"), *ty.tail),
+                  *ty.seg, ty.runs, ("cb_ptr", "*fp32"), ("intra_ptr", "*fp32"),
+                  ("dB_ptr", ty.x), ("dC_ptr", ty.x), ("w_part_ptr", "*fp32"),
+                  ("u_part_ptr", "*fp32"), *stride_args("x", "x"), *stride_args("dy", "x"),
+                  *stride_args("B", "B"), *stride_args("C", "B"), *stride_args("dB", "B"),
+                  *stride_args("dC", "B"), *ty.tail),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
-                      Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.BN, GRAD_B=grad_b, **ty.common,
+                      Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.DBC_BN, **ty.common,
                       **numerics(problem.dtype), **ty.seq, VX=problem.vector,
                       VB=problem.bc_vector),
-                 (c["NNB"] * c["NQB"] * problem.max_segments * problem.groups,), warps=8,
-                 cost=model.dbc_cost(problem, t, grad_b))
+                 (2 * c["NQB"] * c["DBC_NNB"] * problem.max_segments * problem.groups,),
+                 warps=8, stages=DBC_STAGES,
+                 cost=model.dbc_cost(problem, t))
 
 
 def dt_bwd_spec(problem, t: Tiles | None = None) -> KernelSpec:
@@ -380,7 +365,7 @@ def dt_bwd_spec(problem, t: Tiles | None = None) -> KernelSpec:
                   ("ddt_ptr", ty.dt), ("dA_part_ptr", "*fp32"), ("dbias_part_ptr", bias),
                   *stride_args("dt", "dt"), *stride_args("ddt", "dt"), *ty.tail,
                   ("dt_min", "fp32"), ("dt_max", "fp32")),
-                 dict(H=problem.heads, Q=problem.chunk, BQ=t.BQ, NPB=c["NPB"], NNB=c["NNB"],
+                 dict(H=problem.heads, Q=problem.chunk, BQ=t.BQ, NPB=c["NPB"], NNB=c["DBC_NNB"],
                       NT=c["NT"], NT_POW2=triton.next_power_of_2(c["NT"]),
                       HAS_BIAS=problem.has_dt_bias, SOFTPLUS=problem.dt_softplus,
                       SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, VDT=problem.dt_vector, **ty.common),
@@ -411,7 +396,7 @@ def unsupported_reason(problem) -> str | None:
 
 def _prologue(problem, t: Tiles, cb: bool = True) -> list[Stage]:
     """The segment table (varlen) or the runs of sequence ids, the dt transform with its
-    cumulative log-decay, and C·B (unless not ``cb``: the backward's d(C·B) kernel computes
+    cumulative log-decay, and C·B (unless not ``cb``: the backward's dB/dC kernel computes
     it)."""
     ws = workspace_piece
     seg = _segment_args(problem)
@@ -476,9 +461,9 @@ def forward_program(problem, config: ScanTiles | None = None) -> Program:
 
 def backward_program(problem, config: ScanTiles | None = None) -> Program:
     """The forward's prologue recomputed but C·B (and its states with recompute_states), the
-    state gradients backwards along each sequence (with the gate's backward), C·B with d(C·B)
-    and the straddling pairs of the log-decay gradient, dx, dB, dC, ddt and the fixed-order
-    parameter reduction (tiles: the table's entry, or ``config``)."""
+    state gradients backwards along each sequence (with the gate's backward), dB and dC with
+    the d(C·B) tiles, C·B and the straddling pairs of the log-decay gradient, then dx, ddt and
+    the fixed-order parameter reduction (tiles: the table's entry, or ``config``)."""
     t = tiles(problem, config)
     ws = workspace_piece
     seg = _segment_args(problem)
@@ -505,17 +490,14 @@ def backward_program(problem, config: ScanTiles | None = None) -> Program:
                **strides("dy", "x", "dy", v), **strides("z", "x", "z", v, gate),
                **strides("y", "x", contiguous_x(problem), v, gate),
                **strides("dz", "x", "dz", v, gate), **strides("C", "B", "C", vb), **runs),
-        _stage(dcb_spec(problem, t), dy_ptr=dy, cb_ptr=ws("cb"), dcb_ptr=ws("dcb"),
-               intra_ptr=ws("intra"), **x_strides, **grad_strides, **strides("C", "B", "C", vb),
-               **strides("B", "B", "B", vb), **runs, **fixed),
+        _stage(dbc_spec(problem, t), dy_ptr=dy, states_ptr=states, dstates_ptr=ws("dstates"),
+               cb_ptr=ws("cb"), intra_ptr=ws("intra"), w_part_ptr=ws("w"), u_part_ptr=ws("u"),
+               **x_strides, **grad_strides, **strides("B", "B", "B", vb),
+               **strides("C", "B", "C", vb), **strides("dB", "B", "dB", vb),
+               **strides("dC", "B", "dC", vb), **runs, **fixed),
         _stage(dx_spec(problem, t), dy_ptr=dy, cb_ptr=ws("cb"), dstates_ptr=ws("dstates"), D_ptr="D",
                ddt_part_ptr=ws("ddt_part"), dD_part_ptr=ws("dD_part"), **x_strides, **grad_strides,
                **strides("B", "B", "B", vb), **strides("dx", "x", "dx", v), **runs, **fixed),
-        *(_stage(dbc_spec(problem, grad_b, t), dy_ptr=dy, dcb_ptr=ws("dcb"), states_ptr=states,
-                 dstates_ptr=ws("dstates"), out_ptr=out, uw_part_ptr=ws(part), **x_strides,
-                 **grad_strides, **strides("B", "B", "B", vb), **strides("C", "B", "C", vb),
-                 **strides("out", "B", out, vb), **runs, **fixed)
-          for grad_b, out, part in ((True, "dB", "w"), (False, "dC", "u"))),
         _stage(dt_bwd_spec(problem, t), bias_ptr="dt_bias", intra_ptr=ws("intra"),
                ddt_part_ptr=ws("ddt_part"), u_part_ptr=ws("u"), w_part_ptr=ws("w"), v_ptr=ws("v"),
                dA_part_ptr=ws("dA_part"), dbias_part_ptr=ws("dbias_part"), dt_min=lo, dt_max=hi,

@@ -51,21 +51,20 @@ def forward_workspace(problem) -> Layout:
 
 def backward_workspace(problem, t: Tiles | None = None) -> Layout:
     """The forward workspace recomputed (and the states and final states when recomputed), the
-    gate's dy, the segment-state and C·B gradients and fixed-order partial sums."""
-    S, H, G, P, N, Q = (problem.max_segments, problem.heads, problem.groups, problem.head_dim,
-                        problem.state, problem.chunk)
+    gate's dy, the segment-state gradients and fixed-order partial sums."""
+    S, H, P, N, Q = (problem.max_segments, problem.heads, problem.head_dim, problem.state,
+                     problem.chunk)
     c = counts(problem, t or tiles(problem))
     recompute = problem.recompute_states
-    pairs = c["NQB"] * (c["NQB"] + 1) // 2          # the d(C·B) kernel's block pairs
+    pairs = c["NQB"] * (c["NQB"] + 1) // 2          # the block pairs of a segment
     return Layout(_forward_pieces(problem) + [
         ("final", torch.float32, problem.sequences * H * P * N if recompute else 0),
         ("dypre", problem.dtype, problem.batch * problem.length * H * P if problem.has_z else 0),
         ("dstates", problem.dtype, S * H * P * N),
-        ("dcb", torch.float32, S * G * Q * Q),
         ("intra", torch.float32, S * H * pairs * (2 * (Q // c["NQB"]) + 1)),
         ("ddt_part", torch.float32, S * H * c["NPB"] * Q),
-        ("u", torch.float32, S * H * c["NNB"] * Q),
-        ("w", torch.float32, S * H * c["NNB"] * Q),
+        ("u", torch.float32, S * H * c["DBC_NNB"] * Q),
+        ("w", torch.float32, S * H * c["DBC_NNB"] * Q),
         ("v", torch.float32, S * H * c["NT"]),
         ("dD_part", torch.float32, S * H * c["NQB"] * P if problem.has_D else 0),
         ("dA_part", torch.float32, S * H),

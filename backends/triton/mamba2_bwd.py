@@ -12,7 +12,7 @@ of y before the z gate:
 
 with T_ij = W_ij dt_j (dy_i·x_j), U_i = exp(Acum_i) dy_i·(H0 C_i), V = exp(Acum_last) <dH1, H0>,
 W'_j = exp(Acum_last - Acum_j) dt_j x_j·(dH1 B_j): the pairs crossing k, never differences of
-sums over the sequence (the d(C·B) kernel forms each block pair's share from prefix sums of
+sums over the sequence (the dB/dC kernel forms each block pair's share from prefix sums of
 its own tile's row and column sums, so what cancels is bounded by that tile's terms).
 Every reduction over tokens, heads or tiles goes through fixed-order partials in the workspace.
 Activations are addressed through their strides as in the forward kernels (mamba2_fwd.py); with
@@ -23,7 +23,7 @@ token's run, H0 only the run before the segment, dH1 passes H0 only when the seg
 import triton
 import triton.language as tl
 
-from .mamba2_fwd import (accumulate_state, block_pair, cb_tile, rows_product, segment_bounds,
+from .mamba2_fwd import (accumulate_state, cb_tile, rows_product, segment_bounds,
                           segment_runs, sequence_span, state_tile, token_runs, token_weights,
                           walk_tile)
 from .ssm_math import softplus
@@ -238,151 +238,114 @@ def ssd_chunk_scan_bwd_dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr
 
 
 @triton.jit
-def ssd_dcb_kernel(x_ptr, dy_ptr, C_ptr, B_ptr, dts_ptr, acum_ptr, cu_ptr, off_ptr, runs_ptr,
-                   cb_ptr, dcb_ptr, intra_ptr, stride_x_b, stride_x_l, stride_x_h, stride_dy_b,
-                   stride_dy_l, stride_dy_h, stride_C_b, stride_C_l, stride_C_g, stride_B_b,
-                   stride_B_l, stride_B_g, L, NSEQ, H: tl.constexpr, G: tl.constexpr,
-                   P: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr,
-                   BP: tl.constexpr, BN: tl.constexpr, VARLEN: tl.constexpr,
-                   SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
-                   HAS_SEQ: tl.constexpr, VX: tl.constexpr, VB: tl.constexpr):
-    """The backward's C·B tile (as ``ssd_cb_kernel`` computes it, stored for the dx kernel), then
-    dcb[σ, g, i, j] = sum over the group's heads of exp(Acum_i - Acum_j) dt_j (dy_i·x_j)
-    (sequence ids: zero across runs), for the block pairs (I, J <= I), and per head the pair's
-    share of the straddling sums of the log-decay gradient, intra(k) = sum_{i>=k} sum_{j<k}
-    T_ij with T_ij = (C·B)_ij exp(Acum_i - Acum_j) dt_j (dy_i·x_j) (j <= i; C·B is zero
-    across runs). With the pair's column sums cs_j = sum_i T_ij, row sums rs_i = sum_j T_ij
-    and total t, its share is, for k in block J, sum_{j<k} cs_j (less sum_{i<k} rs_i on the
-    diagonal, I = J: the pairs j < k <= i inside one block), for k in block I > J,
-    t - sum_{i<k} rs_i, and t for k in the blocks between J and I: the three pieces
-    intra[σ, h, pair] = (sum_{j<k} cs_j [- sum_{i<k} rs_i], t - sum_{i<k} rs_i, t) (2·BQ + 1
-    floats; the last two unused on the diagonal), summed by ``ssd_dt_bwd_kernel`` in pair
-    order. One program per (block pair, segment·group), the pair
-    fastest: the pairs of a (segment, group) run side by side and share its heads' dy rows i
-    and x rows j in L2."""
-    NT: tl.constexpr = Q // BQ
-    PAIRS: tl.constexpr = NT * (NT + 1) // 2
-    pid = tl.program_id(0)
-    t_pair = pid % PAIRS
-    i_m, i_n = block_pair(t_pair, NT)
-    i_sg = pid // PAIRS
-    i_seg, i_g = i_sg // G, i_sg % G
-    row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
-    o_i = i_m * BQ + tl.arange(0, BQ)
-    o_j = i_n * BQ + tl.arange(0, BQ)
-    m_i, m_j = start + o_i < end, start + o_j < end
-    tok_i = (start + o_i).to(tl.int64)
-    tok_j = (start + o_j).to(tl.int64)
-    keep = (o_j[None, :] <= o_i[:, None]) & m_i[:, None] & m_j[None, :]
-    p = i_sg.to(tl.int64) * (Q * Q) + o_i[:, None] * Q + o_j[None, :]
-    b_cb = cb_tile(C_ptr, B_ptr, runs_ptr, row, start, i_g, o_i, o_j, m_i, m_j, stride_C_b,
-                   stride_C_l, stride_C_g, stride_B_b, stride_B_l, stride_B_g, L, N, BQ, BN,
-                   UPCAST, IEEE, HAS_SEQ, VB)
-    tl.store(cb_ptr + p, b_cb)
-    b_cb = tl.where(keep, b_cb, 0.0)
-    diagonal = tl.where(i_m == i_n, 1.0, 0.0)
+def straddling_pieces(p_part, b_w, b_cb, diagonal, BQ: tl.constexpr):
+    """One head's pieces of a block pair (I, J <= I) of the straddling sums of the log-decay
+    gradient, from its weights b_w (T_ij = b_w ⊙ C·B, b_cb zero outside the pair's kept
+    entries): with the column sums cs_j = sum_i T_ij, row sums rs_i = sum_j T_ij and total t,
+    p_part[0:BQ] = sum_{j<k} cs_j (less sum_{i<k} rs_i on the diagonal, I = J: the pairs
+    j < k <= i inside one block), p_part[BQ:2BQ] = t - sum_{i<k} rs_i (k in block I > J),
+    p_part[2BQ] = t (k in the blocks between J and I; the last two unused on the diagonal)."""
+    b_t = b_w * b_cb
+    b_cs = tl.sum(b_t, axis=0)
+    b_rs = tl.sum(b_t, axis=1)
+    b_total = tl.sum(b_cs, axis=0)
+    b_rs_before = tl.cumsum(b_rs, axis=0) - b_rs                          # sum_{i<k} rs_i
     o_r = tl.arange(0, BQ)
-    R: tl.constexpr = H // G
-    b_dcb = tl.zeros([BQ, BQ], dtype=tl.float32)
-    for r in range(R):
-        i_h = i_g * R + r
-        b_dyx = rows_product(dy_ptr + row * (stride_dy_b * VX) + i_h * (stride_dy_h * VX),
-                             x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX),
-                             stride_dy_l, stride_x_l, tok_i, tok_j, m_i, m_j, P, BQ, BP, UPCAST,
-                             IEEE, VX)
-        p_seg = (i_seg * H + i_h).to(tl.int64) * Q
-        b_acum_i = tl.load(acum_ptr + p_seg + o_i)
-        b_acum_j = tl.load(acum_ptr + p_seg + o_j)
-        b_dt_j = tl.load(dts_ptr + p_seg + o_j)
-        b_w = b_dyx * tl.exp(tl.minimum(b_acum_i[:, None] - b_acum_j[None, :], 0.0)) * b_dt_j[None, :]
-        b_dcb += b_w
-        b_t = b_w * b_cb
-        b_cs = tl.sum(b_t, axis=0)
-        b_rs = tl.sum(b_t, axis=1)
-        b_total = tl.sum(b_cs, axis=0)
-        b_rs_before = tl.cumsum(b_rs, axis=0) - b_rs                      # sum_{i<k} rs_i
-        p_part = intra_ptr + ((i_seg * H + i_h).to(tl.int64) * PAIRS + t_pair) * (2 * BQ + 1)
-        tl.store(p_part + o_r, tl.cumsum(b_cs, axis=0) - b_cs - diagonal * b_rs_before)
-        tl.store(p_part + BQ + o_r, b_total - b_rs_before)
-        tl.store(p_part + 2 * BQ, b_total)
-    b_dcb = tl.where(keep, b_dcb, 0.0)
-    if HAS_SEQ:
-        r_i = token_runs(runs_ptr, row, start, o_i, m_i, L)
-        r_j = token_runs(runs_ptr, row, start, o_j, m_j, L)
-        b_dcb = tl.where(r_i[:, None] == r_j[None, :], b_dcb, 0.0)
-    tl.store(dcb_ptr + p, b_dcb)
+    tl.store(p_part + o_r, tl.cumsum(b_cs, axis=0) - b_cs - diagonal * b_rs_before)
+    tl.store(p_part + BQ + o_r, tl.cumsum(b_rs, axis=0, reverse=True))    # sum_{i>=k} rs_i
+    tl.store(p_part + 2 * BQ, b_total)
 
 
 @triton.jit
-def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dcb_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr,
-                   cu_ptr, off_ptr, runs_ptr, out_ptr, uw_part_ptr, stride_x_b, stride_x_l,
-                   stride_x_h, stride_dy_b, stride_dy_l, stride_dy_h, stride_B_b, stride_B_l,
-                   stride_B_g, stride_C_b, stride_C_l, stride_C_g, stride_out_b, stride_out_l,
-                   stride_out_g, L, NSEQ,
-                   H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                   Q: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                   GRAD_B: tl.constexpr, VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                   UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SEQ: tl.constexpr,
-                   VX: tl.constexpr, VB: tl.constexpr):
-    """dB (GRAD_B) or dC of one row block and state tile, summed over the group's heads, and per
-    head the W' (dB: rows as j) or U (dC: rows as i) partial sums over the state tile.
-
-    dB_j = sum_{i>=j} dcb[i, j] C_i + sum_h exp(Acum_last - Acum_j) dt_j x_j @ dH1
-    dC_i = sum_{j<=i} dcb[i, j] B_j + sum_h exp(Acum_i) dy_i @ H0
-
-    (sequence ids: the state terms only for the last token's run, dB, or the run before the
-    segment, dC.) One program per (state tile, row block, segment·group), the state tile
-    fastest: the programs of a (segment, group) run side by side, the state tiles of a row block
-    sharing its x (dy) rows and d(C·B) tiles in L2, the row blocks of a state tile its dH1 (H0)
-    tiles and the other operand's rows.
-    """
+def dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr, runs_ptr,
+             cb_ptr, intra_ptr, out_ptr, uw_part_ptr, stride_x_b, stride_x_l, stride_x_h,
+             stride_dy_b, stride_dy_l, stride_dy_h, stride_B_b, stride_B_l, stride_B_g,
+             stride_C_b, stride_C_l, stride_C_g, stride_out_b, stride_out_l, stride_out_g,
+             row, start, end, L, i_seg, i_g, i_m, i_n, H: tl.constexpr, G: tl.constexpr,
+             P: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr,
+             BP: tl.constexpr, BN: tl.constexpr, GRAD_B: tl.constexpr, UPCAST: tl.constexpr,
+             IEEE: tl.constexpr, HAS_SEQ: tl.constexpr, VX: tl.constexpr, VB: tl.constexpr):
+    """dB (GRAD_B: the rows r are columns j) or dC (rows r are i) of row block i_m and state
+    tile i_n of one (segment, group), forming each d(C·B) tile it needs from the heads' dy and x
+    rows; per head the W' (dB) or U (dC) partial over the state tile. dC's first state tile
+    also stores C·B (for dx) and the straddling pieces of every pair (i_m, k <= i_m)."""
     NQB: tl.constexpr = Q // BQ
     NNB: tl.constexpr = (N + BN - 1) // BN
-    pid = tl.program_id(0)
-    i_n, i_m, i_sg = pid % NNB, pid // NNB % NQB, pid // (NNB * NQB)
-    i_seg, i_g = i_sg // G, i_sg % G
     R: tl.constexpr = H // G
-    row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    PAIRS: tl.constexpr = NQB * (NQB + 1) // 2
     seg_len = end - start
-    if i_m * BQ >= seg_len:
-        return
+    i_sg = i_seg * G + i_g
     o_r = i_m * BQ + tl.arange(0, BQ)
     o_n = i_n * BN + tl.arange(0, BN)
     m_r, m_n = start + o_r < end, o_n < N
     tok_r = (start + o_r).to(tl.int64)
     m_rn = m_r[:, None] & m_n[None, :]
-    p_cb = dcb_ptr + i_sg.to(tl.int64) * (Q * Q)
     p_B = B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB)
     p_C = C_ptr + row * (stride_C_b * VB) + i_g * (stride_C_g * VB)
-    if GRAD_B:               # sums over the later rows i, pairs with B_j
+    if GRAD_B:               # sums over the later blocks i >= j that hold tokens, pairs with C_i
         other_ptr, own_ptr, other_l, own_l = p_C, p_B, stride_C_l, stride_B_l
-        k_lo, k_hi = i_m * BQ, seg_len
-    else:                    # sums over the earlier rows j, pairs with C_i
+        k_lo, k_hi = i_m, (seg_len + BQ - 1) // BQ
+    else:                    # over the earlier blocks j <= i
         other_ptr, own_ptr, other_l, own_l = p_B, p_C, stride_B_l, stride_C_l
-        k_lo, k_hi = 0, tl.minimum((i_m + 1) * BQ, seg_len)
-    b_own = tl.load(own_ptr + tok_r[:, None] * (own_l * VB) + o_n[None, :], mask=m_rn,
-                    other=0.0).to(tl.float32)
+        k_lo, k_hi = 0, i_m + 1
     if HAS_SEQ:
         r_prev, r_last = segment_runs(runs_ptr, row, start, end, L)
+        r_r = token_runs(runs_ptr, row, start, o_r, m_r, L)
         if GRAD_B:
-            r_keep = r_last
+            m_state = r_r == r_last
         else:
-            r_keep = r_prev
-        m_state = token_runs(runs_ptr, row, start, o_r, m_r, L) == r_keep
+            m_state = r_r == r_prev
 
     b_acc = tl.zeros([BQ, BN], dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BQ):
-        o_k = k0 + tl.arange(0, BQ)
+    for i_k in range(k_lo, k_hi):
+        o_k = i_k * BQ + tl.arange(0, BQ)
         m_k = start + o_k < end
         tok_k = (start + o_k).to(tl.int64)
         if GRAD_B:
-            b_w = tl.load(p_cb + o_k[None, :] * Q + o_r[:, None])            # [r=j, k=i]
+            keep = (o_k[None, :] >= o_r[:, None]) & m_r[:, None] & m_k[None, :]
         else:
-            b_w = tl.load(p_cb + o_r[:, None] * Q + o_k[None, :])            # [r=i, k=j]
+            keep = (o_k[None, :] <= o_r[:, None]) & m_r[:, None] & m_k[None, :]
+        if HAS_SEQ:
+            keep &= r_r[:, None] == token_runs(runs_ptr, row, start, o_k, m_k, L)[None, :]
+        b_cb = tl.zeros([BQ, BQ], dtype=tl.float32)
+        if not GRAD_B:
+            if i_n == 0:
+                b_cb = cb_tile(C_ptr, B_ptr, runs_ptr, row, start, i_g, o_r, o_k, m_r, m_k,
+                               stride_C_b, stride_C_l, stride_C_g, stride_B_b, stride_B_l,
+                               stride_B_g, L, N, BQ, BN, UPCAST, IEEE, HAS_SEQ, VB)
+                tl.store(cb_ptr + i_sg.to(tl.int64) * (Q * Q) + o_r[:, None] * Q + o_k[None, :],
+                         b_cb)
+                b_cb = tl.where(keep, b_cb, 0.0)
+        diagonal = tl.where(i_k == i_m, 1.0, 0.0)
+        b_dcb = tl.zeros([BQ, BQ], dtype=tl.float32)
+        for r in range(R):
+            i_h = i_g * R + r
+            p_seg = (i_seg * H + i_h).to(tl.int64) * Q
+            p_x = x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX)
+            p_dy = dy_ptr + row * (stride_dy_b * VX) + i_h * (stride_dy_h * VX)
+            b_acum_r = tl.load(acum_ptr + p_seg + o_r)
+            b_acum_k = tl.load(acum_ptr + p_seg + o_k)
+            if GRAD_B:       # [r = j, k = i]: exp(Acum_i - Acum_j) dt_j (x_j·dy_i)
+                b_w = rows_product(p_x, p_dy, stride_x_l, stride_dy_l, tok_r, tok_k, m_r, m_k,
+                                   P, BQ, BP, UPCAST, IEEE, VX)
+                b_w *= (tl.exp(tl.minimum(b_acum_k[None, :] - b_acum_r[:, None], 0.0))
+                        * tl.load(dts_ptr + p_seg + o_r)[:, None])
+            else:            # [r = i, k = j]: exp(Acum_i - Acum_j) dt_j (dy_i·x_j)
+                b_w = rows_product(p_dy, p_x, stride_dy_l, stride_x_l, tok_r, tok_k, m_r, m_k,
+                                   P, BQ, BP, UPCAST, IEEE, VX)
+                b_w *= (tl.exp(tl.minimum(b_acum_r[:, None] - b_acum_k[None, :], 0.0))
+                        * tl.load(dts_ptr + p_seg + o_k)[None, :])
+                if i_n == 0:
+                    straddling_pieces(intra_ptr + ((i_seg * H + i_h).to(tl.int64) * PAIRS
+                                                   + i_m * (i_m + 1) // 2 + i_k) * (2 * BQ + 1),
+                                      b_w, b_cb, diagonal, BQ)
+            b_dcb += b_w
+        b_dcb = tl.where(keep, b_dcb, 0.0)
         b_other = tl.load(other_ptr + tok_k[:, None] * (other_l * VB) + o_n[None, :],
                           mask=m_k[:, None] & m_n[None, :], other=0.0)
-        b_acc = mm(b_w.to(b_other.dtype), b_other, b_acc, UPCAST, IEEE)    # [BQ, BQ] @ [BQ, BN]
+        b_acc = mm(b_dcb.to(b_other.dtype), b_other, b_acc, UPCAST, IEEE)  # [BQ, BQ] @ [BQ, BN]
 
+    b_own = tl.load(own_ptr + tok_r[:, None] * (own_l * VB) + o_n[None, :], mask=m_rn, other=0.0)
     for r in range(R):
         i_h = i_g * R + r
         i_sh = i_seg.to(tl.int64) * H + i_h
@@ -391,14 +354,14 @@ def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dcb_ptr, dts_ptr, acum_ptr, stat
         if GRAD_B:
             acum_last = tl.load(acum_ptr + p_seg + Q - 1)
             b_scale = tl.exp(tl.minimum(acum_last - b_acum, 0.0)) * tl.load(dts_ptr + p_seg + o_r)
+            p_rows = (x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX)
+                      + tok_r[:, None] * (stride_x_l * VX))
         else:
             b_scale = tl.exp(tl.minimum(b_acum, 0.0))
+            p_rows = (dy_ptr + row * (stride_dy_b * VX) + i_h * (stride_dy_h * VX)
+                      + tok_r[:, None] * (stride_dy_l * VX))
         if HAS_SEQ:
             b_scale = tl.where(m_state, b_scale, 0.0)
-        if GRAD_B:
-            p_rows = x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX) + tok_r[:, None] * (stride_x_l * VX)
-        else:
-            p_rows = dy_ptr + row * (stride_dy_b * VX) + i_h * (stride_dy_h * VX) + tok_r[:, None] * (stride_dy_l * VX)
         b_head = tl.zeros([BQ, BN], dtype=tl.float32)
         for p0 in range(0, P, BP):
             o_p = p0 + tl.arange(0, BP)
@@ -413,10 +376,66 @@ def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dcb_ptr, dts_ptr, acum_ptr, stat
             b_head = mm((b_rows * b_scale[:, None]).to(b_rows.dtype), b_state.to(b_rows.dtype),
                         b_head, UPCAST, IEEE)                               # [BQ, BP] @ [BP, BN]
         b_acc += b_head
-        tl.store(uw_part_ptr + (i_sh * NNB + i_n) * Q + o_r, tl.sum(b_head * b_own, axis=1))
+        tl.store(uw_part_ptr + (i_sh * NNB + i_n) * Q + o_r,
+                 tl.sum(b_head * b_own.to(tl.float32), axis=1))
     p_out = (out_ptr + row * (stride_out_b * VB) + i_g * (stride_out_g * VB)
              + tok_r[:, None] * (stride_out_l * VB) + o_n[None, :])
     tl.store(p_out, b_acc.to(out_ptr.dtype.element_ty), mask=m_rn)
+
+
+@triton.jit
+def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr,
+                   cu_ptr, off_ptr, runs_ptr, cb_ptr, intra_ptr, dB_ptr, dC_ptr, w_part_ptr,
+                   u_part_ptr, stride_x_b, stride_x_l, stride_x_h, stride_dy_b, stride_dy_l,
+                   stride_dy_h, stride_B_b, stride_B_l, stride_B_g, stride_C_b, stride_C_l,
+                   stride_C_g, stride_dB_b, stride_dB_l, stride_dB_g, stride_dC_b, stride_dC_l,
+                   stride_dC_g, L, NSEQ, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
+                   N: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr,
+                   BN: tl.constexpr, VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
+                   UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SEQ: tl.constexpr,
+                   VX: tl.constexpr, VB: tl.constexpr):
+    """dB and dC of one (segment, group), summed over its heads, with the d(C·B) tiles they need
+    formed here, never stored:
+
+    dcb[i, j] = sum_h exp(Acum_i - Acum_j) dt_j (dy_i·x_j)    (j <= i; zero across runs)
+    dB_j = sum_{i>=j} dcb[i, j] C_i + sum_h exp(Acum_last - Acum_j) dt_j x_j @ dH1
+    dC_i = sum_{j<=i} dcb[i, j] B_j + sum_h exp(Acum_i) dy_i @ H0
+
+    (sequence ids: the state terms only for the last token's run, dB, or the run before the
+    segment, dC), per head the W' (dB) and U (dC) partial sums over the state tile, the
+    backward's C·B tiles (as ``ssd_cb_kernel`` computes them, stored for the dx kernel) and per
+    head the block pairs' pieces of the straddling sums of the log-decay gradient,
+    intra(k) = sum_{i>=k} sum_{j<k} T_ij with T_ij = (C·B)_ij dcb-weight_ij
+    (``straddling_pieces``), summed by ``ssd_dt_bwd_kernel`` in pair order. Each d(C·B) tile
+    is formed twice, by the dB program of its column block and the dC program of its row block
+    (2·BQ²·p FLOPs per head and pair each), so that no program waits on another. One program
+    per (dB or dC, row block, state tile, segment·group), dB/dC fastest: the programs of a
+    (segment, group) run side by side and share its heads' dy and x rows, H0 and dH1 in L2.
+    Programs past the segment's end return (``ssd_dt_bwd_kernel`` reads no pieces of their
+    pairs)."""
+    NQB: tl.constexpr = Q // BQ
+    NNB: tl.constexpr = (N + BN - 1) // BN
+    pid = tl.program_id(0)
+    grad_b = pid % 2 == 0
+    i_m, i_n, i_sg = pid // 2 % NQB, pid // (2 * NQB) % NNB, pid // (2 * NQB * NNB)
+    i_seg, i_g = i_sg // G, i_sg % G
+    row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    if i_m * BQ >= end - start:
+        return
+    if grad_b:
+        dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr,
+                 runs_ptr, cb_ptr, intra_ptr, dB_ptr, w_part_ptr, stride_x_b, stride_x_l,
+                 stride_x_h, stride_dy_b, stride_dy_l, stride_dy_h, stride_B_b, stride_B_l,
+                 stride_B_g, stride_C_b, stride_C_l, stride_C_g, stride_dB_b, stride_dB_l,
+                 stride_dB_g, row, start, end, L, i_seg, i_g, i_m, i_n, H, G, P, N, Q, BQ, BP,
+                 BN, True, UPCAST, IEEE, HAS_SEQ, VX, VB)
+    else:
+        dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr,
+                 runs_ptr, cb_ptr, intra_ptr, dC_ptr, u_part_ptr, stride_x_b, stride_x_l,
+                 stride_x_h, stride_dy_b, stride_dy_l, stride_dy_h, stride_B_b, stride_B_l,
+                 stride_B_g, stride_C_b, stride_C_l, stride_C_g, stride_dC_b, stride_dC_l,
+                 stride_dC_g, row, start, end, L, i_seg, i_g, i_m, i_n, H, G, P, N, Q, BQ, BP,
+                 BN, False, UPCAST, IEEE, HAS_SEQ, VX, VB)
 
 
 @triton.jit
@@ -441,13 +460,18 @@ def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt
     PAIRS: tl.constexpr = NQB * (NQB + 1) // 2
     blk, pos = o_k // BQ, o_k % BQ
     b_intra = tl.zeros([Q], dtype=tl.float32)
-    for i_m in tl.static_range(NQB):            # the d(C·B) kernel's pieces, in pair order
+    # the dB/dC kernel's pieces in pair order, of the pairs whose row block holds tokens (it
+    # writes no others; compared per lane: the interpreter gives a scalar comparison's mask an
+    # int32 dtype)
+    for i_m in tl.static_range(NQB):
+        held = o_k * 0 + i_m * BQ < end - start
         for i_n in tl.static_range(i_m + 1):
             p_part = intra_ptr + (p_sh * PAIRS + i_m * (i_m + 1) // 2 + i_n) * (2 * BQ + 1)
-            b_intra += tl.load(p_part + pos, mask=blk == i_n, other=0.0)
+            b_intra += tl.load(p_part + pos, mask=(blk == i_n) & held, other=0.0)
             if i_m > i_n:
-                b_intra += tl.load(p_part + BQ + pos, mask=blk == i_m, other=0.0)
-                b_intra += tl.where((blk > i_n) & (blk < i_m), tl.load(p_part + 2 * BQ), 0.0)
+                b_intra += tl.load(p_part + BQ + pos, mask=(blk == i_m) & held, other=0.0)
+                b_intra += tl.load(p_part + 2 * BQ + pos * 0,
+                                   mask=(blk > i_n) & (blk < i_m) & held, other=0.0)
     b_direct = tl.zeros([Q], dtype=tl.float32)
     for i_p in range(NPB):
         b_direct += tl.load(ddt_part_ptr + (p_sh * NPB + i_p) * Q + o_k)
@@ -460,7 +484,7 @@ def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt
     b_w = tl.where(m_k, b_w, 0.0)
     o_t = tl.arange(0, NT_POW2)
     v = tl.sum(tl.load(v_ptr + p_sh * NT + o_t, mask=o_t < NT, other=0.0), axis=0)
-    suffix_u = tl.sum(b_u, axis=0) - tl.cumsum(b_u, axis=0) + b_u               # sum_{i>=k} U_i
+    suffix_u = tl.cumsum(b_u, axis=0, reverse=True)                             # sum_{i>=k} U_i
     prefix_w = tl.cumsum(b_w, axis=0) - b_w                                      # sum_{j<k} W'_j
     b_da = tl.where(m_k, b_intra + suffix_u + v + prefix_w, 0.0)
     b_dts = tl.load(dts_ptr + p_sh * Q + o_k)

@@ -95,6 +95,7 @@ class _Dims:
         self.NQB, self.NPB, self.NNB, self.NT = c["NQB"], c["NPB"], c["NNB"], c["NT"]
         self.BQ, self.BP, self.BN = t.BQ, t.BP, t.BN
         self.Pp, self.Np = self.NPB * t.BP, self.NNB * t.BN          # padded to the tiles
+        self.DBC_BN, self.DBC_NNB = t.DBC_BN, c["DBC_NNB"]
         self.pairs = self.NQB * (self.NQB + 1) // 2
         self.segs = [_Segment(L, n, tuple(min(t.BQ, max(0, L - k * t.BQ))
                                           for k in range(self.NQB)))
@@ -372,116 +373,102 @@ def dx_cost(problem, t: Tiles) -> Cost:
 
 
 @per_arch
-def dcb_cost(problem, t: Tiles) -> Cost:
-    """The backward's C·B with d(C·B) and the straddling pairs of the decay gradient. Order: a
-    1-D grid over (block pair, S·g), the pairs (i, j <= i) of a (segment, group) fastest,
-    row-major (tri programs, none above the diagonal). Reuse: each program loads C rows i and B
-    rows j over n (shared like dy and x below) and, for the R heads of its group, dy rows i and
-    x rows j over p and acum/dts (3·BQ·4); the pairs (i, 0..i) sharing C and dy rows i, and
-    (j..NQB-1, j) sharing B and x rows j (and the heads' acum and dts rows), are at most
-    tri - 1 = 9 programs apart, and a program moves 340 KiB (its 16 heads' rows): G = 72 (181
-    on sm_100), so C, B, dy, x, acum and dts are read once (where (S·g, NQB²) order, the pairs
-    S·g = 512 programs apart, read dy and x (NQB + 1)/2 = 2.5 times for full segments, acum and
-    dts in every program). Two fp32 [BQ, BQ] tiles written (C·B for the dx kernel, d(C·B)),
-    and per head the pair's 2·BQ + 1 fp32 pieces of the straddling sums. MMA: [BQ, BN] @
-    [BN, BQ] over n per pair, and [BQ, BP] @ [BP, BQ] over p per head and pair, of every grid
-    segment (before 2026-12-05 a C·B kernel wrote the tile for this kernel to read back, and
-    the straddling-pair kernel computed the products over p a second time)."""
+def dbc_cost(problem, t: Tiles) -> Cost:
+    """dB and dC with the d(C·B) tiles they form, C·B and the straddling pieces. Order: a 1-D
+    grid over (2, NQB, DBC_NNB, S·g), dB/dC fastest, then the row block r, the state tile, the
+    (segment, group) slowest; programs past the segment's end return (no slot). Each program
+    loads its own rows r of B (dB) or C (dC) over its state tile, then for every block k on the
+    other side of the diagonal holding tokens the other operand's rows k (C for dB, B for dC)
+    and, for the R heads of the group, dy and x rows r and k over p (x rows r and dy rows k for
+    dB, the reverse for dC) with acum (and dts) rows, then per head its rows r again (counted
+    once) with the [p, BN] dH1 (dB) or H0 (dC) tile. dC's first state tile also forms C·B from C
+    rows r and B rows k over n (the same tiles at DBC_NNB = 1) and writes it (BQ²·4 a pair) with
+    the pieces ((2·BQ + 1)·4 a pair and head). The 2·NQB·DBC_NNB = 8 programs of a (segment,
+    group) share its heads' dy and x rows, dH1 and H0 tiles and B and C rows; a program moves
+    830 KiB (a mean over dB and dC, row blocks 0..3) at the production shape: G = 30 (76 on
+    sm_100), so every tile is read once, where the d(C·B) kernel before 2026-12-05 and separate
+    dB and dC launches read dy and x three times between them (dcb, dB, dC) and passed d(C·B)
+    through the workspace. One BQ·4 partial per head and the rows of dB (dC) written. MMA: per
+    pair, R heads' [BQ, BP] @ [BP, BQ] over p in each of dB and dC (every d(C·B) tile formed
+    twice) and [BQ, BQ] @ [BQ, BN]; [BQ, BP] @ [BP, BN] per head and row block; C·B's
+    [BQ, BN] @ [BN, BQ] over n once per pair."""
     d = _Dims(problem, t)
-    nqb = d.NQB
-    launch = _Launch(problem, t, (d.pairs, d.S * d.G))
+    nqb, nnb, bnd = d.NQB, d.DBC_NNB, d.DBC_BN
+    launch = _Launch(problem, t, (2, nqb, nnb, d.S * d.G),
+                     active=lambda la, role, r, jn, sg: r * d.BQ < la.L[sg // d.G])
     w, V = launch.programs, launch.V
-    ij, sg = w.coords
-    pi, pj = _block_pairs(nqb)
-    s, g, i, j = sg // d.G, sg % d.G, pi[ij], pj[ij]
-    every = every_program(w)
-    w.load("C", every, key((s, d.S), (i, nqb), (g, d.G)), launch.V[s, i] * d.N * d.e)
-    w.load("B", every, key((s, d.S), (j, nqb), (g, d.G)), launch.V[s, j] * d.N * d.e)
-    prog, r = w.loop(d.R)
-    sp, ip_, jp = s[prog], i[prog], j[prog]
-    h = g[prog] * d.R + r
-    w.load("dy", prog, key((sp, d.S), (ip_, nqb), (h, d.H)), V[sp, ip_] * d.P * d.e)
-    w.load("x", prog, key((sp, d.S), (jp, nqb), (h, d.H)), V[sp, jp] * d.P * d.e)
-    w.load("acum", prog, key((sp, d.S), (h, d.H), (ip_, nqb)), d.BQ * 4)
-    w.load("acum", prog, key((sp, d.S), (h, d.H), (jp, nqb)), d.BQ * 4)
-    w.load("dts", prog, key((sp, d.S), (h, d.H), (jp, nqb)), d.BQ * 4)
-    w.store(prog, (2 * d.BQ + 1) * 4)
-    w.store(every, 2 * d.BQ * d.BQ * 4)
-    read, written = w.count()
-    mma = d.S * d.pairs * 2 * d.BQ * d.BQ * (d.H * d.Pp + d.G * d.Np)
-    cuda = d.S * d.H * d.pairs * d.BQ * (d.BQ * 9 + 4)
-    return Cost(mma + cuda, read + d.table, written, mma, d.BQ)
-
-
-@per_arch
-def dbc_cost(problem, t: Tiles, grad_b: bool) -> Cost:
-    """dB (``grad_b``) or dC. Order: a 1-D grid over (NNB, NQB, S·g), the state tile fastest,
-    then the row block r, the (segment, group) slowest; programs past the segment's end return
-    (no slot). Reuse: each program loads its own rows of B (C), for every block on the other
-    side of the diagonal a d(C·B) tile and the other operand's rows (C for dB, B for dC), then
-    for each of the R heads acum (and dts), the x (dy) rows over p and the [p, BN] dH1 (H0)
-    tile. The state tiles of a row block (1 program apart) share its d(C·B) tiles, acum, dts
-    and x (dy) rows; the row blocks of a state tile (NNB = 2 apart) share its dH1 (H0) tiles and
-    the other operand's rows. A program moves 472 KiB for dB, 340 for dC at the production shape
-    (its 16 heads' rows and state tiles): G = 52 and 72 (130 and 181 on sm_100), more than the
-    NNB·NQB = 8 programs of a (segment, group), so every tile is read once (where (S·g, NQB,
-    NNB) order, the sharing programs S·g = 512 or more apart, read the other operand's rows
-    (NQB + 1)/2 times per state tile, the d(C·B) tiles and x (dy) NNB times and dH1 (H0) NQB
-    times); one BQ·4 partial per head written and the rows of dB (dC) once. MMA: [BQ, BQ] @
-    [BQ, BN] per pair and [BQ, BP] @ [BP, BN] per head."""
-    d = _Dims(problem, t)
-    launch = _Launch(problem, t, (d.NNB, d.NQB, d.S * d.G),
-                     active=lambda la, jn, im, sg: im * d.BQ < la.L[sg // d.G])
-    w, V = launch.programs, launch.V
-    jn, r, sg = w.coords
+    role, r, jn, sg = w.coords
     s, g = sg // d.G, sg % d.G
-    bn = launch.rows(d.N, d.BN, jn)
-    own, other = ("B", "C") if grad_b else ("C", "B")
+    grad_b = role == 0
+    bn = launch.rows(d.N, bnd, jn)
+    full = torch.full_like(jn, nnb)                      # C·B's rows over the whole state
+
+    def rows(operand, prog, k, tile):
+        width = torch.where(tile == nnb, d.N, bn[prog])
+        w.load(operand, prog, key((s[prog], d.S), (k, nqb), (g[prog], d.G), (tile, nnb + 1)),
+               V[s[prog], k] * width * d.e)
+
     every = every_program(w)
-    w.load(own, every, key((s, d.S), (r, d.NQB), (g, d.G), (jn, d.NNB)), V[s, r] * bn * d.e)
-    if grad_b:
-        prog, k = w.loop(d.NQB, lambda p, k: (k >= r[p]) & (V[s[p], k] > 0))
-        pair = ((k, d.NQB), (r[prog], d.NQB))
-    else:
-        prog, k = w.loop(d.NQB, lambda p, k: k <= r[p])
-        pair = ((r[prog], d.NQB), (k, d.NQB))
-    sk = s[prog]
-    w.load("d(C·B)", prog, key((sk, d.S), (g[prog], d.G), *pair), d.BQ * d.BQ * 4)
-    w.load(other, prog, key((sk, d.S), (k, d.NQB), (g[prog], d.G), (jn[prog], d.NNB)),
-           V[sk, k] * bn[prog] * d.e)
+    for is_b, own, other in ((True, "B", "C"), (False, "C", "B")):
+        mine = every[grad_b == is_b]
+        rows(own, mine, r[mine], jn[mine])
+        if is_b:
+            prog, k = w.loop(nqb, lambda p, k: (grad_b[p]) & (k >= r[p]) & (V[s[p], k] > 0))
+        else:
+            prog, k = w.loop(nqb, lambda p, k: (~grad_b[p]) & (k <= r[p]))
+        rows(other, prog, k, jn[prog])
+        if not is_b:
+            cb = prog[jn[prog] == 0]
+            cbk = k[jn[prog] == 0]
+            if nnb > 1:
+                rows("C", cb, r[cb], full[cb])
+                rows("B", cb, cbk, full[cb])
+            w.store(cb, d.BQ * d.BQ * 4 + d.R * (2 * d.BQ + 1) * 4)
+        hp, hr = prog.repeat_interleave(d.R), torch.arange(d.R).repeat(len(prog))
+        hk = k.repeat_interleave(d.R)
+        sh, h, rh = s[hp], g[hp] * d.R + hr, r[hp]
+        mine_rows, their_rows = ("x", "dy") if is_b else ("dy", "x")
+        w.load(mine_rows, hp, key((sh, d.S), (rh, nqb), (h, d.H)), V[sh, rh] * d.P * d.e)
+        w.load(their_rows, hp, key((sh, d.S), (hk, nqb), (h, d.H)), V[sh, hk] * d.P * d.e)
+        w.load("acum", hp, key((sh, d.S), (h, d.H), (rh, nqb)), d.BQ * 4)
+        w.load("acum", hp, key((sh, d.S), (h, d.H), (hk, nqb)), d.BQ * 4)
+        w.load("dts", hp, key((sh, d.S), (h, d.H), (rh if is_b else hk, nqb)), d.BQ * 4)
     prog, rr = w.loop(d.R)
-    sh, h, rp = s[prog], g[prog] * d.R + rr, r[prog]
-    w.load("acum", prog, key((sh, d.S), (h, d.H), (rp, d.NQB)), d.BQ * 4)
-    if grad_b:
-        w.load("acum last", prog, key((sh, d.S), (h, d.H)), 4)
-        w.load("dts", prog, key((sh, d.S), (h, d.H), (rp, d.NQB)), d.BQ * 4)
-    w.load("x" if grad_b else "dy", prog, key((sh, d.S), (rp, d.NQB), (h, d.H)),
-           V[sh, rp] * d.P * d.e)
-    w.load("dH1" if grad_b else "H0", prog, key((sh, d.S), (h, d.H), (jn[prog], d.NNB)),
-           d.P * bn[prog] * (d.e if grad_b else d.es))
+    sh, h, rp, jp = s[prog], g[prog] * d.R + rr, r[prog], jn[prog]
+    b_side = grad_b[prog]
+    w.load("acum last", prog[b_side], key((sh, d.S), (h, d.H))[b_side], 4)
+    for is_b, operand, state, size in ((True, "x", "dH1", d.e), (False, "dy", "H0", d.es)):
+        sel = b_side == is_b
+        p_, s_, h_ = prog[sel], sh[sel], h[sel]
+        w.load(operand, p_, key((s_, d.S), (rp[sel], nqb), (h_, d.H)), V[s_, rp[sel]] * d.P * d.e)
+        w.load(state, p_, key((s_, d.S), (h_, d.H), (jp[sel], nnb)), d.P * bn[p_] * size)
     w.store(prog, d.BQ * 4)
     w.store(every, V[s, r] * bn * d.e)
     read, written = w.count()
-    rows = d.each(lambda s: s.rb)
-    mma = d.NNB * (d.G * d.each(lambda s: s.tri) * 2 * d.BQ * d.BQ * d.BN
-                   + d.H * rows * 2 * d.BQ * d.Pp * d.BN)
-    cuda = d.H * rows * d.NNB * d.BQ * (d.Pp + 2 * d.BN + 4)
+    rows_ = d.each(lambda s: s.rb)
+    tri = d.each(lambda s: s.tri)
+    npd = nnb * bnd
+    mma = (nnb * tri * 2 * (d.H * 2 * d.BQ * d.BQ * d.Pp + d.G * 2 * d.BQ * d.BQ * bnd)
+           + d.H * rows_ * 2 * 2 * d.BQ * d.Pp * npd + d.G * tri * 2 * d.BQ * d.BQ * d.Np)
+    cuda = (nnb * tri * 2 * d.H * d.BQ * d.BQ * 5 + tri * d.H * d.BQ * (d.BQ * 4 + 4)
+            + 2 * d.H * rows_ * d.BQ * (d.Pp + 2 * npd + 4))
     return Cost(mma + cuda, read + d.table, written, mma, d.BQ)
 
 
 def dt_bwd_cost(problem, t: Tiles) -> Cost:
     """ddt, per (segment, head) program (grid (S·h)): the straddling pieces of its block pairs
-    (BQ floats of every pair, BQ + 1 more of every pair off the diagonal: the lanes the masked
-    loads take), the dx, U and W partials (NPB, NNB, NNB rows of Q·4), the <dH1, H0> partials
-    and dts, all unmasked, for every grid segment: each read by its one program (values passed
-    between kernels); dt read and ddt written once; A, dt_bias counted once; dA and ddt_bias
-    partials (4 bytes per program each)."""
+    whose row block holds tokens (BQ floats of every pair, BQ + 1 more of every pair off the
+    diagonal: the lanes the masked loads take), the dx, U and W partials (NPB, DBC_NNB, DBC_NNB
+    rows of Q·4), the <dH1, H0> partials and dts, all unmasked, for every grid segment: each
+    read by its one program (values passed between kernels); dt read and ddt written once; A,
+    dt_bias counted once; dA and ddt_bias partials (4 bytes per program each)."""
     d = _Dims(problem, t)
-    pieces = d.pairs * d.BQ + (d.pairs - d.NQB) * (d.BQ + 1)
-    read = (d.S * d.H * (pieces * 4 + (d.NPB + 2 * d.NNB + 1) * d.Q * 4 + d.NT * 4)
+    pieces = d.H * d.each(lambda s: s.tri * d.BQ + (s.tri - s.rb) * (d.BQ + 1)) * 4
+    read = (pieces + d.S * d.H * ((d.NPB + 2 * d.DBC_NNB + 1) * d.Q * 4 + d.NT * 4)
             + d.T * d.H * d.edt + 4 * d.H * (1 + problem.has_dt_bias) + d.table)
     written = d.T * d.H * d.edt + d.S * d.H * 4 * (1 + problem.has_dt_bias)
-    flops = d.S * d.H * d.Q * (d.NPB + 2 * d.NNB + 12 + 6 * problem.dt_softplus + 3 * d.pairs)
+    flops = d.S * d.H * d.Q * (d.NPB + 2 * d.DBC_NNB + 12 + 6 * problem.dt_softplus
+                               + 3 * d.pairs)
     return Cost(flops, read, written)
 
 

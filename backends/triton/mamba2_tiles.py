@@ -20,9 +20,9 @@ class ScanTiles:
     program. FUSED: the forward computes the states and the output in one walk along every
     sequence (``ssd_fused_fwd_kernel``: a program holds the whole state of its BP head-dim rows,
     so BN does not apply to it) instead of a states kernel and an output kernel; FUSED_WARPS and
-    FUSED_STAGES: that kernel's warps and software-pipelining stages. DCB_MAXNREG: the
-    backward d(C·B) kernel's register budget (None: ptxas's choice), where ptxas would
-    otherwise take 2 CTAs of 8 warps per SM down to 1."""
+    FUSED_STAGES: that kernel's warps and software-pipelining stages. DBC_BN: the state tile of
+    the backward dB/dC kernel, which forms its d(C·B) tiles once per state tile (so the whole
+    state, where its [BQ, n] fp32 accumulator fits)."""
 
     BQ: int = 64
     BP: int = 64
@@ -31,7 +31,7 @@ class ScanTiles:
     FUSED: bool = True
     FUSED_WARPS: int = 8
     FUSED_STAGES: int = 1
-    DCB_MAXNREG: int | None = None
+    DBC_BN: int = 128
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Tiles:
     FUSED: bool
     FUSED_WARPS: int
     FUSED_STAGES: int
-    DCB_MAXNREG: int | None
+    DBC_BN: int
 
 
 FUSED_MAX_STATE = 128
@@ -55,23 +55,24 @@ takes 32 registers a thread of 8 warps and the kernel 247 on sm_90a; twice that 
 
 
 TILES = {
-    "sm_80": (ScanTiles(64, 64, 64, 16, DCB_MAXNREG=128),
+    "sm_80": (ScanTiles(64, 64, 64, 16),
               "A100 (108 SMs, 164 KiB shared memory, mma.sync m16n8k16): today's tiles; the "
               "output kernel's 40.5 KiB of shared memory at two stages allows 4 CTAs per SM; the "
               "fused forward walk at one stage (206-222 registers; two spill 24 bytes at p = 64); "
-              "d(C·B) capped at 128 registers, 2 CTAs per SM without spilling (ptxas alone takes "
-              "128-170); no measurement yet says better"),
-    "sm_90": (ScanTiles(64, 64, 64, 16, DCB_MAXNREG=128),
+              "dB/dC over the whole state at n <= 128 (255 registers, 1 CTA per SM, no spill); "
+              "no measurement yet says better"),
+    "sm_90": (ScanTiles(64, 64, 64, 16),
               "H100/H200 (132 SMs, 228 KiB, wgmma): BQ = BP = 64 rows is one m64 wgmma per "
               "warpgroup, the smallest tile with no mma.sync; the fused forward walk with 8 "
               "warps at one stage (239-247 registers, 1 CTA per SM; two spill 8 bytes at p = 80 "
-              "with D per channel); d(C·B) capped at 128 registers, 2 CTAs per SM without "
-              "spilling (ptxas alone takes 128-142); no measurement yet"),
+              "with D per channel); dB/dC over the whole state at n <= 128 (229-239 registers, "
+              "1 CTA per SM: a 64-wide state tile would form every d(C·B) tile twice more); no "
+              "measurement yet"),
     "sm_100": (ScanTiles(64, 64, 64, 16),
                "B200 (148 SMs, 228 KiB, tcgen05): today's tiles (Triton lowers the 64-row dots "
                "to tcgen05 with a 64-row M); the fused forward walk at one stage (two spill 16-24 "
-               "bytes); d(C·B) uncapped (142-162 registers, 1 CTA per SM: at 128 it spills 8-40 "
-               "bytes); no measurement yet"),
+               "bytes); dB/dC over the whole state at n <= 128 (190-219 registers, 1 CTA per "
+               "SM); no measurement yet"),
 }
 
 
@@ -91,7 +92,7 @@ def tiles(problem, config: ScanTiles | None = None) -> Tiles:
                  BLOCK_H=_pow2_between(problem.heads, 1, c.BLOCK_H), SEARCH=search,
                  FUSED=c.FUSED and triton.next_power_of_2(problem.state) <= FUSED_MAX_STATE,
                  FUSED_WARPS=c.FUSED_WARPS, FUSED_STAGES=c.FUSED_STAGES,
-                 DCB_MAXNREG=c.DCB_MAXNREG)
+                 DBC_BN=_pow2_between(problem.state, 16, c.DBC_BN))
 
 
 def candidates(problem) -> list[ScanTiles]:
@@ -109,6 +110,8 @@ def candidates(problem) -> list[ScanTiles]:
 
 def counts(problem, t: Tiles) -> dict:
     """Row blocks per segment, head-dim and state tiles, state tiles per head (NT = NPB·NNB:
-    the <dH1, H0> partials of a segment and head)."""
+    the <dH1, H0> partials of a segment and head), the dB/dC kernel's state tiles (DBC_NNB:
+    its U and W' partials per segment and head)."""
     npb, nnb = triton.cdiv(problem.head_dim, t.BP), triton.cdiv(problem.state, t.BN)
-    return dict(NQB=problem.chunk // t.BQ, NPB=npb, NNB=nnb, NT=npb * nnb)
+    return dict(NQB=problem.chunk // t.BQ, NPB=npb, NNB=nnb, NT=npb * nnb,
+                DBC_NNB=triton.cdiv(problem.state, t.DBC_BN))

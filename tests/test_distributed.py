@@ -127,6 +127,48 @@ def test_docs_torchrun_example_trains_on_two_cpu_processes(tmp_path):
     assert len(losses) >= 10 and losses[-1] < 0.6 * losses[0], proc.stdout
 
 
+_RELEASE_SCRIPT = """
+import atexit, gc, weakref
+import torch
+import torch.distributed as dist
+held = []
+
+
+def report():                # registered before fusedops is imported: runs after its handlers
+    gc.collect()
+    print("group alive at exit:", held[0]() is not None, flush=True)
+
+
+atexit.register(report)
+from fusedops.distributed import expert_parallel_relu2_moe
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+held.append(weakref.ref(dist.group.WORLD))
+g = torch.Generator().manual_seed(0)
+x = torch.randn(5, 16, generator=g)
+ids = torch.tensor([[0, 1], [1, 2], [2, 3], [3, 0], [0, 2]], dtype=torch.int32)
+out = expert_parallel_relu2_moe(x, torch.randn(4, 8, 16, generator=g) / 4,
+                                torch.randn(4, 16, 8, generator=g) / 4, ids,
+                                torch.full((5, 2), 0.5), group=dist.group.WORLD,
+                                backend="torch")
+assert out.shape == (5, 16)
+dist.destroy_process_group()
+"""
+
+
+def test_cached_expert_plans_release_their_group_before_shutdown(tmp_path):
+    """The expert-parallel plan cache holds each plan's process group. It is cleared at exit,
+    so a destroyed group is freed while the interpreter is whole: gloo joins its worker threads
+    as the group is freed, which during finalization aborted a torchrun rank now and then after
+    its last step."""
+    (tmp_path / "release.py").write_text(_RELEASE_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET",)}
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run([sys.executable, "release.py"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "group alive at exit: False" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
 @requires_cuda
 @pytest.mark.gpu
 def test_world_size_one_on_the_gpu_through_the_same_code_path(tmp_path):

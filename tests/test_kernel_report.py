@@ -54,15 +54,16 @@ TRAFFIC_BOUNDS = {
     # head)'s programs side by side (2026-12-02: dB/dC, d(C·B), C·B; dH1 stored in x's dtype,
     # 4.69x to 4.16x at Q128; the gate in the state walk: 3.98x; the straddling pairs in the
     # d(C·B) kernel, 2026-12-05: 3.621x; and C·B: 3.587x; dB and dC forming the d(C·B) tiles in
-    # one launch: 3.00x at Q128, 3.01x at p80);
+    # one launch: 3.00x at Q128, 3.01x at p80; C·B's diagonal tiles stored and read as their
+    # lower halves: 2.98x and 2.99x, forward 1.79x at Q128);
     # decode: dt, B and C re-read by each head-dim block (h·b programs apart); the forward
     # walk (2026-12-05: states and output in one kernel, 2.45x to 1.83x at Q128) writes the
     # bf16 entering states and y before the gate for the backward and reads C·B back
-    "Mamba2ChunkScanForward": 1.83,
-    "Mamba2ChunkScanBackward": 3.01,
+    "Mamba2ChunkScanForward": 1.80,
+    "Mamba2ChunkScanBackward": 3.00,
     # without z the floor loses z, dz and y before the gate while the passes between kernels
     # (dH1, C·B, the partials) and the re-reads of dy and x stay
-    ("Mamba2ChunkScanBackward", "scan nemotron-h 8K"): 3.04,
+    ("Mamba2ChunkScanBackward", "scan nemotron-h 8K"): 3.01,
     "Mamba2StateUpdate": 1.01,
     "Mamba2StateRollback": 1.00,
 }

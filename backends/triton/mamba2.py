@@ -186,8 +186,9 @@ def dt_cumsum_spec(problem, t: Tiles | None = None) -> KernelSpec:
 
 
 def cb_spec(problem, t: Tiles | None = None) -> KernelSpec:
-    """C·B per segment and group (tiles on or below the diagonal; zero across runs of sequence
-    ids)."""
+    """C·B per segment and group (tiles on or below the diagonal, the diagonal ones' lower
+    halves; zero across runs of sequence ids). 8 warps: at 4, the diagonal's masked store took
+    ptxas on sm_100a to 72 registers and a 24-byte spill (46-48 registers at 8 on every arch)."""
     ty, t = _Types(problem), t or tiles(problem)
     Q = problem.chunk
     return _spec(fwd_kernels.ssd_cb_kernel,
@@ -195,7 +196,7 @@ def cb_spec(problem, t: Tiles | None = None) -> KernelSpec:
                   *stride_args("C", "B"), *stride_args("B", "B"), *ty.tail),
                  dict(G=problem.groups, N=problem.state, Q=Q, BQ=t.BQ, BN=t.BN, **ty.common,
                       **numerics(problem.dtype), **ty.seq, VB=problem.bc_vector),
-                 (_pairs(problem, t) * problem.max_segments * problem.groups,),
+                 (_pairs(problem, t) * problem.max_segments * problem.groups,), warps=8,
                  cost=model.cb_cost(problem, t))
 
 

@@ -208,7 +208,8 @@ def ssd_chunk_scan_bwd_dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr
         o_i = k0 + tl.arange(0, BQ)
         m_i = start + o_i < end
         tok_i = (start + o_i).to(tl.int64)
-        b_cbt = tl.load(p_cb + o_i[None, :] * Q + o_j[:, None])          # [j, i] = CB[i, j]
+        b_cbt = tl.load(p_cb + o_i[None, :] * Q + o_j[:, None],          # [j, i] = CB[i, j]
+                        mask=o_i[None, :] >= o_j[:, None], other=0.0)
         b_acum_i = tl.load(acum_ptr + p_seg + o_i)
         b_w = b_cbt * tl.exp(tl.minimum(b_acum_i[None, :] - b_acum_j[:, None], 0.0))
         b_w = tl.where((o_i[None, :] >= o_j[:, None]) & m_i[None, :], b_w, 0.0)
@@ -314,7 +315,7 @@ def dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates
                                stride_C_b, stride_C_l, stride_C_g, stride_B_b, stride_B_l,
                                stride_B_g, L, N, BQ, BN, UPCAST, IEEE, HAS_SEQ, VB)
                 tl.store(cb_ptr + i_sg.to(tl.int64) * (Q * Q) + o_r[:, None] * Q + o_k[None, :],
-                         b_cb)
+                         b_cb, mask=o_k[None, :] <= o_r[:, None])
                 b_cb = tl.where(keep, b_cb, 0.0)
         diagonal = tl.where(i_k == i_m, 1.0, 0.0)
         b_dcb = tl.zeros([BQ, BQ], dtype=tl.float32)

@@ -308,8 +308,9 @@ def ssd_cb_kernel(C_ptr, B_ptr, cu_ptr, off_ptr, runs_ptr, cb_ptr, stride_C_b, s
                   BN: tl.constexpr, VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
                   UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SEQ: tl.constexpr,
                   VB: tl.constexpr):
-    """C·B tile (i, j <= i) of one segment and group (only tiles on or below the diagonal are
-    ever read). One program per (block pair, segment·group), the pair fastest: the pairs of a
+    """C·B tile (i, j <= i) of one segment and group, its entries j <= i (only those are ever
+    read: the diagonal tiles' upper halves are not stored). One program per (block pair,
+    segment·group), the pair fastest: the pairs of a
     (segment, group) run side by side and share its C rows i and B rows j in L2."""
     NT: tl.constexpr = Q // BQ
     PAIRS: tl.constexpr = NT * (NT + 1) // 2
@@ -325,7 +326,7 @@ def ssd_cb_kernel(C_ptr, B_ptr, cu_ptr, off_ptr, runs_ptr, cb_ptr, stride_C_b, s
                     stride_C_l, stride_C_g, stride_B_b, stride_B_l, stride_B_g, L, N, BQ, BN,
                     UPCAST, IEEE, HAS_SEQ, VB)
     p = i_sg.to(tl.int64) * (Q * Q) + o_i[:, None] * Q + o_j[None, :]
-    tl.store(cb_ptr + p, b_acc)
+    tl.store(cb_ptr + p, b_acc, mask=o_j[None, :] <= o_i[:, None])
 
 
 @triton.jit
@@ -457,7 +458,8 @@ def segment_rows_out(b_acc, x_ptr, z_ptr, p_cb, dts_ptr, acum_ptr, D_ptr, y_ptr,
         o_k = k0 + tl.arange(0, BQ)
         m_k = start + o_k < end
         tok_k = (start + o_k).to(tl.int64)
-        b_cb = tl.load(p_cb + o_i[:, None] * Q + o_k[None, :])
+        b_cb = tl.load(p_cb + o_i[:, None] * Q + o_k[None, :], mask=o_k[None, :] <= o_i[:, None],
+                       other=0.0)
         b_acum_k = tl.load(acum_ptr + p_seg + o_k)
         b_dt_k = tl.load(dts_ptr + p_seg + o_k)
         b_w = b_cb * tl.exp(tl.minimum(b_acum_i[:, None] - b_acum_k[None, :], 0.0)) * b_dt_k[None, :]

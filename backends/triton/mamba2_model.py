@@ -172,6 +172,20 @@ def _block_pairs(nqb: int) -> tuple[torch.Tensor, torch.Tensor]:
     return i, j
 
 
+SECTOR = 32
+"""The bytes of the smallest transfer between an SM and the L2 (a quarter of a 128-byte line)."""
+
+
+def cb_tile_bytes(d: _Dims, i, k) -> torch.Tensor:
+    """Bytes of the fp32 C·B tile of block pair (i, k <= i) as the kernels store and load it:
+    whole below the diagonal; on it the entries k <= i only (masked), counted in the 32-byte
+    sectors their rows touch (9 KiB of the 16 at BQ = 64)."""
+    rows = torch.arange(1, d.BQ + 1)
+    diagonal = int((((rows * 4 + SECTOR - 1) // SECTOR) * SECTOR).sum())
+    i = torch.as_tensor(i)
+    return torch.where(i == torch.as_tensor(k), diagonal, d.BQ * d.BQ * 4)
+
+
 @per_arch
 def cb_cost(problem, t: Tiles) -> Cost:
     """C·B. Order: a 1-D grid over (block pair, S·g), the pairs (i, j <= i) of a (segment,
@@ -180,7 +194,8 @@ def cb_cost(problem, t: Tiles) -> Cost:
     fp32 tile: 48 KiB, G = 509 on sm_90; the pairs sharing C rows i (i, 0..i) or B rows j
     (j..NQB-1, j) are at most tri - 1 = 9 programs apart, so C and B are read once (where
     (S·g, NQB²) order, the pairs S·g = 512 programs apart, read every row (NQB + 1)/2 = 2.5
-    times on sm_90). One fp32 [BQ, BQ] tile written per pair of every grid segment. MMA:
+    times on sm_90). One fp32 [BQ, BQ] tile written per pair of every grid segment (on the
+    diagonal its lower half: ``cb_tile_bytes``). MMA:
     [BQ, BN] @ [BN, BQ] over n for every pair of every grid segment."""
     d = _Dims(problem, t)
     nqb = d.NQB
@@ -192,7 +207,7 @@ def cb_cost(problem, t: Tiles) -> Cost:
     every = every_program(w)
     w.load("C", every, key((s, d.S), (i, nqb), (g, d.G)), launch.V[s, i] * d.N * d.e)
     w.load("B", every, key((s, d.S), (j, nqb), (g, d.G)), launch.V[s, j] * d.N * d.e)
-    w.store(every, d.BQ * d.BQ * 4)
+    w.store(every, cb_tile_bytes(d, i, j))
     read, written = w.count()
     mma = d.S * d.G * d.pairs * 2 * d.BQ * d.BQ * d.Np
     return Cost(mma, read + d.table, written, mma, d.BQ)
@@ -306,7 +321,7 @@ def chunk_scan_cost(problem, t: Tiles) -> Cost:
     prog, k = w.loop(d.NQB, lambda p, k: k <= i[p])
     sk, hk = s[prog], h[prog]
     w.load("C·B", prog, key((sk, d.S), (g[prog], d.G), (i[prog], d.NQB), (k, d.NQB)),
-           d.BQ * d.BQ * 4)
+           cb_tile_bytes(d, i[prog], k))
     w.load("acum", prog, key((sk, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
     w.load("dts", prog, key((sk, d.S), (hk, d.H), (k, d.NQB)), d.BQ * 4)
     w.load("x", prog, key((sk, d.S), (k, d.NQB), (hk, d.H), (ip[prog], d.NPB)),
@@ -354,7 +369,7 @@ def dx_cost(problem, t: Tiles) -> Cost:
     prog, i = w.loop(d.NQB, lambda p, i: (i >= j[p]) & (V[s[p], i] > 0))
     si, hi = s[prog], h[prog]
     w.load("C·B", prog, key((si, d.S), (g[prog], d.G), (i, d.NQB), (j[prog], d.NQB)),
-           d.BQ * d.BQ * 4)
+           cb_tile_bytes(d, i, j[prog]))
     w.load("acum", prog, key((si, d.S), (hi, d.H), (i, d.NQB)), d.BQ * 4)
     w.load("dy", prog, key((si, d.S), (i, d.NQB), (hi, d.H), (ip[prog], d.NPB)),
            V[si, i] * bp[prog] * d.e)
@@ -423,7 +438,7 @@ def dbc_cost(problem, t: Tiles) -> Cost:
             if nnb > 1:
                 rows("C", cb, r[cb], full[cb])
                 rows("B", cb, cbk, full[cb])
-            w.store(cb, d.BQ * d.BQ * 4 + d.R * (2 * d.BQ + 1) * 4)
+            w.store(cb, cb_tile_bytes(d, r[cb], cbk) + d.R * (2 * d.BQ + 1) * 4)
         hp, hr = prog.repeat_interleave(d.R), torch.arange(d.R).repeat(len(prog))
         hk = k.repeat_interleave(d.R)
         sh, h, rh = s[hp], g[hp] * d.R + hr, r[hp]
@@ -541,7 +556,7 @@ def fused_fwd_cost(problem, t: Tiles, entering: bool) -> Cost:
     seg = segment(prog, sik // (d.NQB * d.NQB))
     i, k = sik // d.NQB % d.NQB, sik % d.NQB
     w.load("C·B", prog, key((seg, d.S), (g[prog], d.G), (i, d.NQB), (k, d.NQB)),
-           d.BQ * d.BQ * 4)
+           cb_tile_bytes(d, i, k))
     prog, step = w.loop(steps, lambda p, step: step < walked[p])
     w.load("acum last", prog, key((segment(prog, step), d.S), (h[prog], d.H)), 4)
     every, tile = every_program(w), bp * d.N

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 from collections import OrderedDict
 
 import torch
@@ -15,6 +16,12 @@ from .moe import ExpertParallelMoE
 
 _PLANS: OrderedDict = OrderedDict()
 _MAX_PLANS = 16
+# The cached plans hold their process groups. Released before the interpreter shuts down, a
+# group whose owner called destroy_process_group is freed while Python is still whole: freed
+# during finalization instead, gloo's worker threads are joined as the interpreter tears down,
+# which aborts the process now and then (torchrun showed it as a rank exiting with SIGABRT
+# after its last step).
+atexit.register(_PLANS.clear)
 
 
 class _ExpertParallel(torch.autograd.Function):

@@ -65,7 +65,7 @@ def backward_workspace(problem, t: Tiles | None = None) -> Layout:
         ("ddt_part", torch.float32, S * H * c["NPB"] * Q),
         ("u", torch.float32, S * H * c["DBC_NNB"] * Q),
         ("w", torch.float32, S * H * c["DBC_NNB"] * Q),
-        ("v", torch.float32, S * H * c["NT"]),
+        ("v", torch.float32, S * H * c["DBC_NNB"]),
         ("dD_part", torch.float32, S * H * c["NQB"] * P if problem.has_D else 0),
         ("dA_part", torch.float32, S * H),
         ("dbias_part", torch.float32, S * H if problem.has_dt_bias else 0),

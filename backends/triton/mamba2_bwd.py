@@ -72,9 +72,9 @@ def accumulate_gated_state(b_acc, p_dy, p_z, p_y, p_dyg, p_dz, p_c, acum_ptr, ru
 
 
 @triton.jit
-def ssd_chunk_states_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, C_ptr, states_ptr,
-                                acum_ptr, dfinal_ptr, dh0_ptr, cu_ptr, off_ptr, runs_ptr,
-                                dstates_ptr, v_ptr, stride_dy_b, stride_dy_l, stride_dy_h,
+def ssd_chunk_states_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, C_ptr, acum_ptr,
+                                dfinal_ptr, dh0_ptr, cu_ptr, off_ptr, runs_ptr, dstates_ptr,
+                                stride_dy_b, stride_dy_l, stride_dy_h,
                                 stride_z_b, stride_z_l, stride_z_h, stride_y_b, stride_y_l,
                                 stride_y_h, stride_dz_b, stride_dz_l, stride_dz_h, stride_C_b,
                                 stride_C_l, stride_C_g, L, H: tl.constexpr, G: tl.constexpr,
@@ -87,9 +87,7 @@ def ssd_chunk_states_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, C_pt
     """The state gradients backwards along every sequence, in one pass: a program walks its
     sequence's segments from the last with a [BP, BN] tile of dH in fp32 registers
     (dfinal_states or zero), storing it in the input dtype as the segment's end-state gradient
-    dH1 (dstates; dx and dB cast it to that dtype before their products anyway) with
-    its <dH1, H0> partial (v[σ, h, tile] = exp(Acum_last) sum over the tile, H0 the entering
-    state the forward saved), then dH0 = exp(Acum_last) dH1 + sum_i exp(Acum_i) dy_i ⊗ C_i
+    dH1 (dstates; dx and dB cast it to that dtype before their products anyway), then dH0 = exp(Acum_last) dH1 + sum_i exp(Acum_i) dy_i ⊗ C_i
     (sequence ids: dH1 passes only when the segment carries, and only the tokens of the run
     before the segment count); the first segment's dH0 is dinitial_states. GATE (z given): dy
     here is dy·silu(z), formed from dy, z and y before the gate as the walk reads them
@@ -101,7 +99,6 @@ def ssd_chunk_states_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, C_pt
     NNB: tl.constexpr = (N + BN - 1) // BN
     pid = tl.program_id(0)
     i_n, i_p, i_sh = pid % NNB, pid // NNB % NPB, pid // (NNB * NPB)
-    i_t = pid % (NNB * NPB)
     i_s, i_h = i_sh // H, i_sh % H
     i_g = i_h // (H // G)
     first, last, row, seq_start, seq_end = sequence_span(i_s, cu_ptr, off_ptr, L, Q, VARLEN)
@@ -131,9 +128,6 @@ def ssd_chunk_states_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, C_pt
         if HAS_SEQ:
             r_prev, r_last = segment_runs(runs_ptr, row, start, end, L)
             decay = tl.where(r_prev == r_last, decay, 0.0)
-        b_h0 = tl.load(states_ptr + p, mask=m_pn, other=0.0).to(tl.float32)
-        tl.store(v_ptr + (seg * H + i_h) * (NPB * NNB) + i_t,
-                 decay * tl.sum(tl.sum(b_dh * b_h0, axis=1), axis=0))
         if GATE:
             b_dh = accumulate_gated_state(b_dh * decay, p_dy, p_z, p_y, p_dyg, p_dz, p_c,
                                           acum_ptr, runs_ptr, p_seg, row, start, end, L, r_prev,
@@ -259,7 +253,7 @@ def straddling_pieces(p_part, b_w, b_cb, diagonal, BQ: tl.constexpr):
 
 @triton.jit
 def dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr, runs_ptr,
-             cb_ptr, intra_ptr, out_ptr, uw_part_ptr, stride_x_b, stride_x_l, stride_x_h,
+             cb_ptr, intra_ptr, out_ptr, uw_part_ptr, v_ptr, stride_x_b, stride_x_l, stride_x_h,
              stride_dy_b, stride_dy_l, stride_dy_h, stride_B_b, stride_B_l, stride_B_g,
              stride_C_b, stride_C_l, stride_C_g, stride_out_b, stride_out_l, stride_out_g,
              row, start, end, L, i_seg, i_g, i_m, i_n, H: tl.constexpr, G: tl.constexpr,
@@ -269,7 +263,9 @@ def dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates
     """dB (GRAD_B: the rows r are columns j) or dC (rows r are i) of row block i_m and state
     tile i_n of one (segment, group), forming each d(C·B) tile it needs from the heads' dy and x
     rows; per head the W' (dB) or U (dC) partial over the state tile. dC's first state tile
-    also stores C·B (for dx) and the straddling pieces of every pair (i_m, k <= i_m)."""
+    also stores C·B (for dx) and the straddling pieces of every pair (i_m, k <= i_m), and dC's
+    first row block per head v = exp(Acum_last) <dH1, H0> over the state tile (zero when the
+    segment does not carry: sequence ids)."""
     NQB: tl.constexpr = Q // BQ
     NNB: tl.constexpr = (N + BN - 1) // BN
     R: tl.constexpr = H // G
@@ -382,12 +378,30 @@ def dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates
     p_out = (out_ptr + row * (stride_out_b * VB) + i_g * (stride_out_g * VB)
              + tok_r[:, None] * (stride_out_l * VB) + o_n[None, :])
     tl.store(p_out, b_acc.to(out_ptr.dtype.element_ty), mask=m_rn)
+    if not GRAD_B:
+        if i_m == 0:         # its own loop: inside the one above it spilled on sm_80
+            carries = 1.0
+            if HAS_SEQ:
+                carries = tl.where(r_prev == r_last, 1.0, 0.0)
+            for r in range(R):
+                i_sh = i_seg.to(tl.int64) * H + i_g * R + r
+                b_v = 0.0
+                for p0 in range(0, P, BP):
+                    o_p = p0 + tl.arange(0, BP)
+                    p_pn = i_sh * (P * N) + o_p[:, None] * N + o_n[None, :]
+                    m_pn = (o_p < P)[:, None] & m_n[None, :]
+                    b_h0 = tl.load(states_ptr + p_pn, mask=m_pn, other=0.0).to(tl.float32)
+                    b_dh1 = tl.load(dstates_ptr + p_pn, mask=m_pn, other=0.0).to(tl.float32)
+                    b_v += tl.sum(tl.sum(b_dh1 * b_h0, axis=1), axis=0)
+                acum_last = tl.load(acum_ptr + i_sh * Q + Q - 1)
+                tl.store(v_ptr + i_sh * NNB + i_n,
+                         carries * tl.exp(tl.minimum(acum_last, 0.0)) * b_v)
 
 
 @triton.jit
 def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr,
                    cu_ptr, off_ptr, runs_ptr, cb_ptr, intra_ptr, dB_ptr, dC_ptr, w_part_ptr,
-                   u_part_ptr, stride_x_b, stride_x_l, stride_x_h, stride_dy_b, stride_dy_l,
+                   u_part_ptr, v_ptr, stride_x_b, stride_x_l, stride_x_h, stride_dy_b, stride_dy_l,
                    stride_dy_h, stride_B_b, stride_B_l, stride_B_g, stride_C_b, stride_C_l,
                    stride_C_g, stride_dB_b, stride_dB_l, stride_dB_g, stride_dC_b, stride_dC_l,
                    stride_dC_g, L, NSEQ, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
@@ -403,8 +417,9 @@ def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, d
     dC_i = sum_{j<=i} dcb[i, j] B_j + sum_h exp(Acum_i) dy_i @ H0
 
     (sequence ids: the state terms only for the last token's run, dB, or the run before the
-    segment, dC), per head the W' (dB) and U (dC) partial sums over the state tile, the
-    backward's C·B tiles (as ``ssd_cb_kernel`` computes them, stored for the dx kernel) and per
+    segment, dC), per head the W' (dB) and U (dC) partial sums over the state tile and
+    v = exp(Acum_last) <dH1, H0> over it (dC's first row block; zero when the segment does not
+    carry), the backward's C·B tiles (as ``ssd_cb_kernel`` computes them, stored for the dx kernel) and per
     head the block pairs' pieces of the straddling sums of the log-decay gradient,
     intra(k) = sum_{i>=k} sum_{j<k} T_ij with T_ij = (C·B)_ij dcb-weight_ij
     (``straddling_pieces``), summed by ``ssd_dt_bwd_kernel`` in pair order. Each d(C·B) tile
@@ -425,14 +440,14 @@ def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, d
         return
     if grad_b:
         dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr,
-                 runs_ptr, cb_ptr, intra_ptr, dB_ptr, w_part_ptr, stride_x_b, stride_x_l,
+                 runs_ptr, cb_ptr, intra_ptr, dB_ptr, w_part_ptr, v_ptr, stride_x_b, stride_x_l,
                  stride_x_h, stride_dy_b, stride_dy_l, stride_dy_h, stride_B_b, stride_B_l,
                  stride_B_g, stride_C_b, stride_C_l, stride_C_g, stride_dB_b, stride_dB_l,
                  stride_dB_g, row, start, end, L, i_seg, i_g, i_m, i_n, H, G, P, N, Q, BQ, BP,
                  BN, True, UPCAST, IEEE, HAS_SEQ, VX, VB)
     else:
         dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr,
-                 runs_ptr, cb_ptr, intra_ptr, dC_ptr, u_part_ptr, stride_x_b, stride_x_l,
+                 runs_ptr, cb_ptr, intra_ptr, dC_ptr, u_part_ptr, v_ptr, stride_x_b, stride_x_l,
                  stride_x_h, stride_dy_b, stride_dy_l, stride_dy_h, stride_B_b, stride_B_l,
                  stride_B_g, stride_C_b, stride_C_l, stride_C_g, stride_dC_b, stride_dC_l,
                  stride_dC_g, row, start, end, L, i_seg, i_g, i_m, i_n, H, G, P, N, Q, BQ, BP,
@@ -445,7 +460,7 @@ def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt
                       stride_dt_b, stride_dt_l, stride_ddt_b, stride_ddt_l, L, NSEQ,
                       dt_min, dt_max,
                       H: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr, NPB: tl.constexpr,
-                      NNB: tl.constexpr, NT: tl.constexpr, NT_POW2: tl.constexpr,
+                      NNB: tl.constexpr, NNB_POW2: tl.constexpr,
                       HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, VARLEN: tl.constexpr,
                       SEARCH_STEPS: tl.constexpr, SOFTPLUS_THRESHOLD: tl.constexpr,
                       VDT: tl.constexpr):
@@ -483,8 +498,8 @@ def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt
         b_w += tl.load(w_part_ptr + (p_sh * NNB + i_n) * Q + o_k)
     b_u = tl.where(m_k, b_u, 0.0)
     b_w = tl.where(m_k, b_w, 0.0)
-    o_t = tl.arange(0, NT_POW2)
-    v = tl.sum(tl.load(v_ptr + p_sh * NT + o_t, mask=o_t < NT, other=0.0), axis=0)
+    o_t = tl.arange(0, NNB_POW2)
+    v = tl.sum(tl.load(v_ptr + p_sh * NNB + o_t, mask=o_t < NNB, other=0.0), axis=0)
     suffix_u = tl.cumsum(b_u, axis=0, reverse=True)                             # sum_{i>=k} U_i
     prefix_w = tl.cumsum(b_w, axis=0) - b_w                                      # sum_{j<k} W'_j
     b_da = tl.where(m_k, b_intra + suffix_u + v + prefix_w, 0.0)

@@ -28,7 +28,7 @@ work on the CUDA cores (exp and log count one each). Not modelled: the runs of s
 Notation in the docstrings: T = b·l tokens, S = max_segments (the grid's segments; "used": the
 segments holding tokens), h, g, R = h/g, p, n, Q; e = bytes of x's dtype, e_dt of dt's; per
 segment of L tokens, v(k) = tokens of row block k, rb = row blocks holding tokens, tri =
-rb(rb+1)/2; NQB = Q/BQ, NPB = ceil(p/BP), NNB = ceil(n/BN), NT = NPB·NNB; "x-sized" =
+rb(rb+1)/2; NQB = Q/BQ, NPB = ceil(p/BP), NNB = ceil(n/BN); "x-sized" =
 T·h·p·e, "state-sized" = S·h·p·n·4.
 """
 
@@ -92,7 +92,7 @@ class _Dims:
         self.R = self.H // self.G
         self.e, self.edt = element_size(problem.dtype), element_size(problem.dt_dtype)
         self.es = element_size(problem.state_dtype)
-        self.NQB, self.NPB, self.NNB, self.NT = c["NQB"], c["NPB"], c["NNB"], c["NT"]
+        self.NQB, self.NPB, self.NNB = c["NQB"], c["NPB"], c["NNB"]
         self.BQ, self.BP, self.BN = t.BQ, t.BP, t.BN
         self.Pp, self.Np = self.NPB * t.BP, self.NNB * t.BN          # padded to the tiles
         self.DBC_BN, self.DBC_NNB = t.DBC_BN, c["DBC_NNB"]
@@ -237,9 +237,9 @@ def chunk_states_cost(problem, t: Tiles, entering: bool, backward: bool = False)
     at the production shape, G = 10 (8.5 backward), so x, B, acum and dts are read once. Every
     step writes the entering [BP, BN] tile in the state dtype (and fp32 into segment_states
     with ``entering``); initial_states read and final_states written once. Backward: no dts;
-    every step reads its entering state tile (the state dtype, its program's alone) and writes
-    the dH1 tile (input dtype) and one <dH1, H0> partial; dfinal_states read and
-    dinitial_states written once. MMA: [BP, BQ] @ [BQ, BN] per block; CUDA: the decay weights,
+    every step writes the dH1 tile (input dtype; its <dH1, H0> partial is the dB/dC kernel's
+    since 2026-12-05, which reads H0 anyway, where the walk read every entering state a second
+    time); dfinal_states read and dinitial_states written once. MMA: [BP, BQ] @ [BQ, BN] per block; CUDA: the decay weights,
     the scaling of B (C), the decayed carry (and the partial). With z the backward forms
     dy·silu(z) from dy, z and y before the gate, read like dy (shared by the NNB state tiles),
     and the first state tile's programs write it and dz (2·e per element); the gate's FLOPs
@@ -278,8 +278,8 @@ def chunk_states_cost(problem, t: Tiles, entering: bool, backward: bool = False)
     w.load("acum last", prog, key((segment(prog, step), d.S), (h[prog], d.H)), 4)
     every, tile = every_program(w), bp * bn
     if backward:
-        w.alone(every, walked * tile * d.es + tile * 4 * problem.has_dfinal_states)
-        w.store(every, walked * (tile * d.e + 4) + tile * 4 * problem.has_initial_states)
+        w.alone(every, tile * 4 * problem.has_dfinal_states)
+        w.store(every, walked * tile * d.e + tile * 4 * problem.has_initial_states)
     else:
         w.alone(every, tile * 4 * problem.has_initial_states)
         w.store(every, walked * tile * (d.es + 4 * entering) + tile * 4)
@@ -396,9 +396,10 @@ def dbc_cost(problem, t: Tiles) -> Cost:
     other side of the diagonal holding tokens the other operand's rows k (C for dB, B for dC)
     and, for the R heads of the group, dy and x rows r and k over p (x rows r and dy rows k for
     dB, the reverse for dC) with acum (and dts) rows, then per head its rows r again (counted
-    once) with the [p, BN] dH1 (dB) or H0 (dC) tile. dC's first state tile also forms C·B from C
-    rows r and B rows k over n (the same tiles at DBC_NNB = 1) and writes it (BQ²·4 a pair) with
-    the pieces ((2·BQ + 1)·4 a pair and head). The 2·NQB·DBC_NNB = 8 programs of a (segment,
+    once) with the [p, BN] dH1 (dB) or H0 (dC) tile, and dC's first row block the dH1 tile too
+    (shared with dB) for the <dH1, H0> partial (4 bytes a head written). dC's first state tile
+    also forms C·B from C rows r and B rows k over n (the same tiles at DBC_NNB = 1) and writes
+    it (``cb_tile_bytes`` a pair) with the pieces ((2·BQ + 1)·4 a pair and head). The 2·NQB·DBC_NNB = 8 programs of a (segment,
     group) share its heads' dy and x rows, dH1 and H0 tiles and B and C rows; a program moves
     830 KiB (a mean over dB and dC, row blocks 0..3) at the production shape: G = 30 (76 on
     sm_100), so every tile is read once, where the d(C·B) kernel before 2026-12-05 and separate
@@ -457,6 +458,10 @@ def dbc_cost(problem, t: Tiles) -> Cost:
         p_, s_, h_ = prog[sel], sh[sel], h[sel]
         w.load(operand, p_, key((s_, d.S), (rp[sel], nqb), (h_, d.H)), V[s_, rp[sel]] * d.P * d.e)
         w.load(state, p_, key((s_, d.S), (h_, d.H), (jp[sel], nnb)), d.P * bn[p_] * size)
+    first = ~b_side & (rp == 0)                 # dC's first row block: <dH1, H0> per head
+    w.load("dH1", prog[first], key((sh, d.S), (h, d.H), (jp, nnb))[first],
+           d.P * bn[prog[first]] * d.e)
+    w.store(prog[first], 4)
     w.store(prog, d.BQ * 4)
     w.store(every, V[s, r] * bn * d.e)
     read, written = w.count()
@@ -479,7 +484,7 @@ def dt_bwd_cost(problem, t: Tiles) -> Cost:
     dt_bias counted once; dA and ddt_bias partials (4 bytes per program each)."""
     d = _Dims(problem, t)
     pieces = d.H * d.each(lambda s: s.tri * d.BQ + (s.tri - s.rb) * (d.BQ + 1)) * 4
-    read = (pieces + d.S * d.H * ((d.NPB + 2 * d.DBC_NNB + 1) * d.Q * 4 + d.NT * 4)
+    read = (pieces + d.S * d.H * ((d.NPB + 2 * d.DBC_NNB + 1) * d.Q * 4 + d.DBC_NNB * 4)
             + d.T * d.H * d.edt + 4 * d.H * (1 + problem.has_dt_bias) + d.table)
     written = d.T * d.H * d.edt + d.S * d.H * 4 * (1 + problem.has_dt_bias)
     flops = d.S * d.H * d.Q * (d.NPB + 2 * d.DBC_NNB + 12 + 6 * problem.dt_softplus

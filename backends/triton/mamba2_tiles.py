@@ -65,13 +65,13 @@ TILES = {
               "H100/H200 (132 SMs, 228 KiB, wgmma): BQ = BP = 64 rows is one m64 wgmma per "
               "warpgroup, the smallest tile with no mma.sync; the fused forward walk with 8 "
               "warps at one stage (239-247 registers, 1 CTA per SM; two spill 8 bytes at p = 80 "
-              "with D per channel); dB/dC over the whole state at n <= 128 (229-239 registers, "
+              "with D per channel); dB/dC over the whole state at n <= 128 (225-235 registers, "
               "1 CTA per SM: a 64-wide state tile would form every d(C·B) tile twice more); no "
               "measurement yet"),
     "sm_100": (ScanTiles(64, 64, 64, 16),
                "B200 (148 SMs, 228 KiB, tcgen05): today's tiles (Triton lowers the 64-row dots "
                "to tcgen05 with a 64-row M); the fused forward walk at one stage (two spill 16-24 "
-               "bytes); dB/dC over the whole state at n <= 128 (190-219 registers, 1 CTA per "
+               "bytes); dB/dC over the whole state at n <= 128 (220-231 registers, 1 CTA per "
                "SM); no measurement yet"),
 }
 
@@ -109,9 +109,8 @@ def candidates(problem) -> list[ScanTiles]:
 
 
 def counts(problem, t: Tiles) -> dict:
-    """Row blocks per segment, head-dim and state tiles, state tiles per head (NT = NPB·NNB:
-    the <dH1, H0> partials of a segment and head), the dB/dC kernel's state tiles (DBC_NNB:
-    its U and W' partials per segment and head)."""
+    """Row blocks per segment, head-dim and state tiles, the dB/dC kernel's state tiles
+    (DBC_NNB: its U, W' and <dH1, H0> partials per segment and head)."""
     npb, nnb = triton.cdiv(problem.head_dim, t.BP), triton.cdiv(problem.state, t.BN)
-    return dict(NQB=problem.chunk // t.BQ, NPB=npb, NNB=nnb, NT=npb * nnb,
+    return dict(NQB=problem.chunk // t.BQ, NPB=npb, NNB=nnb,
                 DBC_NNB=triton.cdiv(problem.state, t.DBC_BN))

@@ -1189,6 +1189,42 @@ def test_every_autotune_candidate_computes_the_scan(backend):
 DA_FP32 = Tolerance(2e-4, 2e-4, "fp32: dA sums terms that cancel (see the test above)")
 
 
+@pytest.mark.parametrize("backend", [b for b in SCAN_KERNEL_BACKENDS if b == "triton"])
+@pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
+def test_dbc_kernel_over_several_state_tiles(backend, packed):
+    """The dB/dC kernel with the state split into DBC_NNB = 2 tiles: each tile's programs form
+    the d(C·B) tiles again, only the first writes C·B and the straddling pieces, and every tile
+    writes its U, W' and <dH1, H0> partials, which ddt and dA sum in tile order (n = 32 in
+    16-wide tiles, 2 row blocks of 16 per segment; packed: sequences ending inside row
+    blocks and an empty one, so programs past a segment's end return)."""
+    from fusedops.backends.triton import mamba2 as kernels
+    case = samples.make(1, 70, 2, 16, 1, 32, torch.float32, seed=5, device=DEVICE, chunk=32,
+                        D="h", z=True, dt_bias=True, initial_states=not packed,
+                        dfinal=not packed, lengths=[21, 0, 49] if packed else None)
+    wide = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
+            for k, v in case.tensors.items()}
+    expected = run(Case(case.label, wide, case.options), "torch")
+    t = case.tensors
+    fwd_t = {k: t[k] for k in samples._FORWARD_TENSORS if k in t}
+    config = kernels.ScanTiles(BQ=16, BP=16, BN=16, BLOCK_H=2, DBC_BN=16)
+    fwd = Mamba2ChunkScanForward(**fwd_t, **case.options, backend=backend)
+    fwd._program = kernels.forward_program(fwd.problem, config=config)
+    outputs = fwd.compile().allocate_outputs()
+    fwd.execute(**fwd_t, **outputs, workspace=fwd.allocate_workspace())
+    extra = {} if packed else dict(dfinal_states=t["dfinal_states"])
+    bwd = Mamba2ChunkScanBackward(**fwd_t, dy=t["dy"], **extra, **case.options, backend=backend)
+    bwd._program = kernels.backward_program(bwd.problem, config=config)
+    assert kernels.tiles(bwd.problem, config).DBC_BN == 16
+    grads = bwd.compile().allocate_outputs()
+    bwd.execute(**fwd_t, dy=t["dy"], saved=outputs["saved"], **extra, **grads,
+                workspace=bwd.allocate_workspace())
+    names = [name for name in expected if name in grads]
+    assert {"dB", "dC", "ddt", "dx"} <= set(names)
+    compare(grads, expected, KERNEL_TOLERANCE[torch.float32],
+            [name for name in names if name != "dA"])
+    assert_close(grads["dA"], expected["dA"], DA_FP32, "dA")
+
+
 def _forward_with(case, config, extra=()):
     """y, final_states, the saved buffer and (without cu_seqlens) segment_states of the Triton
     forward program built with tile-table entry ``config``; ``extra``: more tensor names."""

@@ -493,13 +493,12 @@ def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt
         b_direct += tl.load(ddt_part_ptr + (p_sh * NPB + i_p) * Q + o_k)
     b_u = tl.zeros([Q], dtype=tl.float32)
     b_w = tl.zeros([Q], dtype=tl.float32)
-    for i_n in range(NNB):
-        b_u += tl.load(u_part_ptr + (p_sh * NNB + i_n) * Q + o_k)
-        b_w += tl.load(w_part_ptr + (p_sh * NNB + i_n) * Q + o_k)
-    b_u = tl.where(m_k, b_u, 0.0)
-    b_w = tl.where(m_k, b_w, 0.0)
+    for i_n in range(NNB):   # the dB/dC kernel writes no rows of the blocks past the end
+        b_u += tl.load(u_part_ptr + (p_sh * NNB + i_n) * Q + o_k, mask=m_k, other=0.0)
+        b_w += tl.load(w_part_ptr + (p_sh * NNB + i_n) * Q + o_k, mask=m_k, other=0.0)
     o_t = tl.arange(0, NNB_POW2)
-    v = tl.sum(tl.load(v_ptr + p_sh * NNB + o_t, mask=o_t < NNB, other=0.0), axis=0)
+    v = tl.sum(tl.load(v_ptr + p_sh * NNB + o_t, mask=(o_t < NNB) & (o_t * 0 < end - start),
+                       other=0.0), axis=0)    # nor of an empty segment
     suffix_u = tl.cumsum(b_u, axis=0, reverse=True)                             # sum_{i>=k} U_i
     prefix_w = tl.cumsum(b_w, axis=0) - b_w                                      # sum_{j<k} W'_j
     b_da = tl.where(m_k, b_intra + suffix_u + v + prefix_w, 0.0)

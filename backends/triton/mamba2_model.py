@@ -478,13 +478,15 @@ def dbc_cost(problem, t: Tiles) -> Cost:
 def dt_bwd_cost(problem, t: Tiles) -> Cost:
     """ddt, per (segment, head) program (grid (S·h)): the straddling pieces of its block pairs
     whose row block holds tokens (BQ floats of every pair, BQ + 1 more of every pair off the
-    diagonal: the lanes the masked loads take), the dx, U and W partials (NPB, DBC_NNB, DBC_NNB
-    rows of Q·4), the <dH1, H0> partials and dts, all unmasked, for every grid segment: each
-    read by its one program (values passed between kernels); dt read and ddt written once; A,
-    dt_bias counted once; dA and ddt_bias partials (4 bytes per program each)."""
+    diagonal: the lanes the masked loads take), the U and W partials of its tokens (DBC_NNB
+    rows each) and the <dH1, H0> partials (DBC_NNB floats) of segments holding tokens, the dx
+    partials (NPB rows of Q·4) and dts unmasked, for every grid segment: each read by its one
+    program (values passed between kernels); dt read and ddt written once; A, dt_bias counted
+    once; dA and ddt_bias partials (4 bytes per program each)."""
     d = _Dims(problem, t)
     pieces = d.H * d.each(lambda s: s.tri * d.BQ + (s.tri - s.rb) * (d.BQ + 1)) * 4
-    read = (pieces + d.S * d.H * ((d.NPB + 2 * d.DBC_NNB + 1) * d.Q * 4 + d.DBC_NNB * 4)
+    uwv = d.H * d.DBC_NNB * 4 * d.each(lambda s: 2 * s.L + 1)
+    read = (pieces + uwv + d.S * d.H * (d.NPB + 1) * d.Q * 4
             + d.T * d.H * d.edt + 4 * d.H * (1 + problem.has_dt_bias) + d.table)
     written = d.T * d.H * d.edt + d.S * d.H * 4 * (1 + problem.has_dt_bias)
     flops = d.S * d.H * d.Q * (d.NPB + 2 * d.DBC_NNB + 12 + 6 * problem.dt_softplus

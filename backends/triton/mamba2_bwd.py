@@ -238,7 +238,7 @@ def straddling_pieces(p_part, b_w, b_cb, diagonal, BQ: tl.constexpr):
     gradient, from its weights b_w (T_ij = b_w ⊙ C·B, b_cb zero outside the pair's kept
     entries): with the column sums cs_j = sum_i T_ij, row sums rs_i = sum_j T_ij and total t,
     p_part[0:BQ] = sum_{j<k} cs_j (less sum_{i<k} rs_i on the diagonal, I = J: the pairs
-    j < k <= i inside one block), p_part[BQ:2BQ] = t - sum_{i<k} rs_i (k in block I > J),
+    j < k <= i inside one block), p_part[BQ:2BQ] = sum_{i>=k} rs_i (k in block I > J),
     p_part[2BQ] = t (k in the blocks between J and I; the last two unused on the diagonal)."""
     b_t = b_w * b_cb
     b_cs = tl.sum(b_t, axis=0)

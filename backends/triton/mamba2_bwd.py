@@ -179,14 +179,15 @@ def ssd_chunk_scan_bwd_dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr
     # the end state's gradient: exp(Acum_last - Acum_j) B_j @ dH1^T
     b_acc = tl.zeros([BQ, BP], dtype=tl.float32)
     p_dstate = dstates_ptr + i_sh.to(tl.int64) * (P * N)
+    m_dh = m_p & (o_p * 0 < seg_len)          # the walk writes no dH1 for a segment without tokens
     p_b = (B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB)
            + tok_j[:, None] * (stride_B_l * VB))
     for n0 in range(0, N, BN):
         o_n = n0 + tl.arange(0, BN)
         m_n = o_n < N
         b_b = tl.load(p_b + o_n[None, :], mask=m_j[:, None] & m_n[None, :], other=0.0)
-        b_dht = tl.load(p_dstate + o_p[None, :] * N + o_n[:, None], mask=m_n[:, None] & m_p[None, :],
-                        other=0.0)
+        b_dht = tl.load(p_dstate + o_p[None, :] * N + o_n[:, None],
+                        mask=m_n[:, None] & m_dh[None, :], other=0.0)
         b_acc = mm(b_b, b_dht.to(b_b.dtype), b_acc, UPCAST, IEEE)  # [BQ, BN] @ [BN, BP]
     b_end = tl.exp(tl.minimum(acum_last - b_acum_j, 0.0))
     if HAS_SEQ:              # dH1 reaches only the last token's run

@@ -344,7 +344,7 @@ def chunk_scan_cost(problem, t: Tiles) -> Cost:
 def dx_cost(problem, t: Tiles) -> Cost:
     """dx. Order: a 1-D grid over (NPB, NQB, S·h), the head-dim tile fastest, then the row
     block j, the (segment, head) slowest; no early exit (a program past the segment's end still
-    loads its state tile and writes its partials). Reuse: B rows j (over n) and the C·B tiles
+    loads its state tile, unless the segment holds no tokens, and writes its partials). Reuse: B rows j (over n) and the C·B tiles
     (i >= j, j) are shared by the R heads of the group (NPB·NQB = 4 programs apart); the
     segment's [BP, n] dH1 tile by its row blocks (once, where (S·h, NPB, NQB) order re-read it
     NQB times, S·h programs apart); dy rows i by every row block j <= i of the (segment, head),
@@ -365,7 +365,8 @@ def dx_cost(problem, t: Tiles) -> Cost:
     w.load("acum", every, key((s, d.S), (h, d.H), (j, d.NQB)), d.BQ * 4)
     w.load("acum last", every, key((s, d.S), (h, d.H)), 4)
     w.load("B", every, key((s, d.S), (j, d.NQB), (g, d.G)), vj * d.N * d.e)
-    w.load("dH1", every, key((s, d.S), (h, d.H), (ip, d.NPB)), bp * d.N * d.e)
+    w.load("dH1", every, key((s, d.S), (h, d.H), (ip, d.NPB)),
+           (launch.L[s] > 0) * bp * d.N * d.e)
     prog, i = w.loop(d.NQB, lambda p, i: (i >= j[p]) & (V[s[p], i] > 0))
     si, hi = s[prog], h[prog]
     w.load("C·B", prog, key((si, d.S), (g[prog], d.G), (i, d.NQB), (j[prog], d.NQB)),

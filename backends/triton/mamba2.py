@@ -342,16 +342,14 @@ def dbc_spec(problem, t: Tiles | None = None) -> KernelSpec:
                   *ty.seg, ty.runs, ("cb_ptr", "*fp32"), ("intra_ptr", "*fp32"),
                   ("dB_ptr", ty.x), ("dC_ptr", ty.x), ("w_part_ptr", "*fp32"),
                   ("u_part_ptr", "*fp32"), ("v_ptr", "*fp32"), *stride_args("x", "x"),
-                  *stride_args("dy", "x"),
-                  *stride_args("B", "B"), *stride_args("C", "B"), *stride_args("dB", "B"),
-                  *stride_args("dC", "B"), *ty.tail),
+                  *stride_args("dy", "x"), *stride_args("B", "B"), *stride_args("C", "B"),
+                  *stride_args("dB", "B"), *stride_args("dC", "B"), *ty.tail),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
                       Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.DBC_BN, **ty.common,
                       **numerics(problem.dtype), **ty.seq, VX=problem.vector,
                       VB=problem.bc_vector),
                  (2 * c["NQB"] * c["DBC_NNB"] * problem.max_segments * problem.groups,),
-                 warps=8, stages=DBC_STAGES,
-                 cost=model.dbc_cost(problem, t))
+                 warps=8, stages=DBC_STAGES, cost=model.dbc_cost(problem, t))
 
 
 def dt_bwd_spec(problem, t: Tiles | None = None) -> KernelSpec:

@@ -87,7 +87,8 @@ def ssd_chunk_states_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, C_pt
     """The state gradients backwards along every sequence, in one pass: a program walks its
     sequence's segments from the last with a [BP, BN] tile of dH in fp32 registers
     (dfinal_states or zero), storing it in the input dtype as the segment's end-state gradient
-    dH1 (dstates; dx and dB cast it to that dtype before their products anyway), then dH0 = exp(Acum_last) dH1 + sum_i exp(Acum_i) dy_i ⊗ C_i
+    dH1 (dstates; dx and dB cast it to that dtype before their products anyway), then
+    dH0 = exp(Acum_last) dH1 + sum_i exp(Acum_i) dy_i ⊗ C_i
     (sequence ids: dH1 passes only when the segment carries, and only the tokens of the run
     before the segment count); the first segment's dH0 is dinitial_states. GATE (z given): dy
     here is dy·silu(z), formed from dy, z and y before the gate as the walk reads them

@@ -239,11 +239,11 @@ def chunk_states_cost(problem, t: Tiles, entering: bool, backward: bool = False)
     with ``entering``); initial_states read and final_states written once. Backward: no dts;
     every step writes the dH1 tile (input dtype; its <dH1, H0> partial is the dB/dC kernel's
     since 2026-12-05, which reads H0 anyway, where the walk read every entering state a second
-    time); dfinal_states read and dinitial_states written once. MMA: [BP, BQ] @ [BQ, BN] per block; CUDA: the decay weights,
-    the scaling of B (C), the decayed carry (and the partial). With z the backward forms
-    dy·silu(z) from dy, z and y before the gate, read like dy (shared by the NNB state tiles),
-    and the first state tile's programs write it and dz (2·e per element); the gate's FLOPs
-    count once per state tile."""
+    time); dfinal_states read and dinitial_states written once. MMA: [BP, BQ] @ [BQ, BN] per block;
+    CUDA: the decay weights, the scaling of B (C), the decayed carry (and the partial). With z the
+    backward forms dy·silu(z) from dy, z and y before the gate, read like dy (shared by the NNB
+    state tiles), and the first state tile's programs write it and dz (2·e per element); the gate's
+    FLOPs count once per state tile."""
     d = _Dims(problem, t)
     first, count = _sequences(problem, d)
     steps = max(1, int(count.max()))
@@ -344,14 +344,14 @@ def chunk_scan_cost(problem, t: Tiles) -> Cost:
 def dx_cost(problem, t: Tiles) -> Cost:
     """dx. Order: a 1-D grid over (NPB, NQB, S·h), the head-dim tile fastest, then the row
     block j, the (segment, head) slowest; no early exit (a program past the segment's end still
-    loads its state tile, unless the segment holds no tokens, and writes its partials). Reuse: B rows j (over n) and the C·B tiles
-    (i >= j, j) are shared by the R heads of the group (NPB·NQB = 4 programs apart); the
-    segment's [BP, n] dH1 tile by its row blocks (once, where (S·h, NPB, NQB) order re-read it
-    NQB times, S·h programs apart); dy rows i by every row block j <= i of the (segment, head),
-    acum likewise (at most NQB - 1 apart); x rows j, dts read once, the D term's re-load of the
-    diagonal dy block counted once. A program moves 134 KiB on average at the production shape:
-    G = 183, so every shared tile is read once. dx written once, ddt partials (BQ·4 per
-    program) and dD partials (BP·4 per program). MMA: [BQ, BN] @ [BN, BP] over n for every
+    loads its state tile, unless the segment holds no tokens, and writes its partials). Reuse: B
+    rows j (over n) and the C·B tiles (i >= j, j) are shared by the R heads of the group (NPB·NQB =
+    4 programs apart); the segment's [BP, n] dH1 tile by its row blocks (once, where (S·h, NPB, NQB)
+    order re-read it NQB times, S·h programs apart); dy rows i by every row block j <= i of the
+    (segment, head), acum likewise (at most NQB - 1 apart); x rows j, dts read once, the D term's
+    re-load of the diagonal dy block counted once. A program moves 134 KiB on average at the
+    production shape: G = 183, so every shared tile is read once. dx written once, ddt partials
+    (BQ·4 per program) and dD partials (BP·4 per program). MMA: [BQ, BN] @ [BN, BP] over n for every
     program, [BQ, BQ] @ [BQ, BP] per pair."""
     d = _Dims(problem, t)
     launch = _Launch(problem, t, (d.NPB, d.NQB, d.S * d.H))
@@ -400,15 +400,15 @@ def dbc_cost(problem, t: Tiles) -> Cost:
     once) with the [p, BN] dH1 (dB) or H0 (dC) tile, and dC's first row block the dH1 tile too
     (shared with dB) for the <dH1, H0> partial (4 bytes a head written). dC's first state tile
     also forms C·B from C rows r and B rows k over n (the same tiles at DBC_NNB = 1) and writes
-    it (``cb_tile_bytes`` a pair) with the pieces ((2·BQ + 1)·4 a pair and head). The 2·NQB·DBC_NNB = 8 programs of a (segment,
-    group) share its heads' dy and x rows, dH1 and H0 tiles and B and C rows; a program moves
-    830 KiB (a mean over dB and dC, row blocks 0..3) at the production shape: G = 30 (76 on
-    sm_100), so every tile is read once, where the d(C·B) kernel before 2026-12-05 and separate
-    dB and dC launches read dy and x three times between them (dcb, dB, dC) and passed d(C·B)
-    through the workspace. One BQ·4 partial per head and the rows of dB (dC) written. MMA: per
-    pair, R heads' [BQ, BP] @ [BP, BQ] over p in each of dB and dC (every d(C·B) tile formed
-    twice) and [BQ, BQ] @ [BQ, BN]; [BQ, BP] @ [BP, BN] per head and row block; C·B's
-    [BQ, BN] @ [BN, BQ] over n once per pair."""
+    it (``cb_tile_bytes`` a pair) with the pieces ((2·BQ + 1)·4 a pair and head). The 2·NQB·DBC_NNB
+    = 8 programs of a (segment, group) share its heads' dy and x rows, dH1 and H0 tiles and B and C
+    rows; a program moves 830 KiB (a mean over dB and dC, row blocks 0..3) at the production shape:
+    G = 30 (76 on sm_100), so every tile is read once, where the d(C·B) kernel before 2026-12-05 and
+    separate dB and dC launches read dy and x three times between them (dcb, dB, dC) and passed
+    d(C·B) through the workspace. One BQ·4 partial per head and the rows of dB (dC) written. MMA:
+    per pair, R heads' [BQ, BP] @ [BP, BQ] over p in each of dB and dC (every d(C·B) tile formed
+    twice) and [BQ, BQ] @ [BQ, BN]; [BQ, BP] @ [BP, BN] per head and row block; C·B's [BQ, BN] @
+    [BN, BQ] over n once per pair."""
     d = _Dims(problem, t)
     nqb, nnb, bnd = d.NQB, d.DBC_NNB, d.DBC_BN
     launch = _Launch(problem, t, (2, nqb, nnb, d.S * d.G),

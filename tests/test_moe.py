@@ -674,6 +674,45 @@ def test_skewed_routing_splits_the_weight_gradients_deterministically(backend, d
                                                              "order"), f"{config} {n}")
 
 
+@pytest.mark.parametrize("backend", KERNELS)
+@pytest.mark.parametrize("wdt", [torch.float32, torch.float16])
+def test_shared_weight_gradients_in_one_launch_are_the_two_launches_bits(backend, wdt):
+    """The tile table's ``dense_wgrad_pair`` (sm_90, sm_100) runs the shared expert's two weight
+    gradients in one launch, the first's tiles then the second's; with it off (sm_80) they run
+    as two. Same tiles, same order of sums: the same bits, accumulated onto the buffers or not,
+    in fp32 or in x's dtype."""
+    from fusedops.backends.triton import moe as kernels
+    from fusedops.backends.triton.moe_tiles import tiles_for
+    case = experts_case(70, 48, 4, 40, 2, shared=160, dtype=torch.float16, seed=21)
+    names = ("x", "w_up", "w_down", "topk_ids", "topk_weights")
+    shared = {n: case[n] for n in ("shared_w_up", "shared_w_down")}
+    _, saved = fusedops.relu2_moe_forward(*(case[n] for n in names), **shared, backend=backend)
+    results = {}
+    for pair in (True, False):
+        for accumulate in (True, False):
+            plan = _experts_plan(ReLU2MoEBackward, case, backend=backend, accumulate=accumulate,
+                                 weight_grad_dtype=wdt)
+            config = dataclasses.replace(tiles_for(plan.problem), dense_wgrad_pair=pair)
+            plan._program = kernels.backward_program(plan.problem, config=config)
+            launches = [s.name for s in plan._program.stages]
+            assert launches.count("moe_dense_wgrad_pair_kernel") == pair
+            assert launches.count("moe_wgrad_kernel") == 6 + 2 * (not pair)   # routed: split-K
+            plan.compile()
+            grads = {n: torch.full(plan.desc(n).shape, 0.5, dtype=plan.desc(n).dtype,
+                                   device=DEVICE) for n in plan.gradient_names}
+            plan.execute(*(case[n] for n in names), case["d_out"], saved, **grads, **shared,
+                         workspace=plan.allocate_workspace())
+            for n in ("d_shared_w_up", "d_shared_w_down"):
+                results[pair, accumulate, n] = grads[n].float() - 0.5 * accumulate
+    expected = run_experts("torch", {n: v.double() if v.is_floating_point() else v
+                                     for n, v in case.items()})
+    for n in ("d_shared_w_up", "d_shared_w_down"):
+        for accumulate in (True, False):
+            assert torch.equal(results[True, accumulate, n], results[False, accumulate, n]), n
+            assert_close(results[True, accumulate, n].double(), expected[n],
+                         EXPERT_TOLERANCE[torch.float16], n)
+
+
 # -- 4. plan contract -------------------------------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_accumulate_into_main_grads_and_weight_grad_dtype(backend):

@@ -7,9 +7,10 @@ shared expert's up GEMM and its down GEMM, whose epilogue adds the k rows of eac
 a shared expert, the combine kernel sums them). Backward: the down and up dgrad GEMMs, the
 routing-weight gradient's fixed-order sum, the weight-gradient GEMMs (routed, with a
 deterministic split-K for experts holding more than a chunk of rows: ``wgrad_stages``), then the
-shared expert's, whose up dgrad sums the rows of d_x (or the combine). Operands a program does not have (the
-shared expert's buffers, the routing weights of an unweighted GEMM) are compiled out, never
-aliased.
+shared expert's, whose up dgrad sums the rows of d_x (or the combine) and whose two weight
+gradients share one launch where the tile table says (``dense_wgrad_pair_stage``). Operands a
+program does not have (the shared expert's buffers, the routing weights of an unweighted GEMM)
+are compiled out, never aliased.
 
 The activations (x, d_out read by token; out, d_x written by the combining epilogue or kernel)
 may be strided views: their kernels take the row stride at launch (``Stride``, in 16-byte
@@ -297,6 +298,36 @@ def wgrad_stages(problem, tiles: MoETiles, *, routed: bool, inter: int, a_source
     return stages
 
 
+def dense_wgrad_pair_stage(problem, tiles: MoETiles, u, d_u) -> Stage:
+    """The shared expert's two weight gradients in one launch (``moe_dense_wgrad_pair_kernel``,
+    where the table's ``dense_wgrad_pair`` says): d_shared_w_up [I_s, H] (+)= d_uᵀ · x, then
+    d_shared_w_down [H, I_s] (+)= (relu(u)²)ᵀ · d_out, stored transposed; one tiling of
+    [I_s, H] for both, so the second's tiles fill the first's last wave."""
+    t, grad = pointer_type(problem.dtype), pointer_type(problem.weight_grad_dtype)
+    H, inter = problem.hidden, problem.shared_intermediate
+    bm, bn, bk, warps = wgrad_blocks(problem, inter, H, tiles)
+    group_m = tiles.dense_wgrad_group_m
+    args = (("a0_ptr", t), ("b0_ptr", t), ("grad0_ptr", grad), ("stride_b0", "i32"),
+            ("a1_ptr", t), ("b1_ptr", t), ("grad1_ptr", grad), ("stride_b1", "i32"),
+            ("T", "i32"))
+    const = dict(M=inter, N=H, SOURCE_0=BY_ROW, RELU2_0=False, TRANSPOSED_0=False,
+                 SOURCE_1=BY_ASSIGNMENT, RELU2_1=True, TRANSPOSED_1=True,
+                 ACCUMULATE=problem.accumulate, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
+                 VEC=problem.row_vector, **_numerics(problem))
+    arch = target_arch(problem.device)
+    up, down = (C.wgrad_cost(problem, routed=False, m=inter, n=H, bm=bm, bn=bn, bk=bk,
+                             group_m=group_m, a_relu2=relu2, a_weighted=False, arch=arch)
+                for relu2 in (False, True))
+    tiles_per = triton.cdiv(inter, bm) * triton.cdiv(H, bn)
+    spec = KernelSpec.make(K.moe_dense_wgrad_pair_kernel, args, const, (2 * tiles_per,),
+                           num_warps=warps, num_stages=tiles.wgrad_stages,
+                           maxnreg=tiles.wgrad_maxnreg, cost=up + down)
+    return Stage(spec, dict(a0_ptr=d_u, b0_ptr="x", grad0_ptr="d_shared_w_up",
+                            stride_b0=_row_stride(problem, "x"), a1_ptr=u, b1_ptr="d_out",
+                            grad1_ptr="d_shared_w_down", stride_b1=_row_stride(problem, "d_out"),
+                            T=problem.tokens))
+
+
 def wgrad_split_stage(problem, tiles: MoETiles) -> Stage | None:
     """The routed weight gradients' split-K work table (``moe_wgrad_split_kernel``), from the
     saved counts and offsets; None without slots."""
@@ -432,6 +463,8 @@ def _expert_backward_stages(problem, tiles: MoETiles, shared: bool) -> list[Stag
                    out=d_u, weighted=routed, u=u, part=ws("dw_part") if routed else None),
         gemm_stage(problem, tiles, routed=routed, kdim=inter, ndim=H, strides=st["up_t"],
                    a_source=BY_ROW, a=d_u, b=pre + "w_up", **up_epilogue)]
+    if shared and tiles.dense_wgrad_pair:
+        return stages + [dense_wgrad_pair_stage(problem, tiles, u, d_u)]
     if routed:
         stages.append(weight_grad_reduce_stage(problem, tiles))
         split = wgrad_split_stage(problem, tiles)

@@ -35,7 +35,9 @@ assignment: its transform happens on the register operand, so the wgmma stays as
 B = x or d_out gathered by token; d_W_down [H, I] is stored transposed. An expert holding more
 rows than the split-K chunk is summed chunk by chunk (moe_wgrad_split_kernel's work table: the
 chunks past its first into fp32 slots, then added to the first in chunk order), so no program
-walks more than a chunk of rows and the sums keep one fixed order.
+walks more than a chunk of rows and the sums keep one fixed order. The shared expert's two weight
+gradients (one expert, every token a row) can share one launch, the first's tiles then the
+second's (moe_dense_wgrad_pair_kernel), so the second fills the first's last wave.
 
 Strided activations: x, d_out (read by token), out and d_x (the combines' stores) are addressed
 through a row stride taken at launch in units of VEC elements (a 16-byte vector; 1 where a row
@@ -402,9 +404,53 @@ def moe_wgrad_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_p
                      UPCAST: tl.constexpr, IEEE: tl.constexpr, EXACT: tl.constexpr,
                      VEC: tl.constexpr):
     """grad[e][m, n] (grad[e][n, m] when TRANSPOSED) (+)= the sum over e's rows r, in dispatch
-    order, of A[r, m] · B[token_r, n] (added to the buffer's value at the end, a quarter of the
-    columns at a time, when ACCUMULATE): A = d_u by row, or a = relu(u)² (times the routing weight
-    when A_WEIGHTED, rounded) by assignment, loaded as [BM, BK] so that its transform happens
+    order, of A[r, m] · B[token_r, n]: one program per (work item, BM × BN tile), the work item
+    slowest (``wgrad_tile``)."""
+    wgrad_tile(tl.program_id(0), a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_ptr,
+               grad_ptr, table_ptr, part_ptr, T, stride_b, K_TOP, E, M, N, ROUTED, A_SOURCE,
+               A_RELU2, A_WEIGHTED, TRANSPOSED, ACCUMULATE, BM, BN, BK, GROUP_M, SPLIT, CHUNK,
+               SLOTS, UPCAST, IEEE, EXACT, VEC)
+
+
+@triton.jit
+def moe_dense_wgrad_pair_kernel(a0_ptr, b0_ptr, grad0_ptr, stride_b0, a1_ptr, b1_ptr, grad1_ptr,
+                                stride_b1, T, M: tl.constexpr, N: tl.constexpr,
+                                SOURCE_0: tl.constexpr, RELU2_0: tl.constexpr,
+                                TRANSPOSED_0: tl.constexpr, SOURCE_1: tl.constexpr,
+                                RELU2_1: tl.constexpr, TRANSPOSED_1: tl.constexpr,
+                                ACCUMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
+                                BK: tl.constexpr, GROUP_M: tl.constexpr, UPCAST: tl.constexpr,
+                                IEEE: tl.constexpr, EXACT: tl.constexpr, VEC: tl.constexpr):
+    """Two dense (one expert, every token a row) weight gradients of the same [M, N] tiling in
+    one launch, so that the second's tiles fill the first's last wave: programs below
+    ceil(M / BM)·ceil(N / BN) compute grad0 from (a0, b0) with SOURCE_0, RELU2_0 and
+    TRANSPOSED_0 (``wgrad_tile``, unweighted, unsplit), the rest grad1 from (a1, b1)."""
+    tiles: tl.constexpr = ((M + BM - 1) // BM) * ((N + BN - 1) // BN)
+    pid = tl.program_id(0)
+    if pid < tiles:
+        wgrad_tile(pid, a0_ptr, b0_ptr, None, None, None, None, grad0_ptr, None, None, T,
+                   stride_b0, 1, 1, M, N, False, SOURCE_0, RELU2_0, False, TRANSPOSED_0,
+                   ACCUMULATE, BM, BN, BK, GROUP_M, 0, 0, 0, UPCAST, IEEE, EXACT, VEC)
+    else:
+        wgrad_tile(pid - tiles, a1_ptr, b1_ptr, None, None, None, None, grad1_ptr, None, None,
+                   T, stride_b1, 1, 1, M, N, False, SOURCE_1, RELU2_1, False, TRANSPOSED_1,
+                   ACCUMULATE, BM, BN, BK, GROUP_M, 0, 0, 0, UPCAST, IEEE, EXACT, VEC)
+
+
+@triton.jit
+def wgrad_tile(pid, a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_ptr, grad_ptr,
+               table_ptr, part_ptr, T, stride_b, K_TOP: tl.constexpr, E: tl.constexpr,
+               M: tl.constexpr, N: tl.constexpr, ROUTED: tl.constexpr, A_SOURCE: tl.constexpr,
+               A_RELU2: tl.constexpr, A_WEIGHTED: tl.constexpr, TRANSPOSED: tl.constexpr,
+               ACCUMULATE: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               GROUP_M: tl.constexpr, SPLIT: tl.constexpr, CHUNK: tl.constexpr,
+               SLOTS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+               EXACT: tl.constexpr, VEC: tl.constexpr):
+    """Program ``pid`` of a weight-gradient launch: grad[e][m, n] (grad[e][n, m] when
+    TRANSPOSED) (+)= the sum over e's rows r, in dispatch order, of A[r, m] · B[token_r, n]
+    (added to the buffer's value at the end, a quarter of the columns at a time, when
+    ACCUMULATE): A = d_u by row, or a = relu(u)² (times the routing weight when A_WEIGHTED,
+    rounded) by assignment, loaded as [BM, BK] so that its transform happens
     on the MMA's register operand; B = x or d_out gathered by token (a view, stride_b vectors a
     row). One program per (work item, BM × BN tile), the work item slowest; inside it GROUP_M
     row tiles run through every column tile. Routed, a work item is an expert (SPLIT 0 and 1;
@@ -414,7 +460,6 @@ def moe_wgrad_kernel(a_ptr, b_ptr, sorted_ptr, offsets_ptr, counts_ptr, weight_p
     gradient's layout); SPLIT 3, the split experts' first chunks, which add their slots in
     chunk order, then the buffer (ACCUMULATE), rounded once: a fixed partition and a fixed
     order, so the result is the same bits every run."""
-    pid = tl.program_id(0)
     m_tiles: tl.constexpr = (M + BM - 1) // BM
     n_tiles: tl.constexpr = (N + BN - 1) // BN
     w = pid // (m_tiles * n_tiles)

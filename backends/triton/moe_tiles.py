@@ -53,7 +53,9 @@ class MoETiles:
     step over the expert's rows (bk, 16-bit; fp32 takes half), warps, stages and the row tiles
     of its L2 group inside an expert (dense_wgrad_group_m: the shared expert's, which walks
     every token), and a register budget for ptxas; wgrad_split_slots: the fp32 gradient-sized
-    slots a routed expert's rows beyond its first chunk go to (``wgrad_split``; 0: none).
+    slots a routed expert's rows beyond its first chunk go to (``wgrad_split``; 0: none);
+    dense_wgrad_pair: the shared expert's two weight gradients in one launch
+    (``moe.dense_wgrad_pair_stage``), so the second's tiles fill the first's last wave.
     epilogue_quarters: the epilogues that read a second tile run on a quarter of the columns at
     a time (``moe_kernels._column_quarters``).
     """
@@ -78,13 +80,16 @@ class MoETiles:
     dense_wgrad_group_m: int = 4
     wgrad_maxnreg: int | None = 128
     wgrad_split_slots: int = 8
+    dense_wgrad_pair: bool = True
     epilogue_quarters: bool = True
 
 
 HOPPER = MoETiles()
 AMPERE = MoETiles(small=GemmTile(64, 64, 4, 3), fused=GemmTile(128, 64, 8, 3, wide=128 * 128),
-                  wgrad_maxnreg=128)
-"""sm_80: its fused GEMMs take ptxas's own count (at 128 they spill 56-112 bytes)."""
+                  wgrad_maxnreg=128, dense_wgrad_pair=False)
+"""sm_80: its fused GEMMs take ptxas's own count (at 128 they spill 56-112 bytes); the shared
+expert's weight gradients in two launches (in one, 24 bytes spill at 128 registers, and 2 × 2.82
+waves fill 6 either way on 108 SMs)."""
 VLLM_LARGE = GemmTile(256, 64, 8, 4)
 """vLLM's published fused-MoE configuration for E = 128, N = 1856 at >= 3072 tokens on H100 (and
 >= 1536 on B200): 128 x 256 x 64, 8 warps, 4 stages."""
@@ -112,12 +117,16 @@ TILES = {
               "x, 1.8x); the GEMMs whose epilogue reads a second tile and the weight gradients "
               "held to 128 registers for two CTAs per SM, their epilogues a quarter of the "
               "columns at a time (2026-12-04: 96-126 registers, no spill; the dgrad-down took "
-              "243 and the combining GEMMs 170 with whole-tile epilogues, one CTA per SM)"),
+              "243 and the combining GEMMs 170 with whole-tile epilogues, one CTA per SM); the "
+              "shared expert's two weight gradients in one launch: at Nano's t = 8192 each has 609 "
+              "tiles, 2.31 waves of two CTAs per SM, so two launches take 6 waves and one "
+              "4.61, 5 (2026-12-05: 121 registers, no spill)"),
     "sm_100": (HOPPER, "B200 (148 SMs, 227 KiB shared memory, tcgen05 MMA accumulating in "
                "tensor memory): as sm_90 (its GEMMs 56-126 registers and weight gradients "
                "62-78 under the same budgets, no spill); vLLM's published B200 configuration "
                "for E=128, N=1856 at >= 1536 tokens (the same 128x256x64, 8 warps, 4 stages) "
-               "is the first autotune candidate"),
+               "is the first autotune candidate; the shared expert's weight gradients in one "
+               "launch, 2 x 2.06 waves -> 4.12 (66 registers)"),
 }
 
 

@@ -172,7 +172,7 @@ def main(argv=None) -> None:
                 run_f, run_b, _ = fusedops_runners(t, dy, args.chunk, backend, autotune=True)
                 rows.append(("fusedops triton autotuned", run_f, run_b, True,
                              "the fastest tile-table candidate: the fused or the split forward, "
-                             "BN = 128, BP = 32"))
+                             "dx in the dB/dC launch or its own, BN = 128, BP = 32"))
         run_f, run_b, torch_floors = fusedops_runners(t, dy, args.chunk, "torch")
         floors = floors or torch_floors
         rows.append(("fusedops torch", run_f, run_b, True, "the reference backend"))

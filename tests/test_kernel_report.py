@@ -56,15 +56,15 @@ TRAFFIC_BOUNDS = {
     # d(C·B) kernel, 2026-12-05: 3.621x; and C·B: 3.587x; dB and dC forming the d(C·B) tiles in
     # one launch: 3.00x at Q128, 3.01x at p80; C·B's diagonal tiles stored and read as their
     # lower halves: 2.98x and 2.99x, forward 1.79x at Q128; the <dH1, H0> partials in dB/dC,
-    # not the walk: 2.81x both);
+    # not the walk: 2.81x both; dx's programs in the dB/dC launch: 2.28x and 2.27x);
     # decode: dt, B and C re-read by each head-dim block (h·b programs apart); the forward
     # walk (2026-12-05: states and output in one kernel, 2.45x to 1.83x at Q128) writes the
     # bf16 entering states and y before the gate for the backward and reads C·B back
     "Mamba2ChunkScanForward": 1.80,
-    "Mamba2ChunkScanBackward": 2.81,
+    "Mamba2ChunkScanBackward": 2.29,
     # without z the floor loses z, dz and y before the gate while the passes between kernels
     # (dH1, C·B, the partials) and the re-reads of dy and x stay
-    ("Mamba2ChunkScanBackward", "scan nemotron-h 8K"): 2.86,
+    ("Mamba2ChunkScanBackward", "scan nemotron-h 8K"): 2.18,
     "Mamba2StateUpdate": 1.01,
     "Mamba2StateRollback": 1.00,
 }
@@ -73,13 +73,12 @@ ARCHS = ("sm_90a", "sm_100a")   # CI's; `fusedops kernels` adds sm_80 for the Tr
 # (rule, family) pairs today's kernels break, and why.
 KNOWN = {
     ("wgmma_async", "mamba2_scan"):
-        "the backward state walk and the dB/dC kernel wait for each product: "
-        "the walk forms both of its operands in registers (dy·silu(z) and the decay-weighted "
-        "C; weighting dy·silu(z) instead spills at the 128 registers its 4 CTAs per SM need), "
-        "and dB/dC weighs each head's dy·xᵀ tile before the next (it holds a [64, n] "
-        "accumulator and three [64, 64] tiles at 225-235 registers; issuing the next head "
-        "first took the d(C·B) kernel it absorbed from 3 or 4 CTAs per SM to 2) (the forward "
-        "walk weighs x, its register operand, and is asynchronous since 2026-12-04)",
+        "the backward state walk waits for each product: it forms both of its operands in "
+        "registers (dy·silu(z) and the decay-weighted C; weighting dy·silu(z) instead spills "
+        "at the 128 registers its 4 CTAs per SM need) (the forward walk weighs x, its register "
+        "operand, and is asynchronous since 2026-12-04; the dB/dC launch keeps dx's products "
+        "in flight at two stages since dx joined it, 2026-12-05, while dB/dC's own weigh each "
+        "head's dy·xᵀ tile before the next)",
 }
 
 

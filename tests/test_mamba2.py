@@ -877,15 +877,21 @@ def test_tile_table_follows_the_target_arch():
     with compiling_for("sm_90"):
         (dbc,) = [k for k in kernels.backward_program(bwd.problem).kernels
                   if k.name == "ssd_dbc_kernel"]
-    # dB and dC of every row block (4), state tile (the whole state: 1) and segment·group
-    assert dbc.grid == (2 * 4 * 1 * 64 * 8, 1, 1)
+    # dB and dC of every row block (4) and state tile (the whole state: 1), then dx of every
+    # row block and head-dim tile (1), per segment·group
+    assert dbc.grid == ((2 * 4 * 1 + 4 * 1) * 64 * 8, 1, 1)
+    names = [k.name for k in kernels.backward_program(bwd.problem).kernels]
+    assert "ssd_cb_kernel" in names and "ssd_chunk_scan_bwd_dx_kernel" not in names
+    apart = replace(kernels.TILES["sm_90"][0], DX_IN_DBC=False)
+    names = [k.name for k in kernels.backward_program(bwd.problem, config=apart).kernels]
+    assert "ssd_cb_kernel" not in names and "ssd_chunk_scan_bwd_dx_kernel" in names
     wide = samples.make(1, 20, 2, 64, 1, kernels_tiles.FUSED_MAX_STATE + 1, device="cpu")
     wide_plan = Mamba2ChunkScanForward(**{k: wide.tensors[k] for k in samples._FORWARD_TENSORS},
                                        **wide.options, backend="torch")
     assert not kernels.tiles(wide_plan.problem).FUSED      # the walk would hold 256 state columns
     wide_candidates = kernels.forward_candidates(wide_plan.problem)
     assert len({kernels.tiles(wide_plan.problem, c) for c in wide_candidates}) \
-        == len(wide_candidates) == 3                        # the two pipelines' entries coincide
+        == len(wide_candidates) == 4                        # the two pipelines' entries coincide
 
 
 SPLIT_COMPILE = """
@@ -1091,8 +1097,9 @@ def test_split_forward_model_at_the_production_shape():
 def test_backward_dbc_kernel_at_the_production_shape():
     """The modelled bytes of the backward's dB/dC kernel (with the d(C·B) tiles, C·B and the
     straddling pieces) on sm_90 at the production shape (as the forward's test above, bf16
-    passed states), recounted by reuse distance. The 8 programs of a (segment, group) run side
-    by side (dB and dC fastest, then the 4 row blocks; the whole state in one tile).
+    passed states), recounted by reuse distance, with dx in its own launch (DX_IN_DBC off) and
+    in this one (the table's entry). The 8 dB/dC programs of a (segment, group) run side by side
+    (dB and dC fastest, then the 4 row blocks; the whole state in one tile).
 
     dB of row block j loads its B rows (64·128·2 = 16 KiB), for the 4 - j blocks i >= j C rows
     i (16 KiB) and for each of 16 heads dy rows i (8 KiB) and acum i (256 B), then per head x
@@ -1102,23 +1109,40 @@ def test_backward_dbc_kernel_at_the_production_shape():
     i, the bf16 H0 tile, and also the C·B tile (16 KiB) and each head's 2·64 + 1 floats of
     pieces of its i + 1 pairs; dC of row block 0 also loads the dH1 tile (shared with dB) and
     stores each head's <dH1, H0> partial (4 B). dH1 and H0 (bf16) are half the fp32 state's
-    bytes each. The 8
-    programs move 851,056 bytes on average: G = 25e6 / 851,056
-    = 29.4, more than the 7 programs between any two of a (segment, group), so B, C, dy, x,
-    acum, dts, dH1 and H0 are read once. The partials are 16 x 256 bytes for each of the
-    S·g·8 programs: S·h·2·Q·4, twice acum's bytes."""
+    bytes each. The 8 programs move 851,056 bytes on average: G = 25e6 / 851,056 = 29.4, more
+    than the 7 programs between any two of a (segment, group), so B, C, dy, x, acum, dts, dH1
+    and H0 are read once. The partials are 16 x 256 bytes for each of the S·g·8 programs:
+    S·h·2·Q·4, twice acum's bytes; without dx here the C·B tiles are stored for dx.
+
+    With dx, 4 more programs per (segment, group), one per row block j, loop the group's 16
+    heads: B rows j, the dH1 tile, the C·B tiles (i >= j, j) with dy and acum rows i, x, dts
+    and (D) dy rows j, storing dx rows j, a BQ·4 ddt partial and a p·4 dD partial per head. The
+    12 programs move 1.40 MB on average: G = 17.8, more than the 11 between any two of a
+    (segment, group), so of dx's loads only C·B (the prologue's C·B kernel wrote it: C and B
+    read once, the tiles written) and D (h·4 bytes) count; dx's rows and partials are
+    written."""
     pytest.importorskip("triton")
+    from fusedops.backends.triton import mamba2 as scan_kernels
     from fusedops.core.target import compiling_for
-    with compiling_for("sm_90"):
-        _, bwd = _production("scan h128 p64 n128 Q256")
-        kernels = bwd.kernel_program("triton").kernels
     T, S, BQ, Q, h, p, g, n, e, xb, state, seq_state, acum, bc, cb = _production_bytes()
     assert 0.5 * 50e6 / 851_056 > 7
-    costs = [(k.name, k.cost.bytes_read, k.cost.bytes_written) for k in kernels
-             if k.name in ("ssd_cb_kernel", "ssd_dbc_kernel")]
     pieces = S * h * 10 * (2 * BQ + 1) * 4
-    assert costs == [("ssd_dbc_kernel", 2 * bc + 2 * xb + 2 * acum + 4 * S * h + state,
-                      cb + pieces + 2 * acum + 2 * bc + 4 * S * h)]
+    read = 2 * bc + 2 * xb + 2 * acum + 4 * S * h + state
+    written = pieces + 2 * acum + 2 * bc + 4 * S * h
+    with compiling_for("sm_90"):
+        _, bwd = _production("scan h128 p64 n128 Q256")
+        apart = replace(scan_kernels.TILES["sm_90"][0], DX_IN_DBC=False)
+        for config in (apart, None):
+            kernels = scan_kernels.backward_program(bwd.problem, config=config).kernels
+            costs = [(k.name, k.cost.bytes_read, k.cost.bytes_written) for k in kernels
+                     if k.name in ("ssd_cb_kernel", "ssd_dbc_kernel")]
+            if config is apart:
+                assert costs == [("ssd_dbc_kernel", read, written + cb)]
+            else:
+                dD = S * h * (Q // BQ) * p * 4
+                assert costs == [("ssd_cb_kernel", 2 * bc, cb),
+                                 ("ssd_dbc_kernel", read + cb + h * 4,
+                                  written + xb + acum + dD)]
 
 
 def test_every_production_kernel_is_modelled_above_its_floor():
@@ -1150,8 +1174,8 @@ def test_tuning_tensors_are_valid_packed_offsets():
 
 @pytest.mark.parametrize("backend", [b for b in SCAN_KERNEL_BACKENDS if b == "triton"])
 def test_every_autotune_candidate_computes_the_scan(backend):
-    """Each candidate's forward and backward programs (the other forward pipeline, another state
-    tile, head-dim tile) give the reference's results; with z, so the backward walk's gate runs
+    """Each candidate's forward and backward programs (the other forward pipeline, dx in its own
+    launch, another state tile, head-dim tile) give the reference's results; with z, so the backward walk's gate runs
     on 2 state tiles (only the first writes dz and dy·silu(z)) and, at BP = 32, 2 head-dim
     tiles. Against the float64 reference of the same inputs. dA sums dt_k·da_k over the tokens,
     terms that cancel: the kernels' decay weights exp(Acum_i - Acum_j) carry the rounding of
@@ -1168,7 +1192,7 @@ def test_every_autotune_candidate_computes_the_scan(backend):
     fwd_t = {k: t[k] for k in samples._FORWARD_TENSORS}
     probe = Mamba2ChunkScanForward(**fwd_t, **case.options, backend=backend)
     configs = kernels.forward_candidates(probe.problem)
-    assert len({kernels.tiles(probe.problem, c) for c in configs}) == len(configs) == 4
+    assert len({kernels.tiles(probe.problem, c) for c in configs}) == len(configs) == 5
     for config in configs:
         fwd = Mamba2ChunkScanForward(**fwd_t, **case.options, backend=backend)
         fwd._program = kernels.forward_program(fwd.problem, config=config)
@@ -1191,14 +1215,18 @@ DA_FP32 = Tolerance(2e-4, 2e-4, "fp32: dA sums terms that cancel (see the test a
 
 @pytest.mark.parametrize("backend", [b for b in SCAN_KERNEL_BACKENDS if b == "triton"])
 @pytest.mark.parametrize("packed", [False, True], ids=["batch", "packed"])
-def test_dbc_kernel_over_several_state_tiles(backend, packed):
+@pytest.mark.parametrize("dx_in_dbc", [False, True], ids=["dx-apart", "dx-in-dbc"])
+def test_dbc_kernel_over_several_state_tiles(backend, packed, dx_in_dbc):
     """The dB/dC kernel with the state split into DBC_NNB = 2 tiles: each tile's programs form
-    the d(C·B) tiles again, only the first writes C·B and the straddling pieces, and every tile
-    writes its U, W' and <dH1, H0> partials, which ddt and dA sum in tile order (n = 32 in
-    16-wide tiles, 2 row blocks of 16 per segment; packed: sequences ending inside row
-    blocks and an empty one, so programs past a segment's end return)."""
+    the d(C·B) tiles again, only the first writes C·B (without DX_IN_DBC) and the straddling
+    pieces, and every tile writes its U, W' and <dH1, H0> partials, which ddt and dA sum in
+    tile order (n = 32 in 16-wide tiles, 2 row blocks of 16 per segment; packed: sequences
+    ending inside row blocks and an empty one, so dB/dC programs past a segment's end return
+    while dx's write their zero partials). With DX_IN_DBC the launch's dx programs (each
+    looping the group's 2 heads; p = 32 in 16-wide head-dim tiles, two programs a row block)
+    read the C·B the prologue wrote."""
     from fusedops.backends.triton import mamba2 as kernels
-    case = samples.make(1, 70, 2, 16, 1, 32, torch.float32, seed=5, device=DEVICE, chunk=32,
+    case = samples.make(1, 70, 2, 32, 1, 32, torch.float32, seed=5, device=DEVICE, chunk=32,
                         D="h", z=True, dt_bias=True, initial_states=not packed,
                         dfinal=not packed, lengths=[21, 0, 49] if packed else None)
     wide = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
@@ -1206,7 +1234,7 @@ def test_dbc_kernel_over_several_state_tiles(backend, packed):
     expected = run(Case(case.label, wide, case.options), "torch")
     t = case.tensors
     fwd_t = {k: t[k] for k in samples._FORWARD_TENSORS if k in t}
-    config = kernels.ScanTiles(BQ=16, BP=16, BN=16, BLOCK_H=2, DBC_BN=16)
+    config = kernels.ScanTiles(BQ=16, BP=16, BN=16, BLOCK_H=2, DBC_BN=16, DX_IN_DBC=dx_in_dbc)
     fwd = Mamba2ChunkScanForward(**fwd_t, **case.options, backend=backend)
     fwd._program = kernels.forward_program(fwd.problem, config=config)
     outputs = fwd.compile().allocate_outputs()
@@ -1215,6 +1243,9 @@ def test_dbc_kernel_over_several_state_tiles(backend, packed):
     bwd = Mamba2ChunkScanBackward(**fwd_t, dy=t["dy"], **extra, **case.options, backend=backend)
     bwd._program = kernels.backward_program(bwd.problem, config=config)
     assert kernels.tiles(bwd.problem, config).DBC_BN == 16
+    launches = [k.name for k in bwd._program.kernels]
+    assert ("ssd_chunk_scan_bwd_dx_kernel" in launches) != dx_in_dbc
+    assert ("ssd_cb_kernel" in launches) == dx_in_dbc
     grads = bwd.compile().allocate_outputs()
     bwd.execute(**fwd_t, dy=t["dy"], saved=outputs["saved"], **extra, **grads,
                 workspace=bwd.allocate_workspace())

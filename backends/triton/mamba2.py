@@ -29,6 +29,7 @@ from fusedops.mamba2.contract import SOFTPLUS_THRESHOLD
 
 from . import mamba2_bwd as bwd_kernels
 from . import mamba2_fwd as fwd_kernels
+from . import mamba2_bwd_model as bwd_model
 from . import mamba2_model as model
 from .mamba2_buffers import backward_workspace, forward_workspace, saved_layout
 from .mamba2_tiles import TILES, ScanTiles, Tiles, candidates, counts, tiles
@@ -40,8 +41,6 @@ __all__ = ["TILES", "ScanTiles", "Tiles", "backward_candidates", "backward_progr
            "forward_workspace", "saved_layout", "tiles", "unsupported_reason"]
 
 NUM_STAGES = 2
-DBC_STAGES = 1
-"""The dB/dC kernel's pipelining stages: its head-dim loops are one step at p <= 64."""
 
 
 def _varlen(problem) -> bool:
@@ -326,30 +325,36 @@ def dx_spec(problem, t: Tiles | None = None) -> KernelSpec:
                       D_PER_CHANNEL=problem.D_per_channel, **ty.common, **numerics(problem.dtype),
                       **ty.seq, VX=problem.vector, VB=problem.bc_vector),
                  (c["NPB"] * c["NQB"] * problem.max_segments * problem.heads,), warps=8,
-                 cost=model.dx_cost(problem, t))
+                 cost=bwd_model.dx_cost(problem, t))
 
 
 def dbc_spec(problem, t: Tiles | None = None) -> KernelSpec:
-    """dB and dC with their per-head state terms and the d(C·B) tiles they need, the backward's
-    C·B (for dx) and per head the block pairs' pieces of the straddling sums of the log-decay
-    gradient."""
+    """dB and dC with their per-head state terms and the d(C·B) tiles they need, per head the
+    block pairs' pieces of the straddling sums of the log-decay gradient, and either the
+    backward's C·B (for the dx kernel) or, with the table's DX_IN_DBC, dx itself (with the dt
+    part of ddt and the dD partials; C·B then comes from the prologue)."""
     ty, t = _Types(problem), t or tiles(problem)
-    c = _counts(problem, t)
+    dx = t.DX_IN_DBC
+    D = _present(dx and problem.has_D, "*fp32")
     return _spec(bwd_kernels.ssd_dbc_kernel,
                  (("x_ptr", ty.x), ("dy_ptr", ty.x), ("B_ptr", ty.x), ("C_ptr", ty.x),
                   ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"),
                   ("states_ptr", pointer_type(problem.state_dtype)), ("dstates_ptr", ty.x),
                   *ty.seg, ty.runs, ("cb_ptr", "*fp32"), ("intra_ptr", "*fp32"),
                   ("dB_ptr", ty.x), ("dC_ptr", ty.x), ("w_part_ptr", "*fp32"),
-                  ("u_part_ptr", "*fp32"), ("v_ptr", "*fp32"), *stride_args("x", "x"),
+                  ("u_part_ptr", "*fp32"), ("v_ptr", "*fp32"), ("D_ptr", D),
+                  ("dx_ptr", _present(dx, ty.x)), ("ddt_part_ptr", _present(dx, "*fp32")),
+                  ("dD_part_ptr", D), *stride_args("x", "x"),
                   *stride_args("dy", "x"), *stride_args("B", "B"), *stride_args("C", "B"),
-                  *stride_args("dB", "B"), *stride_args("dC", "B"), *ty.tail),
+                  *stride_args("dB", "B"), *stride_args("dC", "B"),
+                  *((n, _present(dx, k)) for n, k in stride_args("dx", "x")), *ty.tail),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
-                      Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.DBC_BN, **ty.common,
+                      Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.DBC_BN, DX_BN=t.BN, WITH_DX=dx,
+                      HAS_D=problem.has_D, D_PER_CHANNEL=problem.D_per_channel, **ty.common,
                       **numerics(problem.dtype), **ty.seq, VX=problem.vector,
                       VB=problem.bc_vector),
-                 (2 * c["NQB"] * c["DBC_NNB"] * problem.max_segments * problem.groups,),
-                 warps=8, stages=DBC_STAGES, cost=model.dbc_cost(problem, t))
+                 (bwd_model.dbc_programs(problem, t) * problem.max_segments * problem.groups,),
+                 warps=8, stages=t.DBC_STAGES, cost=bwd_model.dbc_cost(problem, t))
 
 
 def dt_bwd_spec(problem, t: Tiles | None = None) -> KernelSpec:
@@ -368,7 +373,7 @@ def dt_bwd_spec(problem, t: Tiles | None = None) -> KernelSpec:
                       NNB_POW2=triton.next_power_of_2(c["DBC_NNB"]),
                       HAS_BIAS=problem.has_dt_bias, SOFTPLUS=problem.dt_softplus,
                       SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, VDT=problem.dt_vector, **ty.common),
-                 (problem.max_segments * problem.heads,), cost=model.dt_bwd_cost(problem, t))
+                 (problem.max_segments * problem.heads,), cost=bwd_model.dt_bwd_cost(problem, t))
 
 
 def param_reduce_spec(problem, t: Tiles | None = None) -> KernelSpec:
@@ -384,7 +389,8 @@ def param_reduce_spec(problem, t: Tiles | None = None) -> KernelSpec:
                       BLOCK_H=block_h, BLOCK_P=triton.next_power_of_2(problem.head_dim),
                       HAS_BIAS=problem.has_dt_bias, HAS_D=problem.has_D,
                       D_PER_CHANNEL=problem.D_per_channel, ACCUMULATE=problem.accumulate),
-                 (triton.cdiv(problem.heads, block_h),), cost=model.param_reduce_cost(problem, t))
+                 (triton.cdiv(problem.heads, block_h),),
+                 cost=bwd_model.param_reduce_cost(problem, t))
 
 
 # -- the backend surface -----------------------------------------------------------------------
@@ -459,15 +465,16 @@ def forward_program(problem, config: ScanTiles | None = None) -> Program:
 
 
 def backward_program(problem, config: ScanTiles | None = None) -> Program:
-    """The forward's prologue recomputed but C·B (and its states with recompute_states), the
-    state gradients backwards along each sequence (with the gate's backward), dB and dC with
-    the d(C·B) tiles, C·B and the straddling pairs of the log-decay gradient, then dx, ddt and
-    the fixed-order parameter reduction (tiles: the table's entry, or ``config``)."""
+    """The forward's prologue recomputed, C·B only with DX_IN_DBC (and its states with
+    recompute_states), the state gradients backwards along each sequence (with the gate's
+    backward), dB and dC with the d(C·B) tiles and the straddling pairs of the log-decay
+    gradient, and C·B for dx's own launch or (DX_IN_DBC) dx in theirs, then ddt and the
+    fixed-order parameter reduction (tiles: the table's entry, or ``config``)."""
     t = tiles(problem, config)
     ws = workspace_piece
     seg = _segment_args(problem)
     v, vb = problem.vector, problem.bc_vector
-    stages = _prologue(problem, t, cb=False)
+    stages = _prologue(problem, t, cb=t.DX_IN_DBC)
     if problem.recompute_states:
         states = ws("states")
         stages.append(_states_stage(problem, t, states, ws("final")))
@@ -480,6 +487,10 @@ def backward_program(problem, config: ScanTiles | None = None) -> Program:
     grad_strides = strides("dy", "x", dy_strides, v)
     fixed = dict(dts_ptr=ws("dts"), acum_ptr=ws("acum"), **seg)
     runs = dict(runs_ptr=ws("runs"))
+    dx_binds = dict(cb_ptr=ws("cb"), dstates_ptr=ws("dstates"), D_ptr="D",
+                    ddt_part_ptr=ws("ddt_part"), dD_part_ptr=ws("dD_part"), **x_strides,
+                    **grad_strides, **strides("B", "B", "B", vb), **strides("dx", "x", "dx", v),
+                    **runs, **fixed)
     stages += [
         _stage(chunk_states_bwd_spec(problem, t), dy_ptr="dy", z_ptr="z",
                ypre_ptr=saved_piece("ypre"), dypre_ptr=ws("dypre"), dz_ptr="dz", C_ptr="C",
@@ -489,14 +500,11 @@ def backward_program(problem, config: ScanTiles | None = None) -> Program:
                **strides("dy", "x", "dy", v), **strides("z", "x", "z", v, gate),
                **strides("y", "x", contiguous_x(problem), v, gate),
                **strides("dz", "x", "dz", v, gate), **strides("C", "B", "C", vb), **runs),
-        _stage(dbc_spec(problem, t), dy_ptr=dy, states_ptr=states, dstates_ptr=ws("dstates"),
-               cb_ptr=ws("cb"), intra_ptr=ws("intra"), w_part_ptr=ws("w"), u_part_ptr=ws("u"),
-               v_ptr=ws("v"), **x_strides, **grad_strides, **strides("B", "B", "B", vb),
+        _stage(dbc_spec(problem, t), dy_ptr=dy, states_ptr=states, intra_ptr=ws("intra"),
+               w_part_ptr=ws("w"), u_part_ptr=ws("u"), v_ptr=ws("v"),
                **strides("C", "B", "C", vb), **strides("dB", "B", "dB", vb),
-               **strides("dC", "B", "dC", vb), **runs, **fixed),
-        _stage(dx_spec(problem, t), dy_ptr=dy, cb_ptr=ws("cb"), dstates_ptr=ws("dstates"), D_ptr="D",
-               ddt_part_ptr=ws("ddt_part"), dD_part_ptr=ws("dD_part"), **x_strides, **grad_strides,
-               **strides("B", "B", "B", vb), **strides("dx", "x", "dx", v), **runs, **fixed),
+               **strides("dC", "B", "dC", vb), **dx_binds),
+        *([] if t.DX_IN_DBC else [_stage(dx_spec(problem, t), dy_ptr=dy, **dx_binds)]),
         _stage(dt_bwd_spec(problem, t), bias_ptr="dt_bias", intra_ptr=ws("intra"),
                ddt_part_ptr=ws("ddt_part"), u_part_ptr=ws("u"), w_part_ptr=ws("w"), v_ptr=ws("v"),
                dA_part_ptr=ws("dA_part"), dbias_part_ptr=ws("dbias_part"), dt_min=lo, dt_max=hi,

@@ -158,16 +158,38 @@ def ssd_chunk_scan_bwd_dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr
                                  IEEE: tl.constexpr, HAS_SEQ: tl.constexpr, VX: tl.constexpr,
                                  VB: tl.constexpr):
     """dx of the rows j of one block, the dt-linear part of ddt (per head-dim tile) and the
-    dD partial sums of the block. One program per (head-dim tile, row block, segment·head),
-    the tiles fastest: a segment's row blocks run together and share its dH tile and dy rows
-    in L2."""
+    dD partial sums of the block (``dx_rows``). One program per (head-dim tile, row block,
+    segment·head), the tiles fastest: a segment's row blocks run together and share its dH tile
+    and dy rows in L2."""
     NQB: tl.constexpr = Q // BQ
     NPB: tl.constexpr = (P + BP - 1) // BP
     pid = tl.program_id(0)
     i_p, i_m, i_sh = pid % NPB, pid // NPB % NQB, pid // (NPB * NQB)
     i_seg, i_h = i_sh // H, i_sh % H
-    i_g = i_h // (H // G)
     row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
+    dx_rows(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr, dstates_ptr, D_ptr, runs_ptr, dx_ptr,
+            ddt_part_ptr, dD_part_ptr, stride_x_b, stride_x_l, stride_x_h, stride_dy_b,
+            stride_dy_l, stride_dy_h, stride_B_b, stride_B_l, stride_B_g, stride_dx_b,
+            stride_dx_l, stride_dx_h, row, start, end, L, i_seg, i_h, i_m, i_p, H, G, P, N, Q,
+            BQ, BP, BN, HAS_D, D_PER_CHANNEL, UPCAST, IEEE, HAS_SEQ, VX, VB)
+
+
+@triton.jit
+def dx_rows(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr, dstates_ptr, D_ptr, runs_ptr, dx_ptr,
+            ddt_part_ptr, dD_part_ptr, stride_x_b, stride_x_l, stride_x_h, stride_dy_b,
+            stride_dy_l, stride_dy_h, stride_B_b, stride_B_l, stride_B_g, stride_dx_b,
+            stride_dx_l, stride_dx_h, row, start, end, L, i_seg, i_h, i_m, i_p,
+            H: tl.constexpr, G: tl.constexpr, P: tl.constexpr, N: tl.constexpr, Q: tl.constexpr,
+            BQ: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr, HAS_D: tl.constexpr,
+            D_PER_CHANNEL: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+            HAS_SEQ: tl.constexpr, VX: tl.constexpr, VB: tl.constexpr):
+    """dx of head i_h's rows j of row block i_m over head-dim tile i_p of one segment (its batch
+    row ``row``, tokens [start, end)), the dt-linear part of ddt (the tile's partial) and the dD
+    partial sums of the block, from C·B (``cb_ptr``), dy, x, B and dH1."""
+    NQB: tl.constexpr = Q // BQ
+    NPB: tl.constexpr = (P + BP - 1) // BP
+    i_sh = i_seg * H + i_h
+    i_g = i_h // (H // G)
     seg_len = end - start
     o_j = i_m * BQ + tl.arange(0, BQ)
     o_p = i_p * BP + tl.arange(0, BP)
@@ -260,12 +282,14 @@ def dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates
              stride_C_b, stride_C_l, stride_C_g, stride_out_b, stride_out_l, stride_out_g,
              row, start, end, L, i_seg, i_g, i_m, i_n, H: tl.constexpr, G: tl.constexpr,
              P: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr,
-             BP: tl.constexpr, BN: tl.constexpr, GRAD_B: tl.constexpr, UPCAST: tl.constexpr,
-             IEEE: tl.constexpr, HAS_SEQ: tl.constexpr, VX: tl.constexpr, VB: tl.constexpr):
+             BP: tl.constexpr, BN: tl.constexpr, GRAD_B: tl.constexpr, STORE_CB: tl.constexpr,
+             UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SEQ: tl.constexpr, VX: tl.constexpr,
+             VB: tl.constexpr):
     """dB (GRAD_B: the rows r are columns j) or dC (rows r are i) of row block i_m and state
     tile i_n of one (segment, group), forming each d(C·B) tile it needs from the heads' dy and x
     rows; per head the W' (dB) or U (dC) partial over the state tile. dC's first state tile
-    also stores C·B (for dx) and the straddling pieces of every pair (i_m, k <= i_m), and dC's
+    also forms C·B, for the straddling pieces of every pair (i_m, k <= i_m) and (STORE_CB)
+    stored for dx, and dC's
     first row block per head v = exp(Acum_last) <dH1, H0> over the state tile (zero when the
     segment does not carry: sequence ids)."""
     NQB: tl.constexpr = Q // BQ
@@ -312,8 +336,9 @@ def dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates
                 b_cb = cb_tile(C_ptr, B_ptr, runs_ptr, row, start, i_g, o_r, o_k, m_r, m_k,
                                stride_C_b, stride_C_l, stride_C_g, stride_B_b, stride_B_l,
                                stride_B_g, L, N, BQ, BN, UPCAST, IEEE, HAS_SEQ, VB)
-                tl.store(cb_ptr + i_sg.to(tl.int64) * (Q * Q) + o_r[:, None] * Q + o_k[None, :],
-                         b_cb, mask=o_k[None, :] <= o_r[:, None])
+                if STORE_CB:
+                    tl.store(cb_ptr + i_sg.to(tl.int64) * (Q * Q) + o_r[:, None] * Q
+                             + o_k[None, :], b_cb, mask=o_k[None, :] <= o_r[:, None])
                 b_cb = tl.where(keep, b_cb, 0.0)
         diagonal = tl.where(i_k == i_m, 1.0, 0.0)
         b_dcb = tl.zeros([BQ, BQ], dtype=tl.float32)
@@ -403,14 +428,16 @@ def dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates
 @triton.jit
 def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr,
                    cu_ptr, off_ptr, runs_ptr, cb_ptr, intra_ptr, dB_ptr, dC_ptr, w_part_ptr,
-                   u_part_ptr, v_ptr, stride_x_b, stride_x_l, stride_x_h, stride_dy_b, stride_dy_l,
-                   stride_dy_h, stride_B_b, stride_B_l, stride_B_g, stride_C_b, stride_C_l,
-                   stride_C_g, stride_dB_b, stride_dB_l, stride_dB_g, stride_dC_b, stride_dC_l,
-                   stride_dC_g, L, NSEQ, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
-                   N: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr, BP: tl.constexpr,
-                   BN: tl.constexpr, VARLEN: tl.constexpr, SEARCH_STEPS: tl.constexpr,
-                   UPCAST: tl.constexpr, IEEE: tl.constexpr, HAS_SEQ: tl.constexpr,
-                   VX: tl.constexpr, VB: tl.constexpr):
+                   u_part_ptr, v_ptr, D_ptr, dx_ptr, ddt_part_ptr, dD_part_ptr, stride_x_b,
+                   stride_x_l, stride_x_h, stride_dy_b, stride_dy_l, stride_dy_h, stride_B_b,
+                   stride_B_l, stride_B_g, stride_C_b, stride_C_l, stride_C_g, stride_dB_b,
+                   stride_dB_l, stride_dB_g, stride_dC_b, stride_dC_l, stride_dC_g, stride_dx_b,
+                   stride_dx_l, stride_dx_h, L, NSEQ, H: tl.constexpr, G: tl.constexpr,
+                   P: tl.constexpr, N: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr,
+                   BP: tl.constexpr, BN: tl.constexpr, DX_BN: tl.constexpr, WITH_DX: tl.constexpr,
+                   HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr, VARLEN: tl.constexpr,
+                   SEARCH_STEPS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr,
+                   HAS_SEQ: tl.constexpr, VX: tl.constexpr, VB: tl.constexpr):
     """dB and dC of one (segment, group), summed over its heads, with the d(C·B) tiles they need
     formed here, never stored:
 
@@ -421,39 +448,58 @@ def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, d
     (sequence ids: the state terms only for the last token's run, dB, or the run before the
     segment, dC), per head the W' (dB) and U (dC) partial sums over the state tile and
     v = exp(Acum_last) <dH1, H0> over it (dC's first row block; zero when the segment does not
-    carry), the backward's C·B tiles (as ``ssd_cb_kernel`` computes them, stored for the dx kernel) and per
-    head the block pairs' pieces of the straddling sums of the log-decay gradient,
+    carry), per head the block pairs' pieces of the straddling sums of the log-decay gradient,
     intra(k) = sum_{i>=k} sum_{j<k} T_ij with T_ij = (C·B)_ij dcb-weight_ij
-    (``straddling_pieces``), summed by ``ssd_dt_bwd_kernel`` in pair order. Each d(C·B) tile
-    is formed twice, by the dB program of its column block and the dC program of its row block
-    (2·BQ²·p FLOPs per head and pair each), so that no program waits on another. One program
-    per (dB or dC, row block, state tile, segment·group), dB/dC fastest: the programs of a
-    (segment, group) run side by side and share its heads' dy and x rows, H0 and dH1 in L2.
-    Programs past the segment's end return (``ssd_dt_bwd_kernel`` reads no pieces of their
-    pairs)."""
+    (``straddling_pieces``), summed by ``ssd_dt_bwd_kernel`` in pair order, and either the
+    backward's C·B tiles (as ``ssd_cb_kernel`` computes them, stored for the dx kernel) or, with
+    WITH_DX, dx itself (``dx_rows``, from the C·B the prologue's ``ssd_cb_kernel`` stored; its
+    state loop DX_BN wide). Each d(C·B) tile is formed twice, by the dB program of its column
+    block and the dC program of its row block (2·BQ²·p FLOPs per head and pair each), so that
+    no program waits on another. Per (segment·group), in launch order: a dB and a dC program per
+    (row block, state tile), dB/dC fastest, then with WITH_DX a program per (head-dim tile, row
+    block) looping the group's heads for dx: the programs of a (segment, group) run side by side
+    and share its heads' dy and x rows, H0, dH1 and B rows in L2. dB/dC programs past the
+    segment's end return (``ssd_dt_bwd_kernel`` reads no pieces of their pairs); dx programs
+    write their zero partials as the dx kernel's do."""
     NQB: tl.constexpr = Q // BQ
     NNB: tl.constexpr = (N + BN - 1) // BN
+    NPB: tl.constexpr = (P + BP - 1) // BP
+    NBC: tl.constexpr = 2 * NQB * NNB
+    PER: tl.constexpr = NBC + NQB * NPB * WITH_DX
+    STORE_CB: tl.constexpr = not WITH_DX
+    R: tl.constexpr = H // G
     pid = tl.program_id(0)
-    grad_b = pid % 2 == 0
-    i_m, i_n, i_sg = pid // 2 % NQB, pid // (2 * NQB) % NNB, pid // (2 * NQB * NNB)
+    local, i_sg = pid % PER, pid // PER
     i_seg, i_g = i_sg // G, i_sg % G
     row, start, end = segment_bounds(i_seg, cu_ptr, off_ptr, L, NSEQ, Q, VARLEN, SEARCH_STEPS)
-    if i_m * BQ >= end - start:
-        return
-    if grad_b:
-        dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr,
-                 runs_ptr, cb_ptr, intra_ptr, dB_ptr, w_part_ptr, v_ptr, stride_x_b, stride_x_l,
-                 stride_x_h, stride_dy_b, stride_dy_l, stride_dy_h, stride_B_b, stride_B_l,
-                 stride_B_g, stride_C_b, stride_C_l, stride_C_g, stride_dB_b, stride_dB_l,
-                 stride_dB_g, row, start, end, L, i_seg, i_g, i_m, i_n, H, G, P, N, Q, BQ, BP,
-                 BN, True, UPCAST, IEEE, HAS_SEQ, VX, VB)
-    else:
-        dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr,
-                 runs_ptr, cb_ptr, intra_ptr, dC_ptr, u_part_ptr, v_ptr, stride_x_b, stride_x_l,
-                 stride_x_h, stride_dy_b, stride_dy_l, stride_dy_h, stride_B_b, stride_B_l,
-                 stride_B_g, stride_C_b, stride_C_l, stride_C_g, stride_dC_b, stride_dC_l,
-                 stride_dC_g, row, start, end, L, i_seg, i_g, i_m, i_n, H, G, P, N, Q, BQ, BP,
-                 BN, False, UPCAST, IEEE, HAS_SEQ, VX, VB)
+    if WITH_DX:
+        if local >= NBC:
+            i_p, i_j = (local - NBC) % NPB, (local - NBC) // NPB
+            for r in range(R):
+                dx_rows(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr, dstates_ptr, D_ptr,
+                        runs_ptr, dx_ptr, ddt_part_ptr, dD_part_ptr, stride_x_b, stride_x_l,
+                        stride_x_h, stride_dy_b, stride_dy_l, stride_dy_h, stride_B_b,
+                        stride_B_l, stride_B_g, stride_dx_b, stride_dx_l, stride_dx_h, row,
+                        start, end, L, i_seg, i_g * R + r, i_j, i_p, H, G, P, N, Q, BQ, BP,
+                        DX_BN, HAS_D, D_PER_CHANNEL, UPCAST, IEEE, HAS_SEQ, VX, VB)
+    i_m, i_n = local // 2 % NQB, local // (2 * NQB)
+    if (local < NBC) & (i_m * BQ < end - start):
+        if local % 2 == 0:
+            dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr,
+                     runs_ptr, cb_ptr, intra_ptr, dB_ptr, w_part_ptr, v_ptr, stride_x_b,
+                     stride_x_l, stride_x_h, stride_dy_b, stride_dy_l, stride_dy_h,
+                     stride_B_b, stride_B_l, stride_B_g, stride_C_b, stride_C_l, stride_C_g,
+                     stride_dB_b, stride_dB_l, stride_dB_g, row, start, end, L, i_seg, i_g,
+                     i_m, i_n, H, G, P, N, Q, BQ, BP, BN, True, STORE_CB, UPCAST, IEEE,
+                     HAS_SEQ, VX, VB)
+        else:
+            dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates_ptr,
+                     runs_ptr, cb_ptr, intra_ptr, dC_ptr, u_part_ptr, v_ptr, stride_x_b,
+                     stride_x_l, stride_x_h, stride_dy_b, stride_dy_l, stride_dy_h,
+                     stride_B_b, stride_B_l, stride_B_g, stride_C_b, stride_C_l, stride_C_g,
+                     stride_dC_b, stride_dC_l, stride_dC_g, row, start, end, L, i_seg, i_g,
+                     i_m, i_n, H, G, P, N, Q, BQ, BP, BN, False, STORE_CB, UPCAST, IEEE,
+                     HAS_SEQ, VX, VB)
 
 
 @triton.jit

@@ -22,7 +22,11 @@ class ScanTiles:
     so BN does not apply to it) instead of a states kernel and an output kernel; FUSED_WARPS and
     FUSED_STAGES: that kernel's warps and software-pipelining stages. DBC_BN: the state tile of
     the backward dB/dC kernel, which forms its d(C·B) tiles once per state tile (so the whole
-    state, where its [BQ, n] fp32 accumulator fits)."""
+    state, where its [BQ, n] fp32 accumulator fits). DX_IN_DBC: dx's programs run in the dB/dC
+    launch, beside the dB and dC programs of their (segment, group), so that dy, x, dH1 and B
+    come from the L2 (C·B then comes from the prologue's C·B kernel); DBC_STAGES: that launch's
+    software-pipelining stages (dB and dC's head-dim loops are one step at p <= 64; dx's block
+    loop is what a second stage pipelines)."""
 
     BQ: int = 64
     BP: int = 64
@@ -32,6 +36,8 @@ class ScanTiles:
     FUSED_WARPS: int = 8
     FUSED_STAGES: int = 1
     DBC_BN: int = 128
+    DX_IN_DBC: bool = True
+    DBC_STAGES: int = 1
 
 
 @dataclass(frozen=True)
@@ -47,11 +53,14 @@ class Tiles:
     FUSED_WARPS: int
     FUSED_STAGES: int
     DBC_BN: int
+    DX_IN_DBC: bool
+    DBC_STAGES: int
 
 
 FUSED_MAX_STATE = 128
 """The widest state the fused forward walk holds in registers: at n = 128 its [64, n] fp32 tile
-takes 32 registers a thread of 8 warps and the kernel 247 on sm_90a; twice that would spill."""
+takes 32 registers a thread of 8 warps and the kernel 244-255 on sm_90a; twice that would
+spill."""
 
 
 TILES = {
@@ -59,20 +68,25 @@ TILES = {
               "A100 (108 SMs, 164 KiB shared memory, mma.sync m16n8k16): today's tiles; the "
               "output kernel's 40.5 KiB of shared memory at two stages allows 4 CTAs per SM; the "
               "fused forward walk at one stage (206-222 registers; two spill 24 bytes at p = 64); "
-              "dB/dC over the whole state at n <= 128 (255 registers, 1 CTA per SM, no spill); "
-              "no measurement yet says better"),
-    "sm_90": (ScanTiles(64, 64, 64, 16),
+              "dB/dC over the whole state at n <= 128 with dx in their launch at one stage "
+              "(246-248 registers, 1 CTA per SM, no spill; 255 without dx; at two stages 8 "
+              "bytes spill at p = 80); no measurement yet says better"),
+    "sm_90": (ScanTiles(64, 64, 64, 16, DBC_STAGES=2),
               "H100/H200 (132 SMs, 228 KiB, wgmma): BQ = BP = 64 rows is one m64 wgmma per "
               "warpgroup, the smallest tile with no mma.sync; the fused forward walk with 8 "
-              "warps at one stage (239-247 registers, 1 CTA per SM; two spill 8 bytes at p = 80 "
-              "with D per channel); dB/dC over the whole state at n <= 128 (225-235 registers, "
-              "1 CTA per SM: a 64-wide state tile would form every d(C·B) tile twice more); no "
-              "measurement yet"),
-    "sm_100": (ScanTiles(64, 64, 64, 16),
+              "warps at one stage (244-255 registers, 1 CTA per SM; two spill 8 bytes at p = 80 "
+              "with D per channel); dB/dC over the whole state at n <= 128 (a 64-wide state "
+              "tile would form every d(C·B) tile twice more), with dx's programs in their launch "
+              "so that dx reads dy, x, dH1 and B from the L2, at two stages so that dx's block "
+              "loop keeps a product in flight (216-238 registers, 1 CTA per SM, no spill; 245-252 "
+              "and every product waited for at one stage; dB/dC alone 225-235, dx alone 118-125 "
+              "at 2 CTAs per SM: the modelled backward at Nemotron-H 8K moves 1.03 GB instead of "
+              "1.36); no measurement yet"),
+    "sm_100": (ScanTiles(64, 64, 64, 16, DBC_STAGES=2),
                "B200 (148 SMs, 228 KiB, tcgen05): today's tiles (Triton lowers the 64-row dots "
                "to tcgen05 with a 64-row M); the fused forward walk at one stage (two spill 16-24 "
-               "bytes); dB/dC over the whole state at n <= 128 (220-231 registers, 1 CTA per "
-               "SM); no measurement yet"),
+               "bytes); dB/dC over the whole state at n <= 128 with dx in their launch at two "
+               "stages (228-245 registers, 1 CTA per SM); no measurement yet"),
 }
 
 
@@ -92,16 +106,20 @@ def tiles(problem, config: ScanTiles | None = None) -> Tiles:
                  BLOCK_H=_pow2_between(problem.heads, 1, c.BLOCK_H), SEARCH=search,
                  FUSED=c.FUSED and triton.next_power_of_2(problem.state) <= FUSED_MAX_STATE,
                  FUSED_WARPS=c.FUSED_WARPS, FUSED_STAGES=c.FUSED_STAGES,
-                 DBC_BN=_pow2_between(problem.state, 16, c.DBC_BN))
+                 DBC_BN=_pow2_between(problem.state, 16, c.DBC_BN), DX_IN_DBC=c.DX_IN_DBC, DBC_STAGES=c.DBC_STAGES)
 
 
 def candidates(problem) -> list[ScanTiles]:
     """Autotune candidates, one per distinct fit to the problem: the table's entry first; the
-    other forward pipeline (fused or split); the whole state per program (BN = 128: x read once
-    by the states kernels, half their programs); 32-row head-dim tiles (twice the output or
-    fused programs)."""
+    other forward pipeline (fused or split); dx in its own launch or in the dB/dC launch,
+    whichever the entry does not (the backward's occupancy against its traffic); the whole
+    state per program (BN = 128: x read once by the states kernels, half their programs);
+    32-row head-dim tiles (twice the output or fused programs)."""
     base = TILES[target_arch(problem.device)][0]
-    out = [base, replace(base, FUSED=not base.FUSED), replace(base, BN=128), replace(base, BP=32)]
+    apart = replace(base, DX_IN_DBC=False, DBC_STAGES=1)    # one stage suits dB/dC alone
+    out = [base, replace(base, FUSED=not base.FUSED),
+           apart if base.DX_IN_DBC else replace(base, DX_IN_DBC=True),
+           replace(base, BN=128), replace(base, BP=32)]
     fitted = {}
     for config in out:                  # one per distinct fit (past n = 128 both are split)
         fitted.setdefault(tiles(problem, config), config)

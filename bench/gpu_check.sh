@@ -13,6 +13,9 @@ DRY=0
 OUT=${OUT:-bench_out}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
+# a fresh autotune record in $OUT: the autotuned rows time every candidate, and the summary lists
+# them (which tile-table entries a GPU prefers)
+export FUSEDOPS_CACHE_DIR="$OUT/fusedops_cache"
 PY=${PYTHON:-python3}
 if [ -d .carry/peers ]; then export PYTHONPATH="$PWD/.carry/peers${PYTHONPATH:+:$PYTHONPATH}"; fi
 status=0

@@ -1,5 +1,7 @@
 """The one-page summary that ends bench/gpu_check.sh: per benchmark case, fusedops' time against
-the best peer's and its % of the roofline floor, from the reports' JSON in a directory.
+the best peer's and its % of the roofline floor, from the reports' JSON in a directory; then the
+autotune record the run left there (``fusedops_cache/autotune.json``: per tuned plan, every
+candidate's time against the tile table's entry, which is candidate 0).
 
     python bench/summary.py bench_out
 """
@@ -39,6 +41,23 @@ def rows(directory: pathlib.Path) -> list[dict]:
     return out
 
 
+def autotune_rows(directory: pathlib.Path) -> list[dict]:
+    """Per record of ``directory/fusedops_cache/autotune.json``: the plan (op, program, backend),
+    the winner's index and each candidate's repr and milliseconds; [] without a record."""
+    try:
+        record = json.loads((directory / "fusedops_cache" / "autotune.json").read_text())
+    except (OSError, ValueError):
+        return []
+    out = []
+    for key, entry in sorted(record.items()):
+        parts = key.split(" | ")
+        plan = " ".join(parts[2:5]) if len(parts) > 4 else key
+        names = entry.get("candidates") or [None] * len(entry.get("times_ms", []))
+        out.append(dict(plan=plan, winner=entry.get("index"),
+                        candidates=list(zip(names, entry.get("times_ms", [])))))
+    return out
+
+
 def main(argv=None) -> int:
     args = sys.argv[1:] if argv is None else argv
     directory = pathlib.Path(args[0] if args else "bench_out")
@@ -54,7 +73,16 @@ def main(argv=None) -> int:
         speedup = f"{r['speedup']:.2f}" if r["speedup"] else "-"
         print(f"{r['benchmark'][:34]:<34} {r['case'][:28]:<28} {r['fusedops'][:22]:<22} "
               f"{r['us']:>9.1f} {floor:>8} {str(r['peer'])[:30]:<30} {peer_us:>9} {speedup:>9}")
+    tuned = autotune_rows(directory)
+    if tuned:
+        print("\nautotune (ms per candidate; #0 is the tile table's entry, * the winner):")
+    for r in tuned:
+        print(f"  {r['plan']}")
+        for i, (name, ms) in enumerate(r["candidates"]):
+            mark = "*" if i == r["winner"] else " "
+            print(f"   {mark}#{i} {ms:9.3f}  {name or '-'}")
     (directory / "summary.json").write_text(json.dumps(found, indent=1))
+    (directory / "autotune_summary.json").write_text(json.dumps(tuned, indent=1))
     return 0
 
 

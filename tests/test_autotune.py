@@ -62,6 +62,8 @@ def test_autotune_picks_the_fastest_candidate_and_remembers_it(tmp_path, monkeyp
     assert index == 1 and len(timed) == len(candidates)
     (key, entry), = json.loads((tmp_path / "autotune.json").read_text()).items()
     assert "fake GPU" in key and "triton=" in key and entry["times_ms"] == fake_ms
+    assert entry["candidates"] == [repr(c) for c in candidates]
+    assert entry["config"] == entry["candidates"][1]
     again, _ = tune(plan, candidates, build, device_name="fake GPU",
                     timer=lambda launch: pytest.fail("a remembered winner is not timed again"))
     assert again == 1

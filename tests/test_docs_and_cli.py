@@ -130,3 +130,27 @@ def test_gpu_check_dry_run(tmp_path):
     assert "mamba_ssm chunk scan" in (tmp_path / "peers.log").read_text()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert {row["benchmark"] for row in summary}, "the summary lists no benchmark"
+
+
+def test_gpu_check_summary_lists_the_autotune_record(tmp_path, monkeypatch):
+    """The summary ends with the autotune record the run left in $OUT/fusedops_cache (the
+    script points FUSEDOPS_CACHE_DIR there): every tuned plan's candidates with their times,
+    the winner marked, so one GPU run says which tile-table entries to change."""
+    from dataclasses import replace
+    from fusedops.backends.triton.mamba2_tiles import ScanTiles
+    from fusedops.plan import autotune
+    assert 'FUSEDOPS_CACHE_DIR="$OUT/fusedops_cache"' in (ROOT / "bench/gpu_check.sh").read_text()
+    monkeypatch.setenv("FUSEDOPS_CACHE_DIR", str(tmp_path / "fusedops_cache"))
+    key = "H200 | torch=2.13.0 | triton | mamba2_chunk_scan | backward | [('heads', 128)]"
+    entry, apart = ScanTiles(), replace(ScanTiles(), DX_IN_DBC=False)
+    autotune._store(key, 1, [entry, apart], [2.5, 2.0])
+    report = dict(title="scan", device="H200", rows=[
+        dict(case="b=1", impl="fusedops triton", us=10.0), dict(case="b=1", impl="peer", us=20.0)])
+    (tmp_path / "scan.json").write_text(json.dumps(report))
+    proc = _run("bench/summary.py", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = proc.stdout
+    assert "triton mamba2_chunk_scan backward" in out
+    assert f" #0     2.500  {entry!r}" in out and f"*#1     2.000  {apart!r}" in out
+    (tuned,) = json.loads((tmp_path / "autotune_summary.json").read_text())
+    assert tuned["winner"] == 1 and [ms for _, ms in tuned["candidates"]] == [2.5, 2.0]

@@ -79,10 +79,14 @@ def _load() -> dict:
         return {}
 
 
-def _store(key: str, index: int, config: Any, times_ms: list[float]) -> None:
+def _store(key: str, index: int, candidates: list, times_ms: list[float]) -> None:
+    """Record the winner ``index`` of ``candidates`` under ``key``, with every candidate's repr
+    and time (in candidate order: the table's entry first), so a record says what won by how
+    much."""
     with _LOCK:
         data = _load()
-        data[key] = dict(index=index, config=repr(config), times_ms=times_ms)
+        data[key] = dict(index=index, config=repr(candidates[index]), times_ms=times_ms,
+                         candidates=[repr(c) for c in candidates])
         path = cache_path()
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
@@ -130,6 +134,6 @@ def tune(plan, candidates: list, build: Callable[[Any], Any], *, device_name: st
         times.append(timer(lambda: launch({**binding, "workspace": workspace}, None)))
         programs.append(program)
     index = min(range(len(times)), key=times.__getitem__)
-    _store(key, index, candidates[index], times)
+    _store(key, index, candidates, times)
     return index, programs[index]
 

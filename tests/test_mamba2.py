@@ -1175,13 +1175,13 @@ def test_tuning_tensors_are_valid_packed_offsets():
 @pytest.mark.parametrize("backend", [b for b in SCAN_KERNEL_BACKENDS if b == "triton"])
 def test_every_autotune_candidate_computes_the_scan(backend):
     """Each candidate's forward and backward programs (the other forward pipeline, dx in its own
-    launch, another state tile, head-dim tile) give the reference's results; with z, so the backward walk's gate runs
-    on 2 state tiles (only the first writes dz and dy·silu(z)) and, at BP = 32, 2 head-dim
-    tiles. Against the float64 reference of the same inputs. dA sums dt_k·da_k over the tokens,
-    terms that cancel: the kernels' decay weights exp(Acum_i - Acum_j) carry the rounding of
-    the fp32 cumulative sums (the torch path forms each difference as its own sum), and the
-    cancellation magnifies it to 0.5-2e-5 of dA here (1e-4 at other seeds; the torch path's
-    fp32 error is 0.7-10e-6), so dA gets DA_FP32."""
+    launch, another state tile, head-dim tile) give the reference's results; with z, so the
+    backward walk's gate runs on 2 state tiles (only the first writes dz and dy·silu(z)) and,
+    at BP = 32, 2 head-dim tiles. Against the float64 reference of the same inputs. dA sums
+    dt_k·da_k over the tokens, terms that cancel: the kernels' decay weights
+    exp(Acum_i - Acum_j) carry the rounding of the fp32 cumulative sums (the torch path forms
+    each difference as its own sum), and the cancellation magnifies it to 0.5-2e-5 of dA here
+    (1e-4 at other seeds; the torch path's fp32 error is 0.7-10e-6), so dA gets DA_FP32."""
     from fusedops.backends.triton import mamba2 as kernels
     case = samples.make(1, 70, 2, 64, 1, 128, torch.float32, seed=3, device=DEVICE, chunk=64,
                         D="h", z=True, dt_bias=True, initial_states=True, dfinal=True)

@@ -289,9 +289,8 @@ def dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates
     tile i_n of one (segment, group), forming each d(C·B) tile it needs from the heads' dy and x
     rows; per head the W' (dB) or U (dC) partial over the state tile. dC's first state tile
     also forms C·B, for the straddling pieces of every pair (i_m, k <= i_m) and (STORE_CB)
-    stored for dx, and dC's
-    first row block per head v = exp(Acum_last) <dH1, H0> over the state tile (zero when the
-    segment does not carry: sequence ids)."""
+    stored for dx, and dC's first row block per head v = exp(Acum_last) <dH1, H0> over the
+    state tile (zero when the segment does not carry: sequence ids)."""
     NQB: tl.constexpr = Q // BQ
     NNB: tl.constexpr = (N + BN - 1) // BN
     R: tl.constexpr = H // G

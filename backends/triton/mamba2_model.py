@@ -1,7 +1,7 @@
-"""Mamba2 chunked scan (Triton): the analytic cost (FLOPs, HBM bytes) of every scan kernel
-(mamba2_fwd.py, mamba2_bwd.py), counted from the kernels' tiles (mamba2_tiles.py), loops and
-program order (docs/mamba2.md, "Performance model"; docs/performance.md, "How traffic is
-counted").
+"""Mamba2 chunked scan (Triton): the analytic cost (FLOPs, HBM bytes) of the scan kernels
+(mamba2_fwd.py, and mamba2_bwd.py's state walk; its per-chunk kernels' in mamba2_bwd_model.py),
+counted from the kernels' tiles (mamba2_tiles.py), loops and program order (docs/mamba2.md,
+"Performance model"; docs/performance.md, "How traffic is counted").
 
 Counting rules, as docs/performance.md states them. Programs start in launch order, the grid's
 first dimension fastest; programs that return at once (row blocks past a segment's end) take

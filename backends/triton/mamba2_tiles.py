@@ -106,7 +106,8 @@ def tiles(problem, config: ScanTiles | None = None) -> Tiles:
                  BLOCK_H=_pow2_between(problem.heads, 1, c.BLOCK_H), SEARCH=search,
                  FUSED=c.FUSED and triton.next_power_of_2(problem.state) <= FUSED_MAX_STATE,
                  FUSED_WARPS=c.FUSED_WARPS, FUSED_STAGES=c.FUSED_STAGES,
-                 DBC_BN=_pow2_between(problem.state, 16, c.DBC_BN), DX_IN_DBC=c.DX_IN_DBC, DBC_STAGES=c.DBC_STAGES)
+                 DBC_BN=_pow2_between(problem.state, 16, c.DBC_BN), DX_IN_DBC=c.DX_IN_DBC,
+                 DBC_STAGES=c.DBC_STAGES)
 
 
 def candidates(problem) -> list[ScanTiles]:

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
         # without a GPU the Triton kernels can still run, slowly, on the CPU interpreter, and
         # the CuTe kernels' PTX in the emulator
         os.environ.setdefault("TRITON_INTERPRET", "1")
-        os.environ.setdefault("FUSEDOPS_CUTE_EMULATE", "1")
+        os.environ.setdefault("FUSEDOPS_EMULATE", "1")
     from . import demo as demo_module
     if args.command == "demo":
         return demo_module.run_demo()

@@ -2,7 +2,9 @@
 
 Without a GPU the Triton kernels run under the Triton interpreter, which must be chosen before
 triton is first imported; this file is imported before any test module, so it decides here. The
-CuTe kernels run, compiled for sm_90a, in the PTX emulator.
+CuTe kernels run, compiled for sm_90a, in the PTX emulator (FUSEDOPS_EMULATE=1; the Triton
+interpreter takes precedence for Triton kernels in this process: their compiled code runs on the
+emulator in subprocesses, tests/test_emulated_kernels.py).
 """
 
 import os
@@ -15,7 +17,7 @@ if not torch.cuda.is_available():
     if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError("triton was imported before tests/conftest.py could select the interpreter")
     os.environ.setdefault("TRITON_INTERPRET", "1")
-    os.environ.setdefault("FUSEDOPS_CUTE_EMULATE", "1")
+    os.environ.setdefault("FUSEDOPS_EMULATE", "1")
 
 # Small ops on few shared cores are many times slower with torch's thread pool, and a process
 # forked after the pool started (the index-fuzz children) can hang in it.

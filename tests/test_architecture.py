@@ -53,11 +53,16 @@ def imports(name: str, is_package: bool, text: str) -> list[tuple[int, str]]:
     return [(line, t) for line, t in found if t == "fusedops" or t.startswith("fusedops.")]
 
 
+EMULATOR = "fusedops.backends.ptx_emulator"
+
+
 def layer(module: str) -> tuple[str, str | None]:
-    """(layer, backend name) of a fusedops module: core, contract, backend or api."""
+    """(layer, backend name) of a fusedops module: core, contract, emulator, backend or api."""
     parts = module.split(".")
     if module == "fusedops.errors" or parts[:2] == ["fusedops", "core"]:
         return "core", None
+    if module == EMULATOR or module.startswith(EMULATOR + "."):
+        return "emulator", None
     if len(parts) >= 3 and parts[2] == "contract":
         return "contract", None
     if parts[:2] == ["fusedops", "backends"]:
@@ -68,7 +73,9 @@ def layer(module: str) -> tuple[str, str | None]:
 RULES = {
     "core": "core imports only core (fusedops.core, fusedops.errors)",
     "contract": "a contract imports only core and other contracts",
-    "backend": "a backend imports only core, the operators' contracts and its own package",
+    "emulator": "the PTX emulator imports only itself (the backends and tests use it)",
+    "backend": "a backend imports only core, the operators' contracts, the PTX emulator and its "
+               "own package",
     "api": "plans, ops, layers and tools reach a backend only through a plan (or the backend "
            "package's availability and aot API), never its modules",
 }
@@ -86,12 +93,15 @@ def violations(files) -> list[str]:
                 ok = their_layer == "core"
             elif my_layer == "contract":
                 ok = their_layer in ("core", "contract")
+            elif my_layer == "emulator":
+                ok = their_layer == "emulator"
             elif my_layer == "backend":
-                ok = their_layer in ("core", "contract") or (
+                ok = their_layer in ("core", "contract", "emulator") or (
                     their_layer == "backend" and their_backend == my_backend)
             else:
                 parts = target.split(".")
-                ok = their_layer != "backend" or len(parts) <= 3 or (len(parts) == 4 and parts[3] == "aot")
+                ok = their_layer not in ("backend", "emulator") or len(parts) <= 3 or (
+                    len(parts) == 4 and parts[3] == "aot")
             if not ok:
                 found.append(f"{shown}:{line} imports {target}: {RULES[my_layer]}")
     return found
@@ -109,7 +119,8 @@ def test_dependencies_point_one_way():
 
 def test_the_rule_checker_sees_violations():
     """A backend importing a plan or another backend, core importing a contract, a contract
-    importing a plan, and the API reaching into a backend module are each caught."""
+    importing a plan, the API reaching into a backend module and the emulator importing
+    anything of the project outside itself are each caught."""
     probes = [
         ("probe1", "fusedops.backends.cute.probe", False,
          "from fusedops.engram.plans import EngramGateSavedForward\n"
@@ -118,11 +129,13 @@ def test_the_rule_checker_sees_violations():
         ("probe3", "fusedops.moe.contract", False, "from .plans import MoERouter\n"),
         ("probe4", "fusedops.memory", False, "from .backends.triton.mamba2 import tiles\n"
          "from .backends.triton import interpreter_active\nfrom .backends.cute.aot import ptxas_usage\n"),
+        ("probe5", "fusedops.backends.ptx_emulator.probe", False,
+         "from fusedops.core.target import compiling_for\nfrom . import machine\n"),
     ]
     found = violations(probes)
     assert [v.split(" imports ")[1].split(":")[0] for v in found] == [
         "fusedops.engram.plans", "fusedops.backends.triton.runtime", "fusedops.engram.contract",
-        "fusedops.moe.plans", "fusedops.backends.triton.mamba2"], found
+        "fusedops.moe.plans", "fusedops.backends.triton.mamba2", "fusedops.core.target"], found
 
 
 def _is_kernel_file(text: str) -> bool:

@@ -277,10 +277,11 @@ def test_backend_selection_reasons(monkeypatch):
     with pytest.raises(UnsupportedError, match=r"backend='triton' cannot serve op on cpu: triton: op has no "
                                                r"triton implementation \(implemented by: torch\)"):
         select_backend("op", "triton", cpu, None, "engram", ("torch",), ("triton", "torch"))
-    monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", "0")
+    monkeypatch.setenv("FUSEDOPS_EMULATE", "0")
     reason = backend_unavailable_reason("cute", cpu)
     assert "CuTe DSL kernels run on CUDA devices" in reason or "nvidia-cutlass-dsl" in reason
-    monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", "sm_100a")
+    monkeypatch.setenv("FUSEDOPS_EMULATE", "1")
+    monkeypatch.setenv("FUSEDOPS_TARGET_ARCH", "sm_100a")
     assert backend_unavailable_reason("cute", cpu) in (None, "nvidia-cutlass-dsl is not installed "
                                                              "(pip install 'fusedops[cute]')")
     with pytest.raises(ValidationError, match=r"backend: expected one of auto, torch, triton, cute, got 'x'"):

@@ -115,7 +115,7 @@ def test_docs_torchrun_example_trains_on_two_cpu_processes(tmp_path):
     """The command of docs/distributed.md, as written: two gloo processes train the small
     NemotronH-style model (expert-parallel MoE, context-parallel Mamba2 and attention)."""
     (tmp_path / "train_distributed.py").write_text(_docs_script())
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FUSEDOPS_CUTE_EMULATE")}
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "FUSEDOPS_EMULATE")}
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     env["PYTHONFAULTHANDLER"] = "1"              # an abort prints every thread's Python stack
     script = shutil.which("torchrun", path=os.path.dirname(sys.executable))

@@ -48,7 +48,7 @@ def test_ci_runs_the_readme_test_command():
 def _run(*args, timeout=300):
     env = dict(os.environ)
     env.pop("TRITON_INTERPRET", None)
-    env.pop("FUSEDOPS_CUTE_EMULATE", None)
+    env.pop("FUSEDOPS_EMULATE", None)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=timeout)
 

@@ -115,7 +115,7 @@ def test_cute_ptx_of_each_architecture(monkeypatch, arch, s, d, held):
     from fusedops.backends.cute.engram import MAX_HELD_VECTORS, row_geometry
     geo = row_geometry(d, torch.bfloat16)
     assert (s * geo.iters <= MAX_HELD_VECTORS) == held, geo
-    monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", arch)
+    monkeypatch.setenv("FUSEDOPS_TARGET_ARCH", arch)
     t = make_inputs(3, s, d, torch.bfloat16, seed=13)
     check_against_oracle(t, run_plans(t, "cute"), torch.bfloat16)
 
@@ -344,22 +344,26 @@ def test_backend_errors(monkeypatch):
     with pytest.raises(ValidationError, match=r"backend: expected one of auto, torch, triton, cute, got 'cudnn'"):
         EngramGateSavedForward(**_fwd_args(), backend="cudnn")
     if not HAS_CUDA:
-        monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", "0")
+        monkeypatch.setenv("FUSEDOPS_EMULATE", "0")
         with pytest.raises(UnsupportedError, match=r"cute: (CuTe DSL kernels run on CUDA devices, not on cpu; "
-                                                   r"on cpu only under the PTX emulator \(FUSEDOPS_CUTE_EMULATE=1\)"
+                                                   r"on cpu only under the PTX emulator \(FUSEDOPS_EMULATE=1\)"
                                                    r"|nvidia-cutlass-dsl is not installed)"):
             EngramGateSavedForward(**_fwd_args(), backend="cute")
-        monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", "sm_80")
-        with pytest.raises(UnsupportedError, match=r"FUSEDOPS_CUTE_EMULATE: expected 1, 0, sm_90a or sm_100a, "
-                                                   r"got 'sm_80'|nvidia-cutlass-dsl is not installed"):
+        monkeypatch.setenv("FUSEDOPS_EMULATE", "1")
+        monkeypatch.setenv("FUSEDOPS_TARGET_ARCH", "sm_80")
+        with pytest.raises(UnsupportedError, match=r"the cute kernels are built for sm_90a and sm_100a; the "
+                                                   r"emulated target is sm_80|nvidia-cutlass-dsl is not installed"):
             EngramGateSavedForward(**_fwd_args(), backend="cute")
-        monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", "1")
+        monkeypatch.delenv("FUSEDOPS_TARGET_ARCH")
     t = make_inputs(2, 1, 8, torch.float64)
     with pytest.raises(UnsupportedError, match=r"triton: the Triton gate kernels take bf16/fp16/fp32"):
         EngramGateSavedForward(t["x"], t["kv"], t["weight"], None, backend="triton")
     if not HAS_CUDA:
         monkeypatch.setenv("TRITON_INTERPRET", "0")
-        with pytest.raises(UnsupportedError, match=r"Triton kernels run on CUDA devices"):
+        monkeypatch.setenv("FUSEDOPS_EMULATE", "0")
+        with pytest.raises(UnsupportedError, match=r"Triton kernels run on CUDA devices; on cpu only "
+                                                   r"under the Triton interpreter .* or the PTX "
+                                                   r"emulator \(FUSEDOPS_EMULATE=1\)"):
             EngramGateSavedForward(**_fwd_args(), backend="triton")
         assert EngramGateSavedForward(**_fwd_args()).selected_backend == "torch"
 
@@ -522,7 +526,8 @@ def test_gpu_cute_kernels_agree_with_their_ptx_emulated(monkeypatch):
     equal within one rounding of the outputs (the emulator computes ex2.approx exactly)."""
     from fusedops.backends.cute import compiler
     n, s, d, dtype = 5, 4, 5120, torch.bfloat16
-    monkeypatch.setenv("FUSEDOPS_CUTE_EMULATE", compiler.arch_of(DEVICE))
+    monkeypatch.setenv("FUSEDOPS_EMULATE", "1")
+    monkeypatch.setenv("FUSEDOPS_TARGET_ARCH", compiler.arch_of(DEVICE))
     gpu = run_plans(make_inputs(n, s, d, dtype, seed=21), "cute")
     emulated = run_plans(make_inputs(n, s, d, dtype, seed=21, device=torch.device("cpu")), "cute")
     for name, value in emulated.items():

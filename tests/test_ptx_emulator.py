@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from fusedops.core.ptx_emulator import Memory, PtxFault, PtxProgram
+from fusedops.backends.ptx_emulator import Memory, PtxFault, PtxProgram, launch
 
 def kernel(body: str, threads: int = 32, params: str = ".param .u64 out", arch: str = "sm_90a") -> str:
     """A one-entry PTX module; ``%rd1`` holds ``out`` and ``%rd3`` = out + 4 * thread index."""
@@ -37,7 +37,7 @@ def run(body: str, tmp_path, threads: int = 32, out_words: int | None = None, sh
     out = torch.zeros(out_words if out_words is not None else threads * grid[0], dtype=torch.int32)
     memory = Memory()
     memory.add_tensor(out, "out")
-    PtxProgram.parse(ptx).launch(grid, [out.data_ptr()], memory, dynamic_shared_bytes=shared)
+    launch(PtxProgram.parse(ptx), grid, [out.data_ptr()], memory, dynamic_shared_bytes=shared)
     return out.numpy().view(np.uint32)
 
 
@@ -81,9 +81,12 @@ def test_single_bf16_conversion_rounds_to_nearest_even(tmp_path):
     assert out[0] == 0x3F813F80
 
 
-def test_single_bf16_conversion_in_other_modes_is_not_emulated(tmp_path):
-    with pytest.raises(PtxFault, match=r"cvt\.rz\.bf16\.f32 .* is not emulated"):
-        run("\tmov.b32 %r2, 0f3F800000;\n\tcvt.rz.bf16.f32 %rs1, %r2;", tmp_path)
+def test_single_bf16_conversion_toward_zero_truncates(tmp_path):
+    # 1 + 3 * 2^-9 lies above the bf16 midpoint between 1 and 1 + 2^-7: .rz keeps 1, -x keeps -1
+    body = (f"\tmov.b32 %r2, {f32_bits(1 + 3 * 2 ** -9)};\n\tcvt.rz.bf16.f32 %rs1, %r2;\n"
+            f"\tmov.b32 %r3, {f32_bits(-(1 + 3 * 2 ** -9))};\n\tcvt.rz.bf16.f32 %rs2, %r3;\n"
+            "\tmov.b32 %r4, {%rs1, %rs2};\n\tst.global.b32 [%rd3], %r4;")
+    assert run(body, tmp_path)[0] == 0xBF803F80
 
 
 def test_sm100_packed_f32x2_and_mixed_bf16_fma(tmp_path):
@@ -140,8 +143,8 @@ def test_float_comparisons_with_nan(tmp_path):
 def test_out_of_bounds_store_faults_and_writes_nothing(tmp_path):
     body = "\tmov.b32 %r2, 7;\n\tst.global.b32 [%rd3], %r2;"
     with pytest.raises(PtxFault, match=r"out-of-bounds global store of 4 B at 0x[0-9a-f]+ by thread 16 "
-                                       r"of CTA \(0, 0, 0\) in 'st.global.b32 \[%rd3\], %r2'; the "
-                                       r"launch's buffers: out"):
+                                       r"of CTA \(0, 0, 0\) in k: 'st.global.b32 \[%rd3\], %r2' "
+                                       r"\(PTX line \d+\); the launch's buffers: .*out \["):
         run(body, tmp_path, out_words=16)
 
 
@@ -160,27 +163,30 @@ def test_shared_access_beyond_the_declared_size_faults(tmp_path):
 def test_shuffle_in_divergent_code_faults(tmp_path):
     body = ("\tsetp.lt.u32 %p1, %r1, 16;\n\t@%p1 bra $SKIP;\n"
             "\tshfl.sync.bfly.b32 %r2, %r1, 1, 31, -1;\n$SKIP:\n\tst.global.b32 [%rd3], %r1;")
-    with pytest.raises(PtxFault, match=r"lanes \[0, 1, .*15\] of the member mask are not converged"):
+    with pytest.raises(PtxFault, match=r"warp of thread 0 of CTA \(0, 0, 0\) executes a converged "
+                                       r"collective with 16 of 32 live threads"):
         run(body, tmp_path)
 
 
 def test_barrier_in_divergent_code_faults(tmp_path):
     body = ("\tsetp.lt.u32 %p1, %r1, 32;\n\t@%p1 bra $SKIP;\n\tbar.sync 0;\n"
             "$SKIP:\n\tst.global.b32 [%rd3], %r1;")
-    with pytest.raises(PtxFault, match=r"reached by 32 of 64 live threads of CTA 0: a divergent barrier"):
+    with pytest.raises(PtxFault, match=r"completed by 32 of the 64 threads of CTA 0 .*: a divergent "
+                                       r"barrier"):
         run(body, tmp_path, threads=64)
 
 
 def test_unknown_instruction_is_named(tmp_path):
-    body = "\tpopc.b32 %r2, %r1;\n\tst.global.b32 [%rd3], %r2;"
-    with pytest.raises(PtxFault, match=r"instruction 'popc.b32 %r2, %r1' is not emulated"):
+    body = "\tbfind.u32 %r2, %r1;\n\tst.global.b32 [%rd3], %r2;"
+    with pytest.raises(PtxFault, match=r"instruction 'bfind.u32 %r2, %r1' \(PTX line \d+\) is not "
+                                       r"emulated"):
         run(body, tmp_path)
 
 
 def test_parameter_count_is_checked():
     program = PtxProgram.parse(kernel("", 32))
     with pytest.raises(PtxFault, match=r"k takes 1 parameters, got 2"):
-        program.launch((1, 1, 1), [0, 1], Memory())
+        launch(program, (1, 1, 1), [0, 1], Memory())
 
 
 def test_real_gate_kernel_writing_past_a_short_output_faults():

@@ -3,25 +3,25 @@
 Kernels are compiled with ``cute.compile(..., options="--gpu-arch ...")`` at plan compile time
 (the same call compiles them to PTX without a GPU in CI), cached process-wide by plan-time values,
 and launched on the caller's stream. Needs nvidia-cutlass-dsl >= 4.7 and cuda-python. Without a
-GPU, ``FUSEDOPS_CUTE_EMULATE=1`` runs the kernels' PTX on CPU tensors in the project's PTX
-emulator (``ptx_emulator``), checking every memory access.
+GPU, ``FUSEDOPS_EMULATE=1`` runs the kernels' PTX (for ``FUSEDOPS_TARGET_ARCH``, sm_90a by
+default) on CPU tensors in the project's PTX emulator (``ptx_emulator``), checking every memory
+access.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import os
 import re
 
 import torch
 
 from fusedops.core.device import device_capability
+from fusedops.core.target import EMULATE_ENV, emulated_target
 
 NAME = "cute"
 MIN_VERSION = (4, 7)
 ARCH_BY_CAPABILITY = {(9, 0): "sm_90a", (10, 0): "sm_100a"}
-EMULATE_ENV = "FUSEDOPS_CUTE_EMULATE"
 
 
 def installed_version() -> str | None:
@@ -30,15 +30,6 @@ def installed_version() -> str | None:
         return importlib.metadata.version("nvidia-cutlass-dsl")
     except importlib.metadata.PackageNotFoundError:
         return None
-
-
-def emulated_arch() -> str | None:
-    """The architecture whose PTX the emulator runs for CPU tensors (from FUSEDOPS_CUTE_EMULATE:
-    unset or "0" -> None, "1" -> "sm_90a", or "sm_90a" / "sm_100a")."""
-    value = os.environ.get(EMULATE_ENV, "0")
-    if value in ("", "0"):
-        return None
-    return "sm_90a" if value == "1" else value
 
 
 def _version_tuple(version: str) -> tuple[int, ...]:
@@ -57,13 +48,13 @@ def unavailable_reason(device: torch.device) -> str | None:
         return (f"nvidia-cutlass-dsl {version} is installed; the cute backend needs >= "
                 f"{'.'.join(map(str, MIN_VERSION))}")
     if device.type == "cpu":
-        arch = emulated_arch()
+        arch = emulated_target()
         if arch is None:
             return (f"CuTe DSL kernels run on CUDA devices, not on cpu; on cpu only under the PTX "
                     f"emulator ({EMULATE_ENV}=1)")
         if arch not in ARCH_BY_CAPABILITY.values():
-            return (f"{EMULATE_ENV}: expected 1, 0, {' or '.join(ARCH_BY_CAPABILITY.values())}, "
-                    f"got {os.environ[EMULATE_ENV]!r}")
+            return (f"the cute kernels are built for {' and '.join(ARCH_BY_CAPABILITY.values())}; "
+                    f"the emulated target is {arch} (FUSEDOPS_TARGET_ARCH)")
         return None
     if device.type != "cuda":
         return f"CuTe DSL kernels run on CUDA devices, not on {device.type}"

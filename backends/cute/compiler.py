@@ -8,8 +8,8 @@ addresses) and wrapped per call; an absent optional operand is passed as None, a
 the kernel never dereferences (its constexpr flag compiles the access out). Token counts are
 ``Int32`` runtime arguments, so one compile serves every N.
 
-Without a GPU, ``FUSEDOPS_CUTE_EMULATE=1`` (or ``=sm_90a`` / ``=sm_100a``) lets the backend
-serve CPU tensors: the kernel is compiled to PTX for that architecture as for a GPU, and
+Without a GPU, ``FUSEDOPS_EMULATE=1`` (with ``FUSEDOPS_TARGET_ARCH`` sm_90a or sm_100a) lets the
+backend serve CPU tensors: the kernel is compiled to PTX for that architecture as for a GPU, and
 ``ptx_emulator`` runs that PTX, checking every memory access against the launch's buffers.
 """
 
@@ -25,14 +25,16 @@ import torch
 from fusedops.core.cache import COMPILE_CACHE
 from fusedops.core.cost import Cost
 from fusedops.core.device import device_capability
+from fusedops.core.dtypes import element_size
+from fusedops.core.target import emulated_target
 from fusedops.core.workspace import Region
 
-from . import ARCH_BY_CAPABILITY, emulated_arch
+from . import ARCH_BY_CAPABILITY
 
 
 def arch_of(device: torch.device) -> str:
     if device.type == "cpu":
-        return emulated_arch()
+        return emulated_target()
     return ARCH_BY_CAPABILITY[device_capability(device.index)]
 
 
@@ -121,7 +123,7 @@ def compile_ptx(kernel: CuteKernel, arch: str) -> str:
 def make_launcher(kernel: CuteKernel, device: torch.device) -> Callable[..., None]:
     """Compiles ``kernel`` for ``device`` (cached process-wide), loads it into the device's
     context now, and returns ``launch(*runtime_args, stream)``; tensors given for pointer
-    arguments are passed by address. On cpu (under FUSEDOPS_CUTE_EMULATE) the launch runs the
+    arguments are passed by address. On cpu (under FUSEDOPS_EMULATE) the launch runs the
     kernel's PTX in the emulator; pointer arguments must then be tensors."""
     arch = arch_of(device)
     if device.type == "cpu":
@@ -147,7 +149,9 @@ def _address(value) -> int:
 
 
 def _emulated_launcher(kernel: CuteKernel, arch: str) -> Callable[..., None]:
-    from fusedops.core.ptx_emulator import Memory, PtxFault, PtxProgram
+    from fusedops.core.target import emulation_mode
+
+    from ..ptx_emulator import Memory, PtxFault, PtxProgram, launch as emulate, options_for
     program = COMPILE_CACHE.get_or_build(("cute-ptx", kernel, arch),
                                          lambda: PtxProgram.parse(compile_ptx(kernel, arch)))
     constexprs = dict(kernel.constexprs)
@@ -155,8 +159,10 @@ def _emulated_launcher(kernel: CuteKernel, arch: str) -> Callable[..., None]:
     def launch(*runtime_args, stream):
         memory, params = Memory(), []
         for arg, value in zip(kernel.args, runtime_args, strict=True):
-            if isinstance(value, Region):
-                value = value.tensor()   # the piece alone bounds the kernel's accesses
+            if isinstance(value, Region):      # the piece alone bounds the kernel's accesses
+                memory.add(value.address(), value.numel * element_size(value.dtype), arg.name)
+                params.append(value.address())
+                continue
             if arg.dtype is not None and value is None:
                 value = 0       # an absent operand: a null pointer, registered nowhere
             elif arg.dtype is not None:
@@ -168,5 +174,6 @@ def _emulated_launcher(kernel: CuteKernel, arch: str) -> Callable[..., None]:
             if not arg.launch_only:
                 params.append(value)
         named = dict(zip((a.name for a in kernel.args), runtime_args)) | constexprs
-        program.launch(kernel.grid(**named), params, memory, kernel.dynamic_shared_bytes)
+        emulate(program, kernel.grid(**named), params, memory, kernel.dynamic_shared_bytes,
+                options=options_for(emulation_mode()))
     return launch

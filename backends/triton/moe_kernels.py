@@ -308,7 +308,10 @@ def _dgrad_act(acc, n, r, assign, valid, w, u_ptr, out_ptr, NDIM: tl.constexpr,
     partial = tl.zeros_like(valid.to(tl.float32))
     if WEIGHTED:
         act = round_to(relu_u * relu_u, dtype, EXACT).to(tl.float32)
-        partial = tl.sum(acc * act, axis=1)
+        # each product rounded once (fma with 0 is never contracted into the sum): the row sum
+        # is then bitwise the same in every thread that holds it, so the copies that warps
+        # exchange through shared memory agree and the result does not depend on their timing
+        partial = tl.sum(tl.fma(acc, act, 0.0), axis=1)
         acc = acc * w[:, None]
     tl.store(out_ptr + r[:, None].to(tl.int64) * NDIM + n[None, :],
              round_to(acc * 2.0 * relu_u, dtype, EXACT), mask=ok)

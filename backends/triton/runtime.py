@@ -27,7 +27,9 @@ import torch
 
 from fusedops.core.cache import COMPILE_CACHE
 from fusedops.core.cost import Cost
+from fusedops.core.dtypes import element_size
 from fusedops.core.program import SCRATCH
+from fusedops.core.target import emulated_target
 from fusedops.core.workspace import Region
 
 from . import interpreter_active
@@ -169,9 +171,13 @@ def make_launcher(spec: KernelSpec, device: torch.device) -> Callable[..., None]
     Triton interpreter, tests only) the interpreted kernel runs on the CPU tensors.
     """
     grid = spec.grid
+    if device.type == "cpu" and not interpreter_active():
+        target = emulated_target()
+        if target is None:
+            raise RuntimeError("Triton kernels run on CPU tensors only under TRITON_INTERPRET=1 "
+                               "or FUSEDOPS_EMULATE=1")
+        return _emulated_launcher(spec, target)
     if device.type == "cpu":
-        if not interpreter_active():
-            raise RuntimeError("Triton kernels run on CPU tensors only under TRITON_INTERPRET=1")
 
         pointer_dtypes = {n: _POINTER_DTYPES[t] for n, t in spec.signature if t in _POINTER_DTYPES}
         names = spec.runtime_arg_names()
@@ -251,6 +257,56 @@ def _reinterpret(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     flat = tensor.reshape(-1).view(torch.uint8)
     size = torch.empty((), dtype=dtype).element_size()
     return flat[: flat.numel() - flat.numel() % size].view(dtype)
+
+
+EMULATED_CAPABILITY = {"sm_80": 80, "sm_90a": 90, "sm_100a": 100}
+
+
+def compile_for_emulator(spec: KernelSpec, target: str):
+    """(parsed PTX, dynamic shared bytes) of ``spec`` compiled for ``target`` (sm_80, sm_90a,
+    sm_100a), cached process-wide (and on disk by Triton's own cache)."""
+    def build():
+        from triton.backends.compiler import GPUTarget
+
+        from ..ptx_emulator import PtxProgram
+        compiled = compile_spec(spec, GPUTarget("cuda", EMULATED_CAPABILITY[target], 32))
+        check_scratch(spec, compiled)
+        return PtxProgram.parse(compiled.asm["ptx"]), int(compiled.metadata.shared)
+    return COMPILE_CACHE.get_or_build(("triton-emulated", spec, target), build)
+
+
+def _emulated_launcher(spec: KernelSpec, target: str) -> Callable[..., None]:
+    """``launch(*runtime_args, stream)`` running ``spec``'s PTX for ``target`` on CPU tensors in
+    the PTX emulator: every tensor argument bounds the kernel's accesses; Triton's two hidden
+    trailing parameters get the workspace's global scratch (tensor descriptors) and no
+    profiling scratch. Like a GPU launch it dispatches no torch operator."""
+    from fusedops.core.target import emulation_mode
+
+    from ..ptx_emulator import Memory, PtxFault, launch as emulate, options_for
+    program, shared = compile_for_emulator(spec, target)
+    names = spec.runtime_arg_names()
+    hidden = len(program.params) - (len(names) - (1 if spec.descriptors else 0))
+    if hidden != 2:
+        raise PtxFault(f"{spec.name}: the PTX takes {len(program.params)} parameters for "
+                       f"{len(names)} runtime arguments; expected Triton's two hidden ones")
+
+    def launch(*runtime_args, stream):
+        memory, params = Memory(), []
+        scratch = 0
+        for name, value in zip(names, runtime_args, strict=True):
+            if isinstance(value, Region):      # the piece alone bounds the kernel's accesses
+                memory.add(value.address(), value.numel * element_size(value.dtype), name)
+                value = value.address()
+            elif isinstance(value, torch.Tensor):
+                memory.add_tensor(value, name)
+                value = value.data_ptr()
+            if name == SCRATCH_ARG:
+                scratch = value
+            else:
+                params.append(value)
+        emulate(program, spec.grid, params + [scratch, 0], memory, shared, (spec.threads, 1, 1),
+                options_for(emulation_mode()))
+    return launch
 
 
 def _compile_for_device(spec: KernelSpec, device: torch.device):

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import torch
 
 from .checks import ALIGNMENT
+from .target import emulated_target
 from .workspace import EMPTY, PIECE_ALIGNMENT, Layout
 
 Binding = Mapping[str, Any]
@@ -107,10 +108,11 @@ class Program:
 
     def workspace_alignment(self, device: torch.device) -> int:
         """The alignment execute() requires of the workspace's address on ``device``: its
-        pieces' (128 bytes) when it carries ``global_scratch`` for a GPU (Triton aligns the
-        tensor descriptors it keeps there to 128 bytes; the CPU interpreter keeps them in host
-        memory), else the 16 of every buffer."""
-        scratch = SCRATCH.name in self.workspace and device.type == "cuda"
+        pieces' (128 bytes) when it carries ``global_scratch`` for compiled code (a GPU, or the
+        PTX emulator: Triton aligns the tensor descriptors it keeps there to 128 bytes; the CPU
+        interpreter keeps them in host memory), else the 16 of every buffer."""
+        compiled = device.type == "cuda" or emulated_target() is not None
+        scratch = SCRATCH.name in self.workspace and compiled
         return PIECE_ALIGNMENT if scratch else ALIGNMENT
 
     @property

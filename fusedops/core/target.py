@@ -6,6 +6,11 @@ up to 164 KiB of shared memory), ``sm_90`` (Hopper: wgmma, TMA, 228 KiB) and ``s
 (the CPU interpreter and emulator) the Hopper table is used. ``FUSEDOPS_TARGET_ARCH`` overrides
 both, and ``compiling_for(arch)`` overrides for a block (the kernel report compiles every arch's
 table without a GPU).
+
+``FUSEDOPS_EMULATE=1`` runs the kernel backends on CPU tensors by compiling their kernels for the
+target architecture (``FUSEDOPS_TARGET_ARCH``, default sm_90a) and executing the PTX on the
+project's PTX emulator (``skewed``: warps in a random order between barriers); Triton's own
+interpreter, when selected (``TRITON_INTERPRET=1``), takes precedence for Triton kernels.
 """
 
 from __future__ import annotations
@@ -24,6 +29,10 @@ MULTIPROCESSORS = {"sm_80": 108, "sm_90": 132, "sm_100": 148}
 """SMs of each family's data-centre part (A100, H100/H200, B200): what a plan assumes where no
 CUDA device answers (``multiprocessors``)."""
 TARGET_ENV = "FUSEDOPS_TARGET_ARCH"
+EMULATE_ENV = "FUSEDOPS_EMULATE"
+EMULATED_TARGETS = {"sm_80": "sm_80", "sm_90": "sm_90a", "sm_100": "sm_100a"}
+"""The compile target of each tile-table family (the 'a' targets: wgmma and tcgen05 need them)."""
+EMULATION_MODES = ("0", "1", "skewed")
 _OVERRIDE: contextvars.ContextVar[str | None] = contextvars.ContextVar("fusedops_target_arch",
                                                                        default=None)
 
@@ -81,3 +90,24 @@ def compiling_for(arch: str):
         yield
     finally:
         _OVERRIDE.reset(token)
+
+
+def emulation_mode() -> str | None:
+    """The PTX emulator's schedule for CPU tensors ("lockstep" or "skewed"), or None when
+    ``FUSEDOPS_EMULATE`` is unset or 0."""
+    if "FUSEDOPS_CUTE_EMULATE" in os.environ:
+        raise ValidationError("FUSEDOPS_CUTE_EMULATE: replaced by FUSEDOPS_EMULATE=1 (for every "
+                              "kernel backend), with FUSEDOPS_TARGET_ARCH for the architecture")
+    value = os.environ.get(EMULATE_ENV, "0") or "0"
+    if value not in EMULATION_MODES:
+        raise ValidationError(f"{EMULATE_ENV}: expected one of {', '.join(EMULATION_MODES)}, "
+                              f"got {value!r}")
+    return None if value == "0" else ("skewed" if value == "skewed" else "lockstep")
+
+
+def emulated_target() -> str | None:
+    """The target (sm_80, sm_90a, sm_100a) whose compiled code the PTX emulator runs for CPU
+    tensors (``target_override()``'s family, sm_90a by default), or None without emulation."""
+    if emulation_mode() is None:
+        return None
+    return EMULATED_TARGETS[target_override() or "sm_90"]

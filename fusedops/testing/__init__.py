@@ -7,7 +7,8 @@
 - ``runnable_backends(device)``: the backends this process can run there;
 - ``fusedops.registry.FAMILIES``: each family's sample inputs (``cases``), forward + backward
   runner (``run``) and float64 oracle (``oracle``);
-- ``ptx_emulator``: runs CuTe DSL kernels' PTX on CPU tensors with bounds checks.
+- ``ptx_emulator``: runs compiled kernels' PTX (Triton and CuTe DSL, sm_80/sm_90a/sm_100a) on
+  CPU tensors, with bounds, convergence, asynchrony and race checks.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ..core import ptx_emulator
+from ..backends import ptx_emulator
 from ..opinfo import FP32_REDUCTION, ROUNDED_ONCE, Tolerance
 from ..plan.selection import BACKENDS, backend_unavailable_reason
 

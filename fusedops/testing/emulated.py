@@ -1,0 +1,108 @@
+"""A family's oracle cases on compiled kernels: each plan's kernels compiled for a target
+architecture (its tile table's entries) and their PTX run on CPU tensors in the PTX emulator,
+every result checked against the family's float64 oracle within its tolerance.
+
+Run it in a process of its own (Triton compiles only where its interpreter is off)::
+
+    FUSEDOPS_EMULATE=1 python -m fusedops.testing.emulated --family gqa_attention \\
+        --arch sm_90a --kind small --dtype bfloat16 [--schedule skewed] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..core.target import compiling_for, emulated_target
+from ..registry import FAMILIES, family
+from . import errors
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class CaseResult:
+    """One case: its label, whether every result is within tolerance, the worst errors, the
+    failure (an emulator fault, an exception) if any, and its time."""
+
+    family: str
+    arch: str
+    label: str
+    ok: bool
+    seconds: float
+    failures: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+def run_cases(name: str, arch: str, kinds=("small",), dtype=torch.bfloat16, backend="triton",
+              only: set[int] | None = None) -> list[CaseResult]:
+    """Every case of ``kinds`` of family ``name`` through its plans on ``backend``, compiled
+    for ``arch`` and run on the emulator (``FUSEDOPS_EMULATE`` must be set)."""
+    if emulated_target() is None:
+        raise RuntimeError("run_cases needs FUSEDOPS_EMULATE=1 (and TRITON_INTERPRET unset)")
+    info = family(name)
+    out = []
+    with compiling_for(arch):
+        cases = [c for kind in kinds for c in info.cases(kind, dtype=dtype)]
+        for i, case in enumerate(cases):
+            if only is not None and i not in only:
+                continue
+            start = time.perf_counter()
+            try:
+                results = info.run(case, backend)
+                expected = info.oracle(case)
+                failures = []
+                for key, value in results.items():
+                    if key not in expected or value is None or expected[key] is None:
+                        continue
+                    tol = info.tolerance(key, case.dtype)
+                    rel_l2, max_rel = errors(value, expected[key])
+                    finite = bool(torch.isfinite(value.detach().double()).all())
+                    if not finite or rel_l2 > tol.rel_l2 or max_rel > tol.max_rel:
+                        failures.append(f"{key}: rel L2 {rel_l2:.2e} (limit {tol.rel_l2:.1e}), "
+                                        f"max rel {max_rel:.2e} (limit {tol.max_rel:.1e})"
+                                        + ("" if finite else ", non-finite"))
+                out.append(CaseResult(name, arch, case.label, not failures,
+                                      time.perf_counter() - start, failures))
+            except Exception as exc:  # noqa: BLE001  (reported per case, with its traceback's tail)
+                tail = traceback.format_exc().strip().splitlines()[-1]
+                out.append(CaseResult(name, arch, case.label, False, time.perf_counter() - start,
+                                      error=f"{type(exc).__name__}: {exc}"[:4000] or tail))
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m fusedops.testing.emulated", description=__doc__)
+    p.add_argument("--family", action="append", choices=[i.name for i in FAMILIES])
+    p.add_argument("--arch", action="append", choices=["sm_80", "sm_90a", "sm_100a"])
+    p.add_argument("--kind", action="append", help="sample kinds (default: small)")
+    p.add_argument("--dtype", action="append", choices=list(DTYPES))
+    p.add_argument("--backend", default="triton", choices=["triton", "cute"])
+    p.add_argument("--only", type=int, action="append", help="case indexes")
+    p.add_argument("--json", action="store_true", help="one JSON object per case")
+    args = p.parse_args(argv)
+    status = 0
+    for name in args.family or [i.name for i in FAMILIES if "triton" in i.backends]:
+        for arch in args.arch or ["sm_80", "sm_90a", "sm_100a"]:
+            for dtype in args.dtype or ["bfloat16"]:
+                for r in run_cases(name, arch, tuple(args.kind or ["small"]), DTYPES[dtype],
+                                   args.backend, set(args.only) if args.only else None):
+                    status |= not r.ok
+                    if args.json:
+                        print(json.dumps(asdict(r)), flush=True)
+                    else:
+                        verdict = "ok  " if r.ok else "FAIL"
+                        detail = r.error or "; ".join(r.failures)
+                        print(f"{verdict} {r.arch:<8} {r.family:<16} {r.seconds:6.1f}s "
+                              f"{r.label} {detail}", flush=True)
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -192,8 +192,8 @@ class Machine:
     def shared_index(self, addr: np.ndarray, nbytes: int, L, where: str) -> np.ndarray:
         """Flat byte indices (into ``self.shared``) of the first byte of each lane's access of
         ``nbytes`` at shared address ``addr``, after bounds and alignment checks."""
-        a = addr.astype(np.int64)
-        bad = (a < 0) | (a + nbytes > self.shared_size) | (a % min(nbytes, 16) != 0)
+        a = (np.asarray(addr).astype(np.uint64) & np.uint64(0xFFFFFFFF)).astype(np.int64)  # 32-bit
+        bad = (a + nbytes > self.shared_size) | (a % min(nbytes, 16) != 0)
         if np.any(bad):
             i = int(np.argmax(bad))
             raise PtxFault(f"shared access of {nbytes} B at offset {int(a[i])} by "

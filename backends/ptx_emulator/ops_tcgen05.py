@@ -15,7 +15,8 @@ uses after the load, as Triton's code relies on). A ``tcgen05.st`` writes until
 ``tcgen05.wait::st``: an MMA into its cells before is a ``DataRace``.
 
 D layouts: M = 128 puts row r in lane r; M = 64 (one CTA) puts rows 16w ... 16w + 15 in lanes
-32w ... 32w + 15 (the half data path); column n of the accumulator in column ``col + n``.
+32w + l ... 32w + l + 15 (the half data path; l, the address's lane, 0 or 16: two M = 64
+accumulators share the lanes); column n of the accumulator in column ``col + n``.
 """
 
 from __future__ import annotations
@@ -245,9 +246,10 @@ def _mma(ins):
                 offs = np.concatenate([offs_a.ravel(), offs_b.ravel()])
             product = (-1 if neg_a else 1) * (-1 if neg_b else 1) * (A @ B[0].T)
             lane0, col0 = _split(int(get_d(m, one)[0]))
-            if lane0:
-                raise PtxFault(f"{m.where}: the accumulator's address names lane {lane0}; "
-                               f"tcgen05.mma writes from lane 0")
+            if lane0 not in ((0, 16) if mm == 64 else (0,)):
+                raise PtxFault(f"{m.where}: the accumulator's address names lane {lane0}; an "
+                               f"M = {mm} accumulator starts at lane 0{' or 16' if mm == 64 else ''}")
+            rows = rows + lane0
             cols = col0 + np.arange(n)
             _check_allocated(m, cta, cols)
             region = np.ix_(rows, cols)
@@ -269,12 +271,14 @@ def _mma(ins):
 
 def _tmem_operand(m, t: Tmem, cta: int, address: int, rows: np.ndarray, k: int, kind: str):
     """(A [rows, k] as float64, its cells) of an operand in tensor memory: row r in the
-    accumulator's lane for r, elements packed along the columns (two 16-bit elements, or one
+    accumulator's lane for r (offset by the address's lane), elements packed along the columns (two 16-bit elements, or one
     32-bit, per cell, the lower element in the low half)."""
     lane0, col0 = _split(address)
     per_cell = 4 // ELEMENT_BYTES[kind]
-    if lane0:
-        raise PtxFault(f"{m.where}: an A operand in tensor memory must start at lane 0")
+    if lane0 not in ((0, 16) if len(rows) == 64 else (0,)):
+        raise PtxFault(f"{m.where}: an A operand in tensor memory at lane {lane0}; for M = "
+                       f"{len(rows)} it starts at lane 0{' or 16' if len(rows) == 64 else ''}")
+    rows = rows + lane0
     cols = col0 + np.arange(k // per_cell)
     _check_allocated(m, cta, cols)
     region = np.ix_(rows, cols)

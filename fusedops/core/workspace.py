@@ -61,5 +61,13 @@ class Layout:
         return f"Layout({self.size} bytes; {pieces})"
 
 
+def aligned_bytes(nbytes: int, alignment: int, device) -> torch.Tensor:
+    """A uint8 tensor of ``nbytes`` whose address is a multiple of ``alignment`` (a view into a
+    slightly larger allocation where the allocator aligns less: CPU memory)."""
+    buffer = torch.empty(nbytes + alignment, dtype=torch.uint8, device=device)
+    offset = -buffer.data_ptr() % alignment
+    return buffer[offset:offset + nbytes]
+
+
 EMPTY = Layout(())
 """The layout of a buffer a program does not need."""

@@ -40,6 +40,7 @@ from ..core.program import Program
 from ..core.stream import allocation_stream, resolve_stream
 from ..core.target import target_override
 from ..core.tupledict import TupleDict
+from ..core.workspace import aligned_bytes
 from ..errors import PlanStateError, UnsupportedError, ValidationError
 from .autotune import autotune_requested, tune
 from .cache import EAGER_PLANS
@@ -182,9 +183,10 @@ class Plan:
         return self._program.workspace.size
 
     def allocate_workspace(self) -> torch.Tensor:
-        """A uint8 tensor of ``workspace_size`` bytes on the plan's device (allocate before
-        CUDA Graph capture; execute only binds it)."""
-        return torch.empty(self.workspace_size, dtype=torch.uint8, device=self._device)
+        """A uint8 tensor of ``workspace_size`` bytes on the plan's device, aligned as execute()
+        requires (allocate before CUDA Graph capture; execute only binds it)."""
+        return aligned_bytes(self.workspace_size, self._program.workspace_alignment(self._device),
+                             self._device)
 
     @property
     def saved_size(self) -> int:

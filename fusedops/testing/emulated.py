@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 import traceback
@@ -77,6 +78,42 @@ def run_cases(name: str, arch: str, kinds=("small",), dtype=torch.bfloat16, back
     return out
 
 
+TILE_CONSTEXPR = re.compile(r"^(B[A-Z]|BLOCK_\w+|DX_BN|TMA|SWAP|QUARTERS|FEATURES_M|HELD|"
+                            r"TRANSPOSED\w*|WITH_DX)$")
+"""The constexprs that are a kernel's tiles or choose its code path (block sizes, TMA,
+transposed products, held rows...), as opposed to problem sizes and options."""
+
+
+def tile_signature(spec) -> tuple:
+    """What makes two specs of one kernel run the same tiles: name, warps, stages, register
+    budget and the tile constexprs."""
+    tiles = tuple(sorted((n, v) for n, v in spec.constexprs if TILE_CONSTEXPR.match(n)))
+    return (spec.name, spec.num_warps, spec.num_stages, spec.maxnreg, tiles)
+
+
+def _kernels(calls, backend: str):
+    for call in calls:
+        if backend in call.plan.backends:
+            yield from call.build("torch").kernel_program(backend).kernels
+
+
+def production_signatures(name: str, arch: str, backend: str = "triton") -> set[tuple]:
+    """The tile signatures of every kernel of the family's production plans on ``arch``."""
+    info = family(name)
+    with compiling_for(arch):
+        return {tile_signature(k) for _, calls in info.production() for k in _kernels(calls, backend)}
+
+
+def case_signatures(name: str, arch: str, kinds, dtype=torch.bfloat16,
+                    backend: str = "triton") -> set[tuple]:
+    """The tile signatures of every kernel the family's cases of ``kinds`` run on ``arch``."""
+    info = family(name)
+    with compiling_for(arch):
+        cases = [c for kind in kinds for c in info.cases(kind, dtype=dtype)]
+        return {tile_signature(k) for case in cases
+                for k in _kernels(info.plan_calls(case, "torch"), backend)}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fusedops.testing.emulated", description=__doc__)
     p.add_argument("--family", action="append", choices=[i.name for i in FAMILIES])
@@ -86,8 +123,19 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="triton", choices=["triton", "cute"])
     p.add_argument("--only", type=int, action="append", help="case indexes")
     p.add_argument("--json", action="store_true", help="one JSON object per case")
+    p.add_argument("--coverage", action="store_true",
+                   help="list the production tile signatures the cases do not run (no emulation)")
     args = p.parse_args(argv)
     status = 0
+    if args.coverage:
+        for name in args.family or [i.name for i in FAMILIES if "triton" in i.backends]:
+            for arch in args.arch or ["sm_80", "sm_90a", "sm_100a"]:
+                missing = production_signatures(name, arch) - case_signatures(
+                    name, arch, tuple(args.kind or ["small"]))
+                for sig in sorted(missing, key=str):
+                    print(f"{arch} {name} not run: {sig}")
+                status |= bool(missing)
+        return status
     for name in args.family or [i.name for i in FAMILIES if "triton" in i.backends]:
         for arch in args.arch or ["sm_80", "sm_90a", "sm_100a"]:
             for dtype in args.dtype or ["bfloat16"]:

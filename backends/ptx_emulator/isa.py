@@ -150,6 +150,8 @@ def _memory(inner: str) -> Mem:
 
 def split_operands(text: str) -> list[str]:
     """Splits at the commas that are not inside braces or brackets."""
+    if "{" not in text and "[" not in text:
+        return [p.strip() for p in text.split(",") if p.strip()]
     parts, depth, cur = [], 0, []
     for ch in text:
         if ch in "{[":

@@ -9,6 +9,7 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 
+from .collector import collector_paused
 from .decode import decode_program
 from .faults import MAX_LANES_PER_BATCH, PtxFault
 from .machine import Machine, Options, RaceCheck
@@ -74,18 +75,20 @@ def launch(program: PtxProgram, grid: Sequence[int], params: Sequence, memory: M
         raw = _param_bytes(param, value)
         buffers[param.name] = (memory.add_array(raw, PARAMETER_PREFIX + param.name, writable=False),
                                len(raw))
-    table = decode_program(program)
+    with collector_paused():
+        table = decode_program(program)
     threads = block[0] * block[1] * block[2]
     ctas = grid[0] * grid[1] * grid[2]
     shared = program.static_shared_bytes + int(dynamic_shared_bytes)
     per_batch = max(1, MAX_LANES_PER_BATCH // threads)
     old = np.seterr(all="ignore")
     try:
-        for first in range(0, ctas, per_batch):
-            machine = Machine(program, table, grid, block, buffers, memory, shared,
-                              range(first, min(ctas, first + per_batch)), options)
-            if options.race_check:
-                machine.race = RaceCheck(machine)
-            machine.run()
+        with collector_paused():
+            for first in range(0, ctas, per_batch):
+                machine = Machine(program, table, grid, block, buffers, memory, shared,
+                                  range(first, min(ctas, first + per_batch)), options)
+                if options.race_check:
+                    machine.race = RaceCheck(machine)
+                machine.run()
     finally:
         np.seterr(**old)

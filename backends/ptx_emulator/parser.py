@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from .collector import collector_paused
 from .faults import PtxFault
 from .isa import Instr, Label, Mem, Pair, Reg, Sym, Vec, parse_operand, split_operands
 
@@ -66,6 +67,11 @@ class PtxProgram:
     @classmethod
     def parse(cls, ptx: str, entry: str | None = None) -> PtxProgram:
         """The entry named ``entry`` (or the module's only one) of ``ptx``."""
+        with collector_paused():
+            return cls._parse(ptx, entry)
+
+    @classmethod
+    def _parse(cls, ptx: str, entry: str | None) -> PtxProgram:
         files = dict(re.findall(r'^\s*\.file\s+(\d+)\s+"([^"]*)"', ptx, re.M))
         text = _COMMENTS.sub("", ptx)
         text = re.split(r"^\s*\.section\b", text, flags=re.M)[0]

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .faults import MAX_STEPS, WARP, DataRace, Deadlock, PtxFault, UnsupportedPtx
+from . import mbarrier
 from .decode import BRANCH, COLLECTIVE
 from .isa import storage_dtype
 
@@ -73,6 +74,7 @@ class Machine:
         self.pending_values: dict[str, np.ndarray] = {}
         self.pc = np.zeros(n, dtype=np.int64)
         self.status = np.zeros(n, dtype=np.int8)
+        self.parked_at = np.zeros(n, dtype=np.int64)        # the instruction a lane waits at
         self.parked: dict[tuple, list] = {}       # key -> [lane index arrays]
         self.barrier_arrivals: dict[int, np.ndarray] = {}
         self.epoch = np.zeros(self.nctas, dtype=np.int64)   # CTA-wide barriers passed
@@ -271,6 +273,7 @@ class Machine:
         lanes = self.index(lanes)
         if retry:
             self.pc[lanes] -= 1
+        self.parked_at[lanes] = self.pc[lanes] - (0 if retry else 1)
         self.status[lanes] = PARK
         self.parked.setdefault(key, []).append(lanes)
         self.dirty = True
@@ -435,15 +438,22 @@ class Machine:
         self.release(("bar", bar_id), complete)
 
     def deadlock_report(self) -> str:
-        lines = []
+        waits: dict[tuple, list] = {}
         for key, groups in self.parked.items():
             lanes = np.concatenate(groups)
-            pcs = sorted(set(self.pc[lanes].tolist()))
-            at = "; ".join(self.p.instrs[min(pc, len(self.p.instrs) - 1)].where() for pc in pcs[:3])
+            for pc in np.unique(self.parked_at[lanes]).tolist():
+                at = lanes[self.parked_at[lanes] == pc]
+                waits.setdefault((key[0], pc), []).append(at)
+        lines = []
+        for (kind, pc), groups in waits.items():
+            lanes = np.concatenate(groups)
+            ins = self.p.instrs[min(pc, len(self.p.instrs) - 1)]
             lines.append(f"{len(lanes)} threads of {len(np.unique(self.cta_index[lanes]))} CTAs "
-                         f"wait on {key[0]} {key[1:]} after {at}")
+                         f"wait ({kind}) at {ins.where()}")
+        barriers = mbarrier.describe(self)
         return (f"{self.p.name}: deadlock: every live thread waits and nothing in flight can "
-                f"release one: " + " | ".join(lines))
+                f"release one: " + " | ".join(lines)
+                + (f"; the mbarriers: {barriers}" if barriers else ""))
 
     # -- collectives ---------------------------------------------------------------------------
     def check_converged(self, E, L, scope_warps: int = 1, membermask: int | None = None) -> None:
@@ -540,6 +550,29 @@ class RaceCheck:
         if dup.any():       # within a warp the highest lane's value stands, as on a GPU
             raise DataRace(f"{where}: two warps write different values to shared offset "
                            f"{int(f[1:][dup][0] % m.shared_size)} in one instruction")
+
+
+    def async_issue(self, m: Machine, offs: np.ndarray, L, where: str) -> None:
+        """Asynchronous copies into shared memory issued by lanes ``L`` (row i of ``offs``: the
+        bytes of lane i's copy): they may land at any time from now, so no other warp may still
+        read or write those bytes in this epoch."""
+        offs = offs.reshape(m.count(L), -1)
+        warp, bit, epoch = self._lanes(m, offs, L)
+        others = ((self.read_epoch[offs] == epoch) & ((self.readers[offs] & ~bit) != 0)) | \
+            ((self.write_epoch[offs] == epoch) & ((self.writers[offs] & ~bit) != 0))
+        if others.any():
+            i, j = (int(v[0]) for v in np.nonzero(others))
+            raise DataRace(f"{where}: an asynchronous copy issued by warp {int(warp[i, 0])} "
+                           f"({m.who(L)(i)}) overwrites shared offset "
+                           f"{int(offs[i, j] % m.shared_size)}, which another warp accessed with "
+                           f"no barrier since: a buffer reused while still in use")
+
+    def async_landed(self, offs: np.ndarray) -> None:
+        """An asynchronous copy's bytes landed: they are ordered by the waits on its
+        mbarrier, not by barriers, so no warp counts as their writer."""
+        flat = offs.ravel()
+        self.writers[flat] = 0
+        self.write_epoch[flat] = -1
 
 
 def _warps(mask) -> list[int]:

@@ -74,9 +74,12 @@ def _maybe_complete(m, flat: int, bar: MBarrier) -> None:
 
 
 def describe(m) -> str:
-    return "; ".join(f"offset {flat % max(m.shared_size, 1)}: phase {b.phase}, {b.pending} of "
-                     f"{b.expected} arrivals missing, tx-count {b.tx}"
-                     for flat, b in barriers(m).items())
+    """The incomplete mbarriers (the first few), for a deadlock report."""
+    waiting = [(flat, b) for flat, b in barriers(m).items() if b.pending != b.expected or b.tx]
+    text = "; ".join(f"CTA {m.ctas[flat // max(m.shared_size, 1)]} offset "
+                     f"{flat % max(m.shared_size, 1)}: phase {b.phase}, {b.pending} of "
+                     f"{b.expected} arrivals missing, tx-count {b.tx}" for flat, b in waiting[:4])
+    return text + (f"; and {len(waiting) - 4} more" if len(waiting) > 4 else "")
 
 
 def _per_barrier(m, flat: np.ndarray):

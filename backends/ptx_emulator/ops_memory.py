@@ -328,6 +328,8 @@ def _cp_async(ins):
         flat = m.shared_index(dst_addr(m, L), cp_size, idx, m.where)
         offs = flat[:, None] + np.arange(cp_size)
         m.check_async_access(offs, idx, m.where, write=True)
+        if m.race is not None:
+            m.race.async_issue(m, offs, idx, m.where)
         m.mark_busy(offs, write=True, delta=1)
         _cp_groups(m).issue(idx, SharedCopy(idx, offs, data))
     return handler

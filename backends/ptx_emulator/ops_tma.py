@@ -200,6 +200,8 @@ class TensorLoad:
     def deliver(self, m) -> None:
         m.mark_busy(self.offs, write=True, delta=-1)
         m.shared[self.offs] = self.data
+        if m.race is not None:
+            m.race.async_landed(self.offs)
         mbarrier.complete_tx(m, self.barrier, len(self.offs))
 
 
@@ -285,6 +287,8 @@ def _tensor_load(ins):
                                   m.where)
             offs = (flat[:, None] + np.arange(e)).ravel()
             m.check_async_access(offs[None], one, m.where, write=True)
+            if m.race is not None:
+                m.race.async_issue(m, offs, one, m.where)
             m.mark_busy(offs, write=True, delta=1)
             barrier = int(mbarrier.flat_addresses(m, bar_addr, one)[0])
             mbarrier.lookup(m, barrier)
@@ -345,6 +349,9 @@ def _bulk_load(ins):
             offs = int(flat[0]) + np.arange(n)
             if smem + n > m.shared_size:
                 raise PtxFault(f"{m.where}: bulk copy past the end of shared memory")
+            m.check_async_access(offs[None], one, m.where, write=True)
+            if m.race is not None:
+                m.race.async_issue(m, offs, one, m.where)
             m.mark_busy(offs, write=True, delta=1)
             barrier = int(mbarrier.flat_addresses(m, bar_addr, one)[0])
             m.async_ops.append(TensorLoad(offs, data, barrier))

@@ -27,6 +27,12 @@ if [ $DRY = 0 ]; then
     $PY -m pip install -q --no-deps --no-build-isolation -e . 2>&1 | tail -2
     nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
 fi
+# the compiler that runs: CI compiles (the emulator, the kernel report) with the Triton of
+# .carry/triton/VERSION, carried here by bench/pack_triton.sh
+$PY -c "import triton; print('triton', triton.__version__, 'from', triton.__file__)" | tee "$OUT/triton.log"
+if [ -f .carry/triton/VERSION ] && ! grep -q "triton $(cat .carry/triton/VERSION) " "$OUT/triton.log"; then
+    echo "WARNING: CI compiles with triton $(cat .carry/triton/VERSION); this run uses another" | tee -a "$OUT/triton.log"
+fi
 step 60 check.log $PY -m fusedops check
 step 60 peers.log $PY bench/peers.py
 if [ $DRY = 0 ]; then

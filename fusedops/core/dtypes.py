@@ -17,8 +17,8 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def element_size(dtype: torch.dtype) -> int:
-    """Bytes per element of ``dtype``."""
-    return torch.empty((), dtype=dtype, device="meta").element_size()
+    """Bytes per element of ``dtype`` (dispatches no torch operator)."""
+    return dtype.itemsize
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -22,7 +22,7 @@ import torch
 
 from ..core.target import compiling_for, emulated_target
 from ..registry import FAMILIES, family
-from . import errors
+from . import NoTorchOps, errors
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -78,6 +78,30 @@ def run_cases(name: str, arch: str, kinds=("small",), dtype=torch.bfloat16, back
     return out
 
 
+def execute_contract(name: str, arch: str, backend: str = "triton") -> list[str]:
+    """Every plan of the family's first small case, compiled for ``arch``, executed on the
+    emulator inside ``NoTorchOps``: the real launch path allocates nothing, converts nothing
+    and reads nothing back (what CUDA Graph capture needs). Returns the violations."""
+    info = family(name)
+    problems = []
+    with compiling_for(arch):
+        case = info.cases("small", dtype=torch.bfloat16)[0]
+        for call in info.plan_calls(case, backend):
+            if backend not in call.plan.backends:
+                continue
+            plan = call.build(backend).compile()
+            args = {o.name: call.tensors.get(o.name) for o in plan.operands if o.is_read}
+            args.update(plan.allocate_outputs())
+            args.update({o.name: call.tensors[o.name] for o in plan.operands if o.role == "inout"})
+            args["workspace"] = plan.allocate_workspace() if plan.workspace_size else None
+            try:
+                with NoTorchOps():
+                    plan.execute(**args)
+            except AssertionError as exc:
+                problems.append(f"{arch} {call.plan.__name__}: {exc}")
+    return problems
+
+
 TILE_CONSTEXPR = re.compile(r"^(B[A-Z]|BLOCK_\w+|DX_BN|TMA|SWAP|QUARTERS|FEATURES_M|HELD|"
                             r"TRANSPOSED\w*|WITH_DX)$")
 """The constexprs that are a kernel's tiles or choose its code path (block sizes, TMA,
@@ -125,13 +149,27 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object per case")
     p.add_argument("--coverage", action="store_true",
                    help="list the production tile signatures the cases do not run (no emulation)")
+    p.add_argument("--names", action="store_true",
+                   help="with --coverage: compare kernel names only (every kernel runs)")
+    p.add_argument("--contract", action="store_true",
+                   help="execute() of each plan on the emulator dispatches no torch operator")
     args = p.parse_args(argv)
     status = 0
+    if args.contract:
+        for name in args.family or [i.name for i in FAMILIES if "triton" in i.backends]:
+            for arch in args.arch or ["sm_80", "sm_90a", "sm_100a"]:
+                for problem in execute_contract(name, arch, args.backend):
+                    print(f"FAIL {name} {problem}", flush=True)
+                    status = 1
+        return status
     if args.coverage:
         for name in args.family or [i.name for i in FAMILIES if "triton" in i.backends]:
             for arch in args.arch or ["sm_80", "sm_90a", "sm_100a"]:
                 missing = production_signatures(name, arch) - case_signatures(
                     name, arch, tuple(args.kind or ["small"]))
+                if args.names:
+                    run = {sig[0] for sig in case_signatures(name, arch, tuple(args.kind or ["small"]))}
+                    missing = {sig[:1] for sig in missing if sig[0] not in run}
                 for sig in sorted(missing, key=str):
                     print(f"{arch} {name} not run: {sig}")
                 status |= bool(missing)

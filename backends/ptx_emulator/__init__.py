@@ -28,5 +28,15 @@ from .machine import Options
 from .memory import Memory
 from .parser import PtxProgram
 
-__all__ = ["DataRace", "Deadlock", "Memory", "Options", "PtxFault", "PtxProgram", "UnsupportedPtx",
-           "launch", "options_for", "using"]
+__all__ = [
+    "DataRace",
+    "Deadlock",
+    "Memory",
+    "Options",
+    "PtxFault",
+    "PtxProgram",
+    "UnsupportedPtx",
+    "launch",
+    "options_for",
+    "using",
+]

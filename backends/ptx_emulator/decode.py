@@ -6,15 +6,32 @@ them when (and only when) they execute.
 
 from __future__ import annotations
 
-from . import (mbarrier, ops_control, ops_convert, ops_matrix, ops_memory, ops_scalar, ops_tcgen05,
-               ops_tma)
+from . import (
+    mbarrier,
+    ops_control,
+    ops_convert,
+    ops_matrix,
+    ops_memory,
+    ops_scalar,
+    ops_tcgen05,
+    ops_tma,
+)
 from .faults import PtxFault, UnsupportedPtx
 from .isa import Instr
 
 BRANCH, COLLECTIVE, PLAIN = 1, 2, 0
 
 _DECODERS = {}
-for _module in (ops_scalar, ops_convert, ops_memory, ops_control, mbarrier, ops_matrix, ops_tma, ops_tcgen05):
+for _module in (
+    ops_scalar,
+    ops_convert,
+    ops_memory,
+    ops_control,
+    mbarrier,
+    ops_matrix,
+    ops_tma,
+    ops_tcgen05,
+):
     _DECODERS.update(_module.DECODERS)
 _COLLECTIVES = set()
 for _module in (ops_control, mbarrier, ops_matrix, ops_tma, ops_tcgen05):
@@ -51,6 +68,7 @@ def _refuse(exc: UnsupportedPtx):
 
     def refuse(m, *lanes):
         raise UnsupportedPtx(message)
+
     return refuse
 
 
@@ -66,5 +84,8 @@ def decode_program(program) -> list:
 def unsupported(program) -> list[str]:
     """The instructions of ``program`` the emulator would refuse."""
     table = decode_program(program)
-    return [ins.where() for ins, (handler, _) in zip(program.instrs, table)
-            if getattr(handler, "__name__", "") == "refuse"]
+    return [
+        ins.where()
+        for ins, (handler, _) in zip(program.instrs, table)
+        if getattr(handler, "__name__", "") == "refuse"
+    ]

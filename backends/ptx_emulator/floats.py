@@ -14,8 +14,17 @@ import numpy as np
 from .faults import UnsupportedPtx
 from .isa import FLOAT_TYPES, ROUNDING, UNSIGNED, types_of, width
 from .operands import reader, writer
-from .values import (bf16_to_f32, f16_to_f32, f32_op, f32_to_bf16, f32_to_f16, flush,
-                     round_f64_to_f32, saturate, two_sum)
+from .values import (
+    bf16_to_f32,
+    f16_to_f32,
+    f32_op,
+    f32_to_bf16,
+    f32_to_f16,
+    flush,
+    round_f64_to_f32,
+    saturate,
+    two_sum,
+)
 
 HALF = {"bf16": (bf16_to_f32, f32_to_bf16), "f16": (f16_to_f32, f32_to_f16)}
 
@@ -47,14 +56,21 @@ def float_reader(op, t: str):
         def packed(m, L):
             bits = np.atleast_1d(get(m, L))
             return np.stack([widen(bits & np.uint32(0xFFFF)), widen(bits >> np.uint32(16))], -1)
+
         return packed
     if t == "f32x2":
         get = reader(op, "b64")
 
         def pair(m, L):
             bits = np.atleast_1d(get(m, L))
-            return np.stack([(bits & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.float32),
-                             (bits >> np.uint64(32)).astype(np.uint32).view(np.float32)], -1)
+            return np.stack(
+                [
+                    (bits & np.uint64(0xFFFFFFFF)).astype(np.uint32).view(np.float32),
+                    (bits >> np.uint64(32)).astype(np.uint32).view(np.float32),
+                ],
+                -1,
+            )
+
         return pair
     raise UnsupportedPtx(f"float operand of type .{t}")
 
@@ -72,6 +88,7 @@ def float_writer(op, t: str):
         def packed(m, L, v):
             lo, hi = narrow(v[..., 0]).astype(np.uint32), narrow(v[..., 1]).astype(np.uint32)
             put(m, L, lo | (hi << np.uint32(16)))
+
         return packed
     if t == "f32x2":
         put = writer(op, "b64")
@@ -80,6 +97,7 @@ def float_writer(op, t: str):
             lo = v[..., 0].astype(np.float32).view(np.uint32).astype(np.uint64)
             hi = v[..., 1].astype(np.float32).view(np.uint32).astype(np.uint64)
             put(m, L, lo | (hi << np.uint64(32)))
+
         return pair
     raise UnsupportedPtx(f"float result of type .{t}")
 
@@ -108,8 +126,10 @@ def float_op(ins, fn, arity: int):
     ftz, sat = "ftz" in ins.opcode, "sat" in ins.opcode
     narrow = dt in ("bf16", "f16", "bf16x2", "f16x2")
     if dt == "f64":
+
         def handler64(m, L):
             put(m, L, fn(mode, True, *[g(m, L) for g in gets]))
+
         return handler64
 
     def handler(m, L):
@@ -122,6 +142,7 @@ def float_op(ins, fn, arity: int):
         if sat:
             r = saturate(r)
         put(m, L, r)
+
     return handler
 
 
@@ -129,16 +150,20 @@ def arith(op: str):
     def fn(mode, wide, *xs):
         if wide is True:
             x = [np.asarray(v, dtype=np.float64) for v in xs]
-            return {"add": lambda: x[0] + x[1], "sub": lambda: x[0] - x[1],
-                    "mul": lambda: x[0] * x[1],
-                    "fma": lambda: x[0] * x[1] + x[2]}[op]()
+            return {
+                "add": lambda: x[0] + x[1],
+                "sub": lambda: x[0] - x[1],
+                "mul": lambda: x[0] * x[1],
+                "fma": lambda: x[0] * x[1] + x[2],
+            }[op]()
         if wide == "narrow" and op == "fma":
-            hi, lo = two_sum(xs[0].astype(np.float64) * xs[1].astype(np.float64),
-                             xs[2].astype(np.float64))
+            hi, lo = two_sum(
+                xs[0].astype(np.float64) * xs[1].astype(np.float64), xs[2].astype(np.float64)
+            )
             return odd_f32(hi, lo)
         return f32_op(op, mode, *xs)
-    return fn
 
+    return fn
 
 
 def is_float(ins) -> bool:
@@ -152,8 +177,14 @@ def sign_bits(ins, fn):
     t = type_of(ins)
     d, a = ins.operands
     w = width(t)
-    mask = {"f32": 0x80000000, "f64": 0x8000000000000000, "bf16": 0x8000, "f16": 0x8000,
-            "bf16x2": 0x80008000, "f16x2": 0x80008000}[t]
+    mask = {
+        "f32": 0x80000000,
+        "f64": 0x8000000000000000,
+        "bf16": 0x8000,
+        "f16": 0x8000,
+        "bf16x2": 0x80008000,
+        "f16x2": 0x80008000,
+    }[t]
     bt = f"b{w}"
     ga, put = reader(a, bt), writer(d, bt)
     umask = UNSIGNED[w](mask)
@@ -164,6 +195,7 @@ def sign_bits(ins, fn):
         if ftz:
             bits = flush(bits.view(np.float32)).view(np.uint32)
         put(m, L, fn(bits, umask))
+
     return handler
 
 
@@ -182,11 +214,17 @@ def unary(fn):
             if ftz:
                 x = flush(x)
             r = fn(np.asarray(x, dtype=np.float64), mode)
-            r = r.astype(np.float32) if not isinstance(r, np.ndarray) or r.dtype != np.float32 else r
+            r = (
+                r.astype(np.float32)
+                if not isinstance(r, np.ndarray) or r.dtype != np.float32
+                else r
+            )
             if ftz:
                 r = flush(r)
             put(m, L, r)
+
         return handler
+
     return decode
 
 
@@ -201,12 +239,11 @@ d_rsqrt = unary(lambda x, mode: 1.0 / np.sqrt(x))
 def rounded(op):
     def fn(x, mode):
         if mode == "rn":
-            return {"sqrt": np.sqrt, "rcp": lambda v: 1.0 / v}[op](x)   # double rounding innocuous
+            return {"sqrt": np.sqrt, "rcp": lambda v: 1.0 / v}[op](x)  # double rounding innocuous
         return f32_op(op, mode, x.astype(np.float32))
+
     return fn
 
 
 d_sqrt = unary(rounded("sqrt"))
 d_rcp = unary(rounded("rcp"))
-
-

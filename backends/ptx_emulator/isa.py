@@ -51,7 +51,7 @@ class Sink:
 class Mem:
     """``[base + offset]``; ``coords`` for a tensor access ``[tensormap, {c0, c1...}]``."""
 
-    base: object            # Reg, Sym or Imm
+    base: object  # Reg, Sym or Imm
     offset: int
     coords: tuple = ()
 
@@ -97,11 +97,28 @@ class Instr:
 
 
 SPECIAL_REGISTERS = frozenset(
-    [f"%{n}.{a}" for n in ("tid", "ntid", "ctaid", "nctaid", "cluster_ctaid", "cluster_nctaid")
-     for a in "xyz"]
-    + ["%laneid", "%warpid", "%nwarpid", "%smid", "%nsmid", "%cluster_ctarank",
-       "%cluster_nctarank", "%dynamic_smem_size", "%total_smem_size", "%lanemask_eq",
-       "%lanemask_lt", "%lanemask_le", "%lanemask_gt", "%lanemask_ge"])
+    [
+        f"%{n}.{a}"
+        for n in ("tid", "ntid", "ctaid", "nctaid", "cluster_ctaid", "cluster_nctaid")
+        for a in "xyz"
+    ]
+    + [
+        "%laneid",
+        "%warpid",
+        "%nwarpid",
+        "%smid",
+        "%nsmid",
+        "%cluster_ctarank",
+        "%cluster_nctarank",
+        "%dynamic_smem_size",
+        "%total_smem_size",
+        "%lanemask_eq",
+        "%lanemask_lt",
+        "%lanemask_le",
+        "%lanemask_gt",
+        "%lanemask_ge",
+    ]
+)
 
 _INT_IMMEDIATE = re.compile(r"-?(0[xX][0-9a-fA-F]+|0[0-7]*|[1-9]\d*)U?")
 _FLOAT_IMMEDIATE = re.compile(r"0[fF][0-9a-fA-F]{8}|0[dD][0-9a-fA-F]{16}")
@@ -137,7 +154,7 @@ def parse_operand(text: str):
 
 def _memory(inner: str) -> Mem:
     coords = ()
-    if "," in inner:     # [tensormap, {c0, c1, ...}]
+    if "," in inner:  # [tensormap, {c0, c1, ...}]
         base_text, coord_text = inner.split(",", 1)
         coords = parse_operand(coord_text.strip()).items
         inner = base_text.strip()
@@ -170,17 +187,37 @@ def split_operands(text: str) -> list[str]:
 
 # -- value types ---------------------------------------------------------------------------------
 INT_TYPES = {
-    "b8": np.uint8, "u8": np.uint8, "s8": np.int8, "b16": np.uint16, "u16": np.uint16,
-    "s16": np.int16, "b32": np.uint32, "u32": np.uint32, "s32": np.int32, "b64": np.uint64,
-    "u64": np.uint64, "s64": np.int64,
+    "b8": np.uint8,
+    "u8": np.uint8,
+    "s8": np.int8,
+    "b16": np.uint16,
+    "u16": np.uint16,
+    "s16": np.int16,
+    "b32": np.uint32,
+    "u32": np.uint32,
+    "s32": np.int32,
+    "b64": np.uint64,
+    "u64": np.uint64,
+    "s64": np.int64,
 }
 FLOAT_TYPES = {"f16": np.float16, "f32": np.float32, "f64": np.float64}
 UNSIGNED = {8: np.uint8, 16: np.uint16, 32: np.uint32, 64: np.uint64}
-PACKED_TYPES = {"bf16": 16, "bf16x2": 32, "f16x2": 32, "f32x2": 64, "s16x2": 32, "u16x2": 32,
-                "e4m3x2": 16, "e5m2x2": 16, "e4m3x4": 32, "e5m2x4": 32, "tf32": 32}
+PACKED_TYPES = {
+    "bf16": 16,
+    "bf16x2": 32,
+    "f16x2": 32,
+    "f32x2": 64,
+    "s16x2": 32,
+    "u16x2": 32,
+    "e4m3x2": 16,
+    "e5m2x2": 16,
+    "e4m3x4": 32,
+    "e5m2x4": 32,
+    "tf32": 32,
+}
 TYPE_NAMES = frozenset(INT_TYPES) | frozenset(FLOAT_TYPES) | frozenset(PACKED_TYPES) | {"pred"}
 ROUNDING = ("rn", "rm", "rp", "rz", "rna")
-SHARED_WINDOW = 1 << 60       # generic addresses of a CTA's shared memory start here
+SHARED_WINDOW = 1 << 60  # generic addresses of a CTA's shared memory start here
 STATE_SPACES = ("param", "global", "shared", "local", "const")
 
 

@@ -16,9 +16,9 @@ from .machine import Machine, Options, RaceCheck
 from .memory import PARAMETER_PREFIX, Memory
 from .parser import PtxProgram
 
-
-_OPTIONS: contextvars.ContextVar[Options | None] = contextvars.ContextVar("ptx_emulator_options",
-                                                                        default=None)
+_OPTIONS: contextvars.ContextVar[Options | None] = contextvars.ContextVar(
+    "ptx_emulator_options", default=None
+)
 
 
 @contextlib.contextmanager
@@ -44,17 +44,27 @@ def _param_bytes(param, value) -> np.ndarray:
             raise PtxFault(f"parameter {param.name}: {len(raw)} bytes given, {param.size} declared")
         return raw.copy()
     if param.type in ("f32", "f64"):
-        return np.asarray([value], dtype=np.float32 if param.type == "f32" else np.float64).view(np.uint8)
+        return np.asarray([value], dtype=np.float32 if param.type == "f32" else np.float64).view(
+            np.uint8
+        )
     if isinstance(value, float):
         raise PtxFault(f"parameter {param.name} (.{param.type}) given the float {value}")
     bits = 8 * param.size
-    return np.asarray([int(value) & ((1 << bits) - 1)],
-                      dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[param.size]).view(np.uint8)
+    return np.asarray(
+        [int(value) & ((1 << bits) - 1)],
+        dtype={1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[param.size],
+    ).view(np.uint8)
 
 
-def launch(program: PtxProgram, grid: Sequence[int], params: Sequence, memory: Memory,
-           dynamic_shared_bytes: int = 0, block: Sequence[int] | None = None,
-           options: Options | None = None) -> None:
+def launch(
+    program: PtxProgram,
+    grid: Sequence[int],
+    params: Sequence,
+    memory: Memory,
+    dynamic_shared_bytes: int = 0,
+    block: Sequence[int] | None = None,
+    options: Options | None = None,
+) -> None:
     """Runs ``program`` over ``grid`` CTAs of ``block`` threads (default: its ``.reqntid``).
 
     ``params`` are the kernel's parameters in order: ints (pointers, integers), floats, or
@@ -73,8 +83,10 @@ def launch(program: PtxProgram, grid: Sequence[int], params: Sequence, memory: M
     buffers = {}
     for param, value in zip(program.params, params):
         raw = _param_bytes(param, value)
-        buffers[param.name] = (memory.add_array(raw, PARAMETER_PREFIX + param.name, writable=False),
-                               len(raw))
+        buffers[param.name] = (
+            memory.add_array(raw, PARAMETER_PREFIX + param.name, writable=False),
+            len(raw),
+        )
     with collector_paused():
         table = decode_program(program)
     threads = block[0] * block[1] * block[2]
@@ -85,8 +97,17 @@ def launch(program: PtxProgram, grid: Sequence[int], params: Sequence, memory: M
     try:
         with collector_paused():
             for first in range(0, ctas, per_batch):
-                machine = Machine(program, table, grid, block, buffers, memory, shared,
-                                  range(first, min(ctas, first + per_batch)), options)
+                machine = Machine(
+                    program,
+                    table,
+                    grid,
+                    block,
+                    buffers,
+                    memory,
+                    shared,
+                    range(first, min(ctas, first + per_batch)),
+                    options,
+                )
                 if options.race_check:
                     machine.race = RaceCheck(machine)
                 machine.run()

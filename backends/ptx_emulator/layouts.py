@@ -30,7 +30,7 @@ import numpy as np
 
 from .faults import UnsupportedPtx
 
-SWIZZLE_BYTES = {0: 0, 1: 32, 2: 64, 3: 128}       # the bits of the swizzle: 1, 2, 3 -> width
+SWIZZLE_BYTES = {0: 0, 1: 32, 2: 64, 3: 128}  # the bits of the swizzle: 1, 2, 3 -> width
 
 
 def swizzle(address: np.ndarray, width_bytes: int) -> np.ndarray:
@@ -47,10 +47,10 @@ def swizzle(address: np.ndarray, width_bytes: int) -> np.ndarray:
 class MatrixDescriptor:
     """A decoded shared-memory matrix descriptor."""
 
-    start: int          # shared byte address
-    lbo: int            # bytes
-    sbo: int            # bytes
-    swizzle: int        # 0, 32, 64, 128 bytes
+    start: int  # shared byte address
+    lbo: int  # bytes
+    sbo: int  # bytes
+    swizzle: int  # 0, 32, 64, 128 bytes
     base_offset: int
 
     @classmethod
@@ -58,8 +58,13 @@ class MatrixDescriptor:
         """wgmma's descriptor: start >> 4 in bits 0-13, LBO >> 4 in 16-29, SBO >> 4 in 32-45,
         base offset in 49-51, swizzle in 62-63 (0 none, 1 128 B, 2 64 B, 3 32 B)."""
         mode = {0: 0, 1: 128, 2: 64, 3: 32}[(desc >> 62) & 3]
-        return cls(((desc & 0x3FFF) << 4), ((desc >> 16) & 0x3FFF) << 4,
-                   ((desc >> 32) & 0x3FFF) << 4, mode, (desc >> 49) & 7)
+        return cls(
+            ((desc & 0x3FFF) << 4),
+            ((desc >> 16) & 0x3FFF) << 4,
+            ((desc >> 32) & 0x3FFF) << 4,
+            mode,
+            (desc >> 49) & 7,
+        )
 
     @classmethod
     def sm100(cls, desc: int) -> MatrixDescriptor:
@@ -67,22 +72,29 @@ class MatrixDescriptor:
         46-48, base offset in 49-51, the LBO mode in bit 52 and the swizzle in 61-63 (0 none,
         2 128 B, 4 64 B, 6 32 B; 1, the 128-byte swizzle with 32-byte atoms, is refused)."""
         if (desc >> 46) & 7 != 1:
-            raise UnsupportedPtx(f"tcgen05 matrix descriptor {desc:#x}: version bits 46-48 "
-                                 f"are {(desc >> 46) & 7}, expected 1")
+            raise UnsupportedPtx(
+                f"tcgen05 matrix descriptor {desc:#x}: version bits 46-48 "
+                f"are {(desc >> 46) & 7}, expected 1"
+            )
         code = (desc >> 61) & 7
         if code not in (0, 2, 4, 6):
             raise UnsupportedPtx(f"tcgen05 matrix descriptor {desc:#x}: swizzle mode {code}")
         if (desc >> 52) & 1:
             raise UnsupportedPtx(f"tcgen05 matrix descriptor {desc:#x}: the absolute LBO mode")
-        return cls(((desc & 0x3FFF) << 4), ((desc >> 16) & 0x3FFF) << 4,
-                   ((desc >> 32) & 0x3FFF) << 4, {0: 0, 2: 128, 4: 64, 6: 32}[code],
-                   (desc >> 49) & 7)
+        return cls(
+            ((desc & 0x3FFF) << 4),
+            ((desc >> 16) & 0x3FFF) << 4,
+            ((desc >> 32) & 0x3FFF) << 4,
+            {0: 0, 2: 128, 4: 64, 6: 32}[code],
+            (desc >> 49) & 7,
+        )
 
     def offsets(self, rows: int, k: int, elem_bytes: int, mn_major: bool) -> np.ndarray:
         """[rows, k] shared byte addresses of the operand's elements (after the swizzle)."""
         if self.base_offset:
-            raise UnsupportedPtx(f"matrix descriptors with a base offset ({self.base_offset}) "
-                                 f"are not emulated")
+            raise UnsupportedPtx(
+                f"matrix descriptors with a base offset ({self.base_offset}) " f"are not emulated"
+            )
         r = np.arange(rows)[:, None]
         kk = np.arange(k)[None, :]
         e, t = elem_bytes, self.swizzle
@@ -90,8 +102,9 @@ class MatrixDescriptor:
             kb = kk * e
             if t:
                 if k * e > t:
-                    raise UnsupportedPtx(f"a K-major operand row of {k * e} B wider than its "
-                                         f"{t}-byte swizzle")
+                    raise UnsupportedPtx(
+                        f"a K-major operand row of {k * e} B wider than its " f"{t}-byte swizzle"
+                    )
                 off = (r // 8) * self.sbo + (r % 8) * t + kb
             else:
                 off = (r // 8) * self.sbo + (kb // 16) * self.lbo + (r % 8) * 16 + kb % 16

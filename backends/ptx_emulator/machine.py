@@ -44,7 +44,7 @@ class Machine:
     def __init__(self, program, table, grid, block, params, memory, shared_bytes, ctas, options):
         self.p, self.table, self.memory, self.options = program, table, memory, options
         self.grid, self.block = grid, block
-        self.params = params                      # name -> (address, bytes) of its buffer
+        self.params = params  # name -> (address, bytes) of its buffer
         threads = block[0] * block[1] * block[2]
         self.threads, self.nctas = threads, len(ctas)
         self.ctas = ctas
@@ -58,29 +58,32 @@ class Machine:
         self.warp_global = cta * self.warps_per_cta + self.warp_in_cta
         linear = np.asarray(list(ctas), dtype=np.int64)[cta]
         self._specials = {
-            "%tid.x": t % block[0], "%tid.y": (t // block[0]) % block[1],
+            "%tid.x": t % block[0],
+            "%tid.y": (t // block[0]) % block[1],
             "%tid.z": t // (block[0] * block[1]),
-            "%ctaid.x": linear % grid[0], "%ctaid.y": (linear // grid[0]) % grid[1],
+            "%ctaid.x": linear % grid[0],
+            "%ctaid.y": (linear // grid[0]) % grid[1],
             "%ctaid.z": linear // (grid[0] * grid[1]),
-            "%laneid": self.lane_id, "%warpid": self.warp_in_cta,
+            "%laneid": self.lane_id,
+            "%warpid": self.warp_in_cta,
         }
         self.shared_size = shared_bytes
         # poisoned (NaN as fp32, -1 as int): a read of shared memory nobody wrote shows
         self.shared = np.full(self.nctas * max(shared_bytes, 1), 0xFF, dtype=np.uint8)
         self.cta_base = cta * max(shared_bytes, 1)
         self.regs: dict[str, np.ndarray] = {}
-        self.poisoned: dict[str, list] = {}       # register -> [count per lane, reason]
-        self.guarded: dict[str, list] = {}        # register -> [count per lane, reason]
+        self.poisoned: dict[str, list] = {}  # register -> [count per lane, reason]
+        self.guarded: dict[str, list] = {}  # register -> [count per lane, reason]
         self.pending_values: dict[str, np.ndarray] = {}
         self.pc = np.zeros(n, dtype=np.int64)
         self.status = np.zeros(n, dtype=np.int8)
-        self.parked_at = np.zeros(n, dtype=np.int64)        # the instruction a lane waits at
-        self.parked: dict[tuple, list] = {}       # key -> [lane index arrays]
+        self.parked_at = np.zeros(n, dtype=np.int64)  # the instruction a lane waits at
+        self.parked: dict[tuple, list] = {}  # key -> [lane index arrays]
         self.barrier_arrivals: dict[int, np.ndarray] = {}
-        self.epoch = np.zeros(self.nctas, dtype=np.int64)   # CTA-wide barriers passed
-        self.state: dict[str, object] = {}        # per-feature state (mbarriers, groups...)
-        self.async_ops: list = []                 # deliverable asynchronous work in flight
-        self.smem_busy = None                     # per shared byte: async writers/readers
+        self.epoch = np.zeros(self.nctas, dtype=np.int64)  # CTA-wide barriers passed
+        self.state: dict[str, object] = {}  # per-feature state (mbarriers, groups...)
+        self.async_ops: list = []  # deliverable asynchronous work in flight
+        self.smem_busy = None  # per shared byte: async writers/readers
         self.race = None
         self.steps = 0
         self.rng = np.random.default_rng(options.seed)
@@ -106,18 +109,26 @@ class Machine:
             lane = int(idx[i])
             cta = int(np.asarray(list(self.ctas))[self.cta_index[lane]])
             g = self.grid
-            return (f"thread {int(self.thread[lane])} of CTA "
-                    f"({cta % g[0]}, {(cta // g[0]) % g[1]}, {cta // (g[0] * g[1])})")
+            return (
+                f"thread {int(self.thread[lane])} of CTA "
+                f"({cta % g[0]}, {(cta // g[0]) % g[1]}, {cta // (g[0] * g[1])})"
+            )
+
         return name
 
     def special(self, name: str) -> np.ndarray:
         value = self._specials.get(name)
         if value is not None:
             return value
-        scalars = {"%nwarpid": self.warps_per_cta, "%smid": 0, "%nsmid": 1,
-                   "%dynamic_smem_size": self.shared_size - self.p.static_shared_bytes,
-                   "%total_smem_size": self.shared_size, "%cluster_ctarank": 0,
-                   "%cluster_nctarank": 1}
+        scalars = {
+            "%nwarpid": self.warps_per_cta,
+            "%smid": 0,
+            "%nsmid": 1,
+            "%dynamic_smem_size": self.shared_size - self.p.static_shared_bytes,
+            "%total_smem_size": self.shared_size,
+            "%cluster_ctarank": 0,
+            "%cluster_nctarank": 1,
+        }
         for axis, b, g in zip("xyz", self.block, self.grid):
             scalars[f"%ntid.{axis}"] = b
             scalars[f"%nctaid.{axis}"] = g
@@ -127,9 +138,13 @@ class Machine:
             value = np.full(self.n, scalars[name], dtype=np.int64)
         elif name.startswith("%lanemask_"):
             lane = self.lane_id
-            value = {"eq": 1 << lane, "lt": (1 << lane) - 1, "le": (2 << lane) - 1,
-                     "gt": 0xFFFFFFFF ^ ((2 << lane) - 1),
-                     "ge": 0xFFFFFFFF ^ ((1 << lane) - 1)}[name.rsplit("_", 1)[1]]
+            value = {
+                "eq": 1 << lane,
+                "lt": (1 << lane) - 1,
+                "le": (2 << lane) - 1,
+                "gt": 0xFFFFFFFF ^ ((2 << lane) - 1),
+                "ge": 0xFFFFFFFF ^ ((1 << lane) - 1),
+            }[name.rsplit("_", 1)[1]]
             value = np.asarray(value, dtype=np.int64)
         else:
             raise UnsupportedPtx(f"special register {name} is not emulated")
@@ -147,7 +162,8 @@ class Machine:
         if data is None and name in self.p.global_data:
             g = self.p.global_data[name]
             data = self.state[("global", name)] = self.memory.add_array(
-                np.frombuffer(g.data, dtype=np.uint8).copy(), name)
+                np.frombuffer(g.data, dtype=np.uint8).copy(), name
+            )
         if data is None:
             raise UnsupportedPtx(f"{self.p.name}: unknown symbol {name}")
         return data
@@ -165,16 +181,20 @@ class Machine:
         hit = count[L] > 0
         if np.any(hit):
             i = int(np.argmax(np.atleast_1d(hit)))
-            raise DataRace(f"{self.where}: register {name} of {self.who(L)(i)} is read while "
-                           f"{reason} is in flight (not yet retired by its wait)")
+            raise DataRace(
+                f"{self.where}: register {name} of {self.who(L)(i)} is read while "
+                f"{reason} is in flight (not yet retired by its wait)"
+            )
 
     def check_guarded(self, name: str, L) -> None:
         for table, what in ((self.guarded, "an operand of"), (self.poisoned, "the result of")):
             entry = table.get(name)
             if entry is not None and np.any(entry[0][L] > 0):
                 i = int(np.argmax(np.atleast_1d(entry[0][L] > 0)))
-                raise DataRace(f"{self.where}: register {name} of {self.who(L)(i)} is written "
-                               f"while it is {what} {entry[1]} in flight")
+                raise DataRace(
+                    f"{self.where}: register {name} of {self.who(L)(i)} is written "
+                    f"while it is {what} {entry[1]} in flight"
+                )
 
     def hold(self, table: dict, names, lanes, reason: str, delta: int = 1) -> None:
         """Counts ``lanes``' copies of ``names`` in (delta 1) or out of (-1) flight in
@@ -198,12 +218,16 @@ class Machine:
         bad = (a + nbytes > self.shared_size) | (a % min(nbytes, 16) != 0)
         if np.any(bad):
             i = int(np.argmax(bad))
-            raise PtxFault(f"shared access of {nbytes} B at offset {int(a[i])} by "
-                           f"{self.who(L)(i)} in {where} is outside the {self.shared_size} B "
-                           f"of shared memory or misaligned")
+            raise PtxFault(
+                f"shared access of {nbytes} B at offset {int(a[i])} by "
+                f"{self.who(L)(i)} in {where} is outside the {self.shared_size} B "
+                f"of shared memory or misaligned"
+            )
         return self.cta_base[L] + a
 
-    def shared_read(self, flat: np.ndarray, nbytes: int, L, where: str, *, check=True) -> np.ndarray:
+    def shared_read(
+        self, flat: np.ndarray, nbytes: int, L, where: str, *, check=True
+    ) -> np.ndarray:
         """[lanes, nbytes] bytes at flat shared indices ``flat`` (generic-proxy read)."""
         offs = flat[:, None] + np.arange(nbytes)
         if check:
@@ -212,7 +236,9 @@ class Machine:
                 self.race.read(self, offs, L, where)
         return self.shared[offs]
 
-    def shared_write(self, flat: np.ndarray, data: np.ndarray, L, where: str, *, check=True) -> None:
+    def shared_write(
+        self, flat: np.ndarray, data: np.ndarray, L, where: str, *, check=True
+    ) -> None:
         offs = flat[:, None] + np.arange(data.shape[1])
         if check:
             self.check_async_access(offs, L, where, write=True)
@@ -238,9 +264,11 @@ class Machine:
         if bad.any():
             i = int(np.argmax(bad.any(axis=-1)))
             kind = "written by" if (b[i] & 0x8000).any() else "read by"
-            raise DataRace(f"{where}: {self.who(L)(i)} {'writes' if write else 'reads'} shared "
-                           f"bytes at offset {int(offs[i][0] % max(self.shared_size, 1))} that are "
-                           f"being {kind} an asynchronous operation still in flight")
+            raise DataRace(
+                f"{where}: {self.who(L)(i)} {'writes' if write else 'reads'} shared "
+                f"bytes at offset {int(offs[i][0] % max(self.shared_size, 1))} that are "
+                f"being {kind} an asynchronous operation still in flight"
+            )
 
     def mark_busy(self, offs: np.ndarray, write: bool, delta: int) -> None:
         """Marks the flat shared byte indices ``offs`` (unique) as the destination (``write``)
@@ -248,7 +276,9 @@ class Machine:
         busy = self.busy_map()
         flat = np.unique(offs.ravel())
         if write:
-            busy[flat] = busy[flat] | np.uint16(0x8000) if delta > 0 else busy[flat] & np.uint16(0x7FFF)
+            busy[flat] = (
+                busy[flat] | np.uint16(0x8000) if delta > 0 else busy[flat] & np.uint16(0x7FFF)
+            )
         else:
             busy[flat] = (busy[flat].astype(np.int32) + delta).astype(np.uint16)
         self.state["smem_busy_count"] = int(self.state.get("smem_busy_count", 0)) + delta
@@ -428,10 +458,12 @@ class Machine:
         arrivals = self.barrier_arrivals[bar_id]
         if self.state.get(("bar_aligned", bar_id)) and (arrivals[complete] < self.threads).any():
             cta = int(np.flatnonzero(complete & (arrivals < self.threads))[0])
-            raise PtxFault(f"{self.where}: aligned barrier {bar_id} completed by "
-                           f"{int(arrivals[cta])} of the {self.threads} threads of CTA "
-                           f"{self.ctas[cta]} (the others exited without reaching it): a "
-                           f"divergent barrier")
+            raise PtxFault(
+                f"{self.where}: aligned barrier {bar_id} completed by "
+                f"{int(arrivals[cta])} of the {self.threads} threads of CTA "
+                f"{self.ctas[cta]} (the others exited without reaching it): a "
+                f"divergent barrier"
+            )
         arrivals[complete] = 0
         if ("bar_count", bar_id) not in self.state:
             self.epoch[complete] += 1
@@ -448,12 +480,17 @@ class Machine:
         for (kind, pc), groups in waits.items():
             lanes = np.concatenate(groups)
             ins = self.p.instrs[min(pc, len(self.p.instrs) - 1)]
-            lines.append(f"{len(lanes)} threads of {len(np.unique(self.cta_index[lanes]))} CTAs "
-                         f"wait ({kind}) at {ins.where()}")
+            lines.append(
+                f"{len(lanes)} threads of {len(np.unique(self.cta_index[lanes]))} CTAs "
+                f"wait ({kind}) at {ins.where()}"
+            )
         barriers = mbarrier.describe(self)
-        return (f"{self.p.name}: deadlock: every live thread waits and nothing in flight can "
-                f"release one: " + " | ".join(lines)
-                + (f"; the mbarriers: {barriers}" if barriers else ""))
+        return (
+            f"{self.p.name}: deadlock: every live thread waits and nothing in flight can "
+            f"release one: "
+            + " | ".join(lines)
+            + (f"; the mbarriers: {barriers}" if barriers else "")
+        )
 
     # -- collectives ---------------------------------------------------------------------------
     def check_converged(self, E, L, scope_warps: int = 1, membermask: int | None = None) -> None:
@@ -469,24 +506,31 @@ class Machine:
         total = np.bincount(self.warp_global[live] // scope_warps, minlength=len(executing))
         present = np.flatnonzero(executing)
         if self.options.schedule == "skewed" and scope_warps > 1:
-            return      # warps run one at a time; the lockstep runs check warpgroups
+            return  # warps run one at a time; the lockstep runs check warpgroups
         short = present[executing[present] != total[present]]
         if len(short):
             g = int(short[0])
             first = int(np.flatnonzero(self.warp_global // scope_warps == g)[0])
             missing = np.flatnonzero(live & (self.warp_global // scope_warps == g))
             missing = missing[~np.isin(missing, idx)]
-            where = sorted(set(self.p.instrs[min(int(p), len(self.p.instrs) - 1)].line
-                               for p in self.pc[missing][:8]))
-            raise PtxFault(f"{self.where}: {'warpgroup' if scope_warps > 1 else 'warp'} of "
-                           f"{self.who([first])(0)} executes a converged collective with "
-                           f"{int(executing[g])} of {int(total[g])} live threads (the others are "
-                           f"at PTX lines {where})")
+            where = sorted(
+                set(
+                    self.p.instrs[min(int(p), len(self.p.instrs) - 1)].line
+                    for p in self.pc[missing][:8]
+                )
+            )
+            raise PtxFault(
+                f"{self.where}: {'warpgroup' if scope_warps > 1 else 'warp'} of "
+                f"{self.who([first])(0)} executes a converged collective with "
+                f"{int(executing[g])} of {int(total[g])} live threads (the others are "
+                f"at PTX lines {where})"
+            )
         if membermask is not None and membermask != 0xFFFFFFFF:
             lanes = self.lane_id[idx]
             if np.any((membermask >> lanes) & 1 == 0):
-                raise PtxFault(f"{self.where}: a lane outside the member mask "
-                               f"{membermask:#x} executes it")
+                raise PtxFault(
+                    f"{self.where}: a lane outside the member mask " f"{membermask:#x} executes it"
+                )
 
 
 class RaceCheck:
@@ -516,9 +560,11 @@ class RaceCheck:
         clash = (self.write_epoch[offs] == epoch) & (writers != 0) & ((writers & bit) == 0)
         if clash.any():
             i, j = (int(v[0]) for v in np.nonzero(clash))
-            raise DataRace(f"{where}: warp {int(warp[i, 0])} ({m.who(L)(i)}) reads shared offset "
-                           f"{int(offs[i, j] % m.shared_size)} that warps {_warps(writers[i, j])} "
-                           f"wrote with no barrier between them")
+            raise DataRace(
+                f"{where}: warp {int(warp[i, 0])} ({m.who(L)(i)}) reads shared offset "
+                f"{int(offs[i, j] % m.shared_size)} that warps {_warps(writers[i, j])} "
+                f"wrote with no barrier between them"
+            )
         flat, bits, epochs = offs.ravel(), bit.ravel(), epoch.ravel()
         stale = self.read_epoch[flat] != epochs
         self.readers[flat[stale]] = 0
@@ -534,10 +580,15 @@ class RaceCheck:
         clash = changes & (others_wrote | others_read)
         if clash.any():
             i, j = (int(v[0]) for v in np.nonzero(clash))
-            other = (f"written by warps {_warps(self.writers[offs[i, j]])}" if others_wrote[i, j]
-                     else f"read by warps {_warps(self.readers[offs[i, j]] & ~bit[i, j])}")
-            raise DataRace(f"{where}: warp {int(warp[i, 0])} ({m.who(L)(i)}) changes shared offset "
-                           f"{int(offs[i, j] % m.shared_size)} {other} with no barrier between them")
+            other = (
+                f"written by warps {_warps(self.writers[offs[i, j]])}"
+                if others_wrote[i, j]
+                else f"read by warps {_warps(self.readers[offs[i, j]] & ~bit[i, j])}"
+            )
+            raise DataRace(
+                f"{where}: warp {int(warp[i, 0])} ({m.who(L)(i)}) changes shared offset "
+                f"{int(offs[i, j] % m.shared_size)} {other} with no barrier between them"
+            )
         flat = offs.ravel()
         keep = (same & ~changes).ravel()
         self.writers[flat[~keep]] = 0
@@ -547,10 +598,11 @@ class RaceCheck:
         f, d = flat[order], data.ravel()[order]
         w = np.broadcast_to(warp, offs.shape).ravel()[order]
         dup = (f[1:] == f[:-1]) & (d[1:] != d[:-1]) & (w[1:] != w[:-1])
-        if dup.any():       # within a warp the highest lane's value stands, as on a GPU
-            raise DataRace(f"{where}: two warps write different values to shared offset "
-                           f"{int(f[1:][dup][0] % m.shared_size)} in one instruction")
-
+        if dup.any():  # within a warp the highest lane's value stands, as on a GPU
+            raise DataRace(
+                f"{where}: two warps write different values to shared offset "
+                f"{int(f[1:][dup][0] % m.shared_size)} in one instruction"
+            )
 
     def async_issue(self, m: Machine, offs: np.ndarray, L, where: str) -> None:
         """Asynchronous copies into shared memory issued by lanes ``L`` (row i of ``offs``: the
@@ -558,14 +610,17 @@ class RaceCheck:
         read or write those bytes in this epoch."""
         offs = offs.reshape(m.count(L), -1)
         warp, bit, epoch = self._lanes(m, offs, L)
-        others = ((self.read_epoch[offs] == epoch) & ((self.readers[offs] & ~bit) != 0)) | \
-            ((self.write_epoch[offs] == epoch) & ((self.writers[offs] & ~bit) != 0))
+        others = ((self.read_epoch[offs] == epoch) & ((self.readers[offs] & ~bit) != 0)) | (
+            (self.write_epoch[offs] == epoch) & ((self.writers[offs] & ~bit) != 0)
+        )
         if others.any():
             i, j = (int(v[0]) for v in np.nonzero(others))
-            raise DataRace(f"{where}: an asynchronous copy issued by warp {int(warp[i, 0])} "
-                           f"({m.who(L)(i)}) overwrites shared offset "
-                           f"{int(offs[i, j] % m.shared_size)}, which another warp accessed with "
-                           f"no barrier since: a buffer reused while still in use")
+            raise DataRace(
+                f"{where}: an asynchronous copy issued by warp {int(warp[i, 0])} "
+                f"({m.who(L)(i)}) overwrites shared offset "
+                f"{int(offs[i, j] % m.shared_size)}, which another warp accessed with "
+                f"no barrier since: a buffer reused while still in use"
+            )
 
     def async_landed(self, offs: np.ndarray) -> None:
         """An asynchronous copy's bytes landed: they are ordered by the waits on its

@@ -23,7 +23,7 @@ class MBarrier:
     expected: int
     pending: int
     tx: int = 0
-    phase: int = 0                  # completed phases
+    phase: int = 0  # completed phases
     arrivals_log: list = field(default_factory=list)
 
 
@@ -42,8 +42,10 @@ def flat_addresses(m, get_address, L) -> np.ndarray:
 def lookup(m, flat: int) -> MBarrier:
     bar = barriers(m).get(flat)
     if bar is None:
-        raise PtxFault(f"{m.where}: mbarrier at shared offset {flat % max(m.shared_size, 1)} is "
-                       f"used before mbarrier.init (or after mbarrier.inval)")
+        raise PtxFault(
+            f"{m.where}: mbarrier at shared offset {flat % max(m.shared_size, 1)} is "
+            f"used before mbarrier.init (or after mbarrier.inval)"
+        )
     return bar
 
 
@@ -53,8 +55,10 @@ def arrive(m, flat: int, count: int = 1, tx: int = 0) -> None:
     bar.tx += tx
     bar.pending -= count
     if bar.pending < 0:
-        raise PtxFault(f"{m.where}: mbarrier at shared offset {flat % max(m.shared_size, 1)} "
-                       f"receives more arrivals than its count {bar.expected} in phase {bar.phase}")
+        raise PtxFault(
+            f"{m.where}: mbarrier at shared offset {flat % max(m.shared_size, 1)} "
+            f"receives more arrivals than its count {bar.expected} in phase {bar.phase}"
+        )
     _maybe_complete(m, flat, bar)
 
 
@@ -76,9 +80,12 @@ def _maybe_complete(m, flat: int, bar: MBarrier) -> None:
 def describe(m) -> str:
     """The incomplete mbarriers (the first few), for a deadlock report."""
     waiting = [(flat, b) for flat, b in barriers(m).items() if b.pending != b.expected or b.tx]
-    text = "; ".join(f"CTA {m.ctas[flat // max(m.shared_size, 1)]} offset "
-                     f"{flat % max(m.shared_size, 1)}: phase {b.phase}, {b.pending} of "
-                     f"{b.expected} arrivals missing, tx-count {b.tx}" for flat, b in waiting[:4])
+    text = "; ".join(
+        f"CTA {m.ctas[flat // max(m.shared_size, 1)]} offset "
+        f"{flat % max(m.shared_size, 1)}: phase {b.phase}, {b.pending} of "
+        f"{b.expected} arrivals missing, tx-count {b.tx}"
+        for flat, b in waiting[:4]
+    )
     return text + (f"; and {len(waiting) - 4} more" if len(waiting) > 4 else "")
 
 
@@ -101,6 +108,7 @@ def d_mbarrier(ins):
                 if c < 1:
                     raise PtxFault(f"{m.where}: mbarrier.init with count {c}")
                 barriers(m)[f] = MBarrier(int(c), int(c))
+
         return init
     if op == "inval":
         address = address_reader(ins.operands[0])
@@ -109,6 +117,7 @@ def d_mbarrier(ins):
             for f in np.unique(flat_addresses(m, address, L)).tolist():
                 lookup(m, f)
                 del barriers(m)[f]
+
         return inval
     if op in ("arrive", "arrive_drop"):
         expect = "expect_tx" in ins.opcode
@@ -121,7 +130,9 @@ def d_mbarrier(ins):
 
         def do_arrive(m, L):
             flat = flat_addresses(m, address, L)
-            extra = np.broadcast_to(np.asarray(get_extra(m, L)), (len(flat),)) if get_extra else None
+            extra = (
+                np.broadcast_to(np.asarray(get_extra(m, L)), (len(flat),)) if get_extra else None
+            )
             phases = np.zeros(len(flat), dtype=np.uint64)
             for f in np.unique(flat).tolist():
                 sel = flat == f
@@ -132,6 +143,7 @@ def d_mbarrier(ins):
                 else:
                     arrive(m, f, lanes * (int(extra[sel][0]) if extra is not None else 1))
             put_state(m, L, phases)
+
         return do_arrive
     if op in ("expect_tx", "complete_tx"):
         mem, tx = ins.operands
@@ -147,6 +159,7 @@ def d_mbarrier(ins):
                     bar.tx += nbytes
                 else:
                     complete_tx(m, f, nbytes)
+
         return transaction
     if op in ("try_wait", "test_wait"):
         parity = "parity" in ins.opcode
@@ -164,13 +177,14 @@ def d_mbarrier(ins):
             for f in np.unique(flat).tolist():
                 sel = flat == f
                 phase = lookup(m, f).phase
-                if parity:      # the phase of parity p has completed once the current differs
+                if parity:  # the phase of parity p has completed once the current differs
                     complete[sel] = (phase % 2) != (tokens[sel] % 2)
-                else:           # a token from arrive: the phase it was taken in has completed
+                else:  # a token from arrive: the phase it was taken in has completed
                     complete[sel] = phase > tokens[sel]
             put(m, idx[complete], True)
             for f in np.unique(flat[~complete]).tolist():
                 m.park(("mbarrier", f), idx[(~complete) & (flat == f)], retry=True)
+
         return wait
     if op == "pending_count":
         raise UnsupportedPtx(f"{ins.where()} is not emulated")

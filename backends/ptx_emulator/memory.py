@@ -19,7 +19,7 @@ class Memory:
     def __init__(self):
         self._ranges: list[tuple[int, int, str, bool]] = []
         self._regions = None
-        self._keep: list = []          # host arrays registered here (kept alive)
+        self._keep: list = []  # host arrays registered here (kept alive)
 
     def add(self, address: int, nbytes: int, name: str, writable: bool = True) -> None:
         """Registers ``nbytes`` at ``address`` under ``name``."""
@@ -56,18 +56,26 @@ class Memory:
                     last[3] = last[3] and writable
                 else:
                     merged.append([lo, hi, name, writable])
-            self._regions = (np.array([m[0] for m in merged], dtype=np.uint64),
-                             np.array([m[1] for m in merged], dtype=np.uint64),
-                             [m[2] for m in merged], [m[3] for m in merged],
-                             [np.ctypeslib.as_array((ctypes.c_uint8 * (m[1] - m[0])).from_address(m[0]))
-                              for m in merged])
+            self._regions = (
+                np.array([m[0] for m in merged], dtype=np.uint64),
+                np.array([m[1] for m in merged], dtype=np.uint64),
+                [m[2] for m in merged],
+                [m[3] for m in merged],
+                [
+                    np.ctypeslib.as_array((ctypes.c_uint8 * (m[1] - m[0])).from_address(m[0]))
+                    for m in merged
+                ],
+            )
         return self._regions
 
     def describe(self) -> str:
         """The registered buffers (but the kernel's own parameter blocks) with their ranges."""
         lows, highs, names, _, _ = self.regions()
-        return ", ".join(f"{n} [{int(lo):#x}, {int(hi):#x})" for lo, hi, n in zip(lows, highs, names)
-                         if not n.startswith(PARAMETER_PREFIX))
+        return ", ".join(
+            f"{n} [{int(lo):#x}, {int(hi):#x})"
+            for lo, hi, n in zip(lows, highs, names)
+            if not n.startswith(PARAMETER_PREFIX)
+        )
 
     def locate(self, addr: np.ndarray, nbytes: int, where, who, what: str, write: bool = False):
         """The region index of each address (``addr`` uint64), after checking that every access
@@ -79,14 +87,18 @@ class Memory:
         ok[ok] &= addr[ok] + np.uint64(nbytes) <= highs[which[ok]]
         if not ok.all():
             bad = int(np.argmin(ok))
-            raise PtxFault(f"out-of-bounds global {what} of {nbytes} B at {int(addr[bad]):#x} by "
-                           f"{who(bad)} in {where}; the launch's buffers: {self.describe()}")
+            raise PtxFault(
+                f"out-of-bounds global {what} of {nbytes} B at {int(addr[bad]):#x} by "
+                f"{who(bad)} in {where}; the launch's buffers: {self.describe()}"
+            )
         if nbytes > 1:
             misaligned = addr % np.uint64(min(nbytes, 16)) != 0
             if misaligned.any():
                 bad = int(np.argmax(misaligned))
-                raise PtxFault(f"misaligned global {what} of {nbytes} B at {int(addr[bad]):#x} by "
-                               f"{who(bad)} in {where}")
+                raise PtxFault(
+                    f"misaligned global {what} of {nbytes} B at {int(addr[bad]):#x} by "
+                    f"{who(bad)} in {where}"
+                )
         if write:
             for r in np.unique(which):
                 if not writable[r]:
@@ -123,7 +135,9 @@ class Memory:
         lows, highs, _, _, views = self.regions()
         r = int(np.searchsorted(lows, np.uint64(address), side="right")) - 1
         if r < 0 or address + nbytes > int(highs[r]):
-            raise PtxFault(f"out-of-bounds global access of {nbytes} B at {address:#x} in {where}; "
-                           f"the launch's buffers: {self.describe()}")
+            raise PtxFault(
+                f"out-of-bounds global access of {nbytes} B at {address:#x} in {where}; "
+                f"the launch's buffers: {self.describe()}"
+            )
         start = address - int(lows[r])
-        return views[r][start:start + nbytes]
+        return views[r][start : start + nbytes]

@@ -11,8 +11,20 @@ from __future__ import annotations
 import numpy as np
 
 from .faults import PtxFault, UnsupportedPtx
-from .isa import (FLOAT_TYPES, UNSIGNED, Imm, Mem, Pair, Reg, Sink, Special, Sym, Vec,
-                  value_dtype, width)
+from .isa import (
+    FLOAT_TYPES,
+    UNSIGNED,
+    Imm,
+    Mem,
+    Pair,
+    Reg,
+    Sink,
+    Special,
+    Sym,
+    Vec,
+    value_dtype,
+    width,
+)
 
 
 def convert_bits(v: np.ndarray, dt, bits: int) -> np.ndarray:
@@ -32,8 +44,13 @@ def immediate(text: str, t: str):
     dt = value_dtype(t)
     if text[:2] in ("0f", "0F"):
         value = np.uint32(int(text[2:], 16)).view(np.float32)
-        return np.asarray(value).astype(dt)[()] if dt in FLOAT_TYPES.values() else \
-            np.asarray(np.uint32(int(text[2:], 16))).astype(UNSIGNED[max(8, width(t))]).view(dt)[()]
+        return (
+            np.asarray(value).astype(dt)[()]
+            if dt in FLOAT_TYPES.values()
+            else np.asarray(np.uint32(int(text[2:], 16)))
+            .astype(UNSIGNED[max(8, width(t))])
+            .view(dt)[()]
+        )
     if text[:2] in ("0d", "0D"):
         value = np.uint64(int(text[2:], 16)).view(np.float64)
         return np.asarray(value).astype(dt)[()]
@@ -60,6 +77,7 @@ def reader(op, t: str):
                 m.check_poisoned(name, L)
             v = convert_bits(arr[L], dt, bits)
             return ~v if negated else v
+
         return get
     if isinstance(op, Imm):
         value = immediate(op.text, t)
@@ -72,6 +90,7 @@ def reader(op, t: str):
 
         def symbol(m, L):
             return np.asarray(m.symbol_address(name)).astype(UNSIGNED[max(bits, 8)]).view(dt)[()]
+
         return symbol
     raise UnsupportedPtx(f"cannot read operand {op} as .{t}")
 
@@ -101,10 +120,11 @@ def writer(op, t: str):
             arr[L] = v.view(arr.dtype)
         elif arr.dtype == np.bool_:
             arr[L] = v != 0
-        elif v.dtype.kind == "i":      # sign-extended (or truncated)
+        elif v.dtype.kind == "i":  # sign-extended (or truncated)
             arr[L] = v.astype(np.int64).astype(arr.dtype)
         else:
             arr[L] = v.view(UNSIGNED[v.dtype.itemsize * 8]).astype(arr.dtype)
+
     return put
 
 

@@ -22,6 +22,7 @@ def d_ret(ins):
 def d_trap(ins):
     def trap(m, L):
         raise PtxFault(f"{m.where}: the kernel trapped ({m.who(L)(0)})")
+
     return trap
 
 
@@ -56,12 +57,15 @@ def d_bar(ins):
             if count is not None:
                 expected = int(np.asarray(count(m, lanes)).ravel()[0])
                 if expected % WARP:
-                    raise PtxFault(f"{m.where}: barrier thread count {expected} is not a "
-                                   f"multiple of the warp size")
+                    raise PtxFault(
+                        f"{m.where}: barrier thread count {expected} is not a "
+                        f"multiple of the warp size"
+                    )
                 m.state[("bar_count", b)] = np.full(m.nctas, expected)
             if not arrive_only:
                 m.park(("bar", b), lanes)
         m.complete_barriers()
+
     return barrier
 
 
@@ -77,10 +81,12 @@ def _same_instruction(m, bar_id: int, lanes: np.ndarray) -> None:
     pcs[ctas[first]] = here
     if (pcs[ctas] != here).any():
         cta = int(ctas[np.argmax(pcs[ctas] != here)])
-        raise PtxFault(f"{m.where}: threads of CTA {m.ctas[cta]} meet at aligned barrier "
-                       f"{bar_id} from different instructions (PTX lines "
-                       f"{m.p.instrs[int(pcs[cta]) - 1].line} and {m.p.instrs[here - 1].line}): "
-                       f"a divergent barrier")
+        raise PtxFault(
+            f"{m.where}: threads of CTA {m.ctas[cta]} meet at aligned barrier "
+            f"{bar_id} from different instructions (PTX lines "
+            f"{m.p.instrs[int(pcs[cta]) - 1].line} and {m.p.instrs[here - 1].line}): "
+            f"a divergent barrier"
+        )
 
 
 def _warp_sync(ins):
@@ -89,6 +95,7 @@ def _warp_sync(ins):
     def warp_sync(m, E, L):
         membermask = int(immediate(mask.text, "b32")) if isinstance(mask, Imm) else None
         m.check_converged(E, L, membermask=membermask)
+
     return warp_sync
 
 
@@ -111,6 +118,7 @@ def d_call(ins):
         if callee == "vprintf":
             return
         raise UnsupportedPtx(f"{m.where}: calls ({callee}) are not emulated")
+
     return call
 
 
@@ -174,16 +182,25 @@ def d_shfl(ins):
         source = idx - lane + j
         if not executing[source].all():
             i = int(np.argmin(executing[source]))
-            raise PtxFault(f"{m.where}: {m.who(idx)(i)} reads lane {int(j[i])}, which does not "
-                           f"execute the shuffle")
+            raise PtxFault(
+                f"{m.where}: {m.who(idx)(i)} reads lane {int(j[i])}, which does not "
+                f"execute the shuffle"
+            )
         put(m, idx, a[source])
         if put_p is not None:
             put_p(m, idx, ok)
+
     return shfl
 
 
-_REDUX = {"add": np.add, "min": np.minimum, "max": np.maximum, "and": np.bitwise_and,
-          "or": np.bitwise_or, "xor": np.bitwise_xor}
+_REDUX = {
+    "add": np.add,
+    "min": np.minimum,
+    "max": np.maximum,
+    "and": np.bitwise_and,
+    "or": np.bitwise_or,
+    "xor": np.bitwise_xor,
+}
 
 
 def d_redux(ins):
@@ -208,10 +225,12 @@ def d_redux(ins):
         order = np.argsort(warp, kind="stable")
         w_sorted = warp[order]
         starts = np.flatnonzero(np.r_[True, w_sorted[1:] != w_sorted[:-1]])
-        reduced = fn.reduceat(v[order].astype(np.int64) if op == "add" and t != "f32"
-                              else v[order], starts)
+        reduced = fn.reduceat(
+            v[order].astype(np.int64) if op == "add" and t != "f32" else v[order], starts
+        )
         group = np.searchsorted(w_sorted[starts], warp)
         put(m, idx, np.asarray(reduced[group]).astype(v.dtype))
+
     return redux
 
 
@@ -235,9 +254,9 @@ def d_vote(ins):
             bits = np.zeros(nwarps, dtype=np.uint64)
             np.bitwise_or.at(bits, warp, (p.astype(np.uint64) << m.lane_id[idx].astype(np.uint64)))
             return put(m, idx, bits[warp].astype(np.uint32))
-        result = {"all": ones == total, "any": ones > 0,
-                  "uni": (ones == 0) | (ones == total)}[mode]
+        result = {"all": ones == total, "any": ones > 0, "uni": (ones == 0) | (ones == total)}[mode]
         put(m, idx, result[warp])
+
     return vote
 
 
@@ -252,6 +271,7 @@ def d_activemask(ins):
         bits = np.zeros(int(warp.max()) + 1, dtype=np.uint64)
         np.bitwise_or.at(bits, warp, np.uint64(1) << m.lane_id[idx].astype(np.uint64))
         put(m, idx, bits[warp].astype(np.uint32))
+
     return activemask
 
 
@@ -274,19 +294,32 @@ def d_elect(ins):
         put(m, idx, leader[warp].astype(np.uint32))
         if put_p is not None:
             put_p(m, idx, lane == leader[warp])
+
     return elect
 
 
 def d_setmaxnreg(ins):
     def setmaxnreg(m, E, L):
         m.check_converged(E, L, scope_warps=4)
+
     return setmaxnreg
 
 
 DECODERS = {
-    "ret": d_ret, "exit": d_ret, "trap": d_trap, "brkpt": d_trap, "bar": d_bar,
-    "barrier": d_barrier, "call": d_call, "shfl": d_shfl, "redux": d_redux, "vote": d_vote,
-    "activemask": d_activemask, "elect": d_elect, "setmaxnreg": d_setmaxnreg,
-    "griddepcontrol": lambda ins: (lambda m, L: None), ".param": d_param_decl,
+    "ret": d_ret,
+    "exit": d_ret,
+    "trap": d_trap,
+    "brkpt": d_trap,
+    "bar": d_bar,
+    "barrier": d_barrier,
+    "call": d_call,
+    "shfl": d_shfl,
+    "redux": d_redux,
+    "vote": d_vote,
+    "activemask": d_activemask,
+    "elect": d_elect,
+    "setmaxnreg": d_setmaxnreg,
+    "griddepcontrol": lambda ins: (lambda m, L: None),
+    ".param": d_param_decl,
 }
 COLLECTIVES = {"bar", "barrier", "shfl", "redux", "vote", "activemask", "elect", "setmaxnreg"}

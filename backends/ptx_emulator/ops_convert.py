@@ -9,18 +9,34 @@ from .faults import UnsupportedPtx
 from .floats import float_reader, float_writer, mode_of, odd_f32, type_of
 from .isa import FLOAT_TYPES, INT_TYPES, SHARED_WINDOW, UNSIGNED, Vec, types_of, value_dtype, width
 from .operands import pair_writers, reader, writer
-from .values import (f32_to_bf16, f32_to_f16, f32_to_fp8, flush, fp8_to_f32, round_f64_to_f32,
-                     saturate)
+from .values import (
+    f32_to_bf16,
+    f32_to_f16,
+    f32_to_fp8,
+    flush,
+    fp8_to_f32,
+    round_f64_to_f32,
+    saturate,
+)
 
-
-_CMP = {"eq": np.equal, "ne": np.not_equal, "lt": np.less, "le": np.less_equal,
-        "gt": np.greater, "ge": np.greater_equal, "lo": np.less, "ls": np.less_equal,
-        "hi": np.greater, "hs": np.greater_equal}
+_CMP = {
+    "eq": np.equal,
+    "ne": np.not_equal,
+    "lt": np.less,
+    "le": np.less_equal,
+    "gt": np.greater,
+    "ge": np.greater_equal,
+    "lo": np.less,
+    "ls": np.less_equal,
+    "hi": np.greater,
+    "hs": np.greater_equal,
+}
 _BOOL = {"and": np.logical_and, "or": np.logical_or, "xor": np.logical_xor}
 
 
 def _compare(cmp: str, t: str):
     if t in FLOAT_TYPES or t in ("bf16", "f16"):
+
         def fcmp(x, y):
             nan = np.isnan(x) | np.isnan(y)
             if cmp == "num":
@@ -31,6 +47,7 @@ def _compare(cmp: str, t: str):
                 return _CMP[cmp[:-1]](x, y) | nan
             r = _CMP[cmp](x, y)
             return r & ~nan if cmp == "ne" else r
+
         return fcmp
     if cmp not in _CMP:
         raise UnsupportedPtx(f"integer comparison .{cmp}")
@@ -62,6 +79,7 @@ def d_setp(ins):
             put_p(m, L, r)
             if put_q is not None:
                 put_q(m, L, ~r)
+
     return handler
 
 
@@ -89,7 +107,7 @@ def d_slct(ins):
 def d_mov(ins):
     t = type_of(ins)
     dst, src = ins.operands
-    if isinstance(dst, Vec):       # unpack: the first element takes the low bits
+    if isinstance(dst, Vec):  # unpack: the first element takes the low bits
         w = width(t) // len(dst.items)
         get = reader(src, f"b{width(t)}")
         puts = [writer(item, f"b{w}") for item in dst.items]
@@ -99,6 +117,7 @@ def d_mov(ins):
             bits = np.asarray(get(m, L)).astype(np.uint64)
             for i, put in enumerate(puts):
                 put(m, L, ((bits >> np.uint64(i * w)) & np.uint64(mask)).astype(UNSIGNED[w]))
+
         return unpack
     if isinstance(src, Vec):
         w = width(t) // len(src.items)
@@ -110,6 +129,7 @@ def d_mov(ins):
             for i, get in enumerate(gets):
                 bits |= np.asarray(get(m, L)).astype(np.uint64) << np.uint64(i * w)
             put(m, L, bits.astype(UNSIGNED[width(t)]))
+
         return pack
     rt = t if t == "pred" else f"b{width(t)}"
     get, put = reader(src, rt), writer(dst, rt)
@@ -123,7 +143,9 @@ def d_cvta(ins):
     if any(p.startswith("shared") for p in ins.opcode):
         window = np.uint64(SHARED_WINDOW)
         if "to" in ins.opcode:
-            return lambda m, L: put(m, L, (get(m, L).astype(np.uint64) - window).astype(value_dtype(t)))
+            return lambda m, L: put(
+                m, L, (get(m, L).astype(np.uint64) - window).astype(value_dtype(t))
+            )
         return lambda m, L: put(m, L, (get(m, L).astype(np.uint64) + window).astype(value_dtype(t)))
     return lambda m, L: put(m, L, get(m, L))
 
@@ -139,28 +161,44 @@ def d_cvt(ins):
     mode = mode_of(ins)
     ops = ins.operands
     relu, satfinite = "relu" in ins.opcode, "satfinite" in ins.opcode
-    if dt in ("bf16x2", "f16x2") and st == "f32":      # d = {cvt(a) high, cvt(b) low}
+    if dt in ("bf16x2", "f16x2") and st == "f32":  # d = {cvt(a) high, cvt(b) low}
         d, a, b = ops
         ga, gb, put = reader(a, "f32"), reader(b, "f32"), writer(d, "b32")
-        narrow = (lambda x: f32_to_bf16(x, mode, relu, satfinite)) if dt == "bf16x2" else \
-            (lambda x: f32_to_f16(np.where(x < 0, 0, x) if relu else x, mode))
-        return lambda m, L: put(m, L, (narrow(ga(m, L)).astype(np.uint32) << np.uint32(16))
-                                | narrow(gb(m, L)).astype(np.uint32))
-    if dt in _FP8_KINDS:                                 # d.b16 = {cvt(a) high, cvt(b) low}
+        narrow = (
+            (lambda x: f32_to_bf16(x, mode, relu, satfinite))
+            if dt == "bf16x2"
+            else (lambda x: f32_to_f16(np.where(x < 0, 0, x) if relu else x, mode))
+        )
+        return lambda m, L: put(
+            m,
+            L,
+            (narrow(ga(m, L)).astype(np.uint32) << np.uint32(16))
+            | narrow(gb(m, L)).astype(np.uint32),
+        )
+    if dt in _FP8_KINDS:  # d.b16 = {cvt(a) high, cvt(b) low}
         kind = _FP8_KINDS[dt]
         if st == "f32":
             d, a, b = ops
             ga, gb, put = reader(a, "f32"), reader(b, "f32"), writer(d, "b16")
-            return lambda m, L: put(m, L, (f32_to_fp8(ga(m, L), kind, satfinite).astype(np.uint16) << 8)
-                                    | f32_to_fp8(gb(m, L), kind, satfinite).astype(np.uint16))
+            return lambda m, L: put(
+                m,
+                L,
+                (f32_to_fp8(ga(m, L), kind, satfinite).astype(np.uint16) << 8)
+                | f32_to_fp8(gb(m, L), kind, satfinite).astype(np.uint16),
+            )
         if st in ("f16x2", "bf16x2"):
             d, a = ops
             ga, put = float_reader(a, st), writer(d, "b16")
 
             def from_halves(m, L):
                 v = ga(m, L)
-                put(m, L, (f32_to_fp8(v[..., 1], kind, satfinite).astype(np.uint16) << 8)
-                    | f32_to_fp8(v[..., 0], kind, satfinite).astype(np.uint16))
+                put(
+                    m,
+                    L,
+                    (f32_to_fp8(v[..., 1], kind, satfinite).astype(np.uint16) << 8)
+                    | f32_to_fp8(v[..., 0], kind, satfinite).astype(np.uint16),
+                )
+
             return from_halves
     if st in _FP8_KINDS and dt in ("f16x2", "bf16x2"):
         kind = _FP8_KINDS[st]
@@ -170,12 +208,16 @@ def d_cvt(ins):
         def widen(m, L):
             bits = np.atleast_1d(ga(m, L))
             put(m, L, np.stack([fp8_to_f32(bits & 0xFF, kind), fp8_to_f32(bits >> 8, kind)], -1))
+
         return widen
     d, a = ops
     if dt in ("bf16", "f16") and st in ("f32", "f64"):
         ga, put = reader(a, st), writer(d, "b16")
-        narrow = (lambda x: f32_to_bf16(x, mode, relu, satfinite)) if dt == "bf16" else \
-            (lambda x: f32_to_f16(x, mode))
+        narrow = (
+            (lambda x: f32_to_bf16(x, mode, relu, satfinite))
+            if dt == "bf16"
+            else (lambda x: f32_to_f16(x, mode))
+        )
         if st == "f64":
             return lambda m, L: put(m, L, narrow(_f64_to_f32_odd(ga(m, L))))
         return lambda m, L: put(m, L, narrow(ga(m, L)))
@@ -193,19 +235,30 @@ def d_cvt(ins):
         def float_float(m, L):
             x = ga(m, L)
             if dt == "f32" and st == "f64":
-                r = x.astype(np.float32) if mode == "rn" else \
-                    round_f64_to_f32(np.asarray(x, dtype=np.float64), np.zeros(np.shape(x)), mode)
+                r = (
+                    x.astype(np.float32)
+                    if mode == "rn"
+                    else round_f64_to_f32(
+                        np.asarray(x, dtype=np.float64), np.zeros(np.shape(x)), mode
+                    )
+                )
             elif dt == "f16" and st == "f32":
                 r = x.astype(np.float16)
             else:
                 r = np.asarray(x).astype(value_dtype(dt))
-            if "rni" in ins.opcode or "rzi" in ins.opcode or "rmi" in ins.opcode or "rpi" in ins.opcode:
+            if (
+                "rni" in ins.opcode
+                or "rzi" in ins.opcode
+                or "rmi" in ins.opcode
+                or "rpi" in ins.opcode
+            ):
                 r = _round_integral(np.asarray(x, dtype=np.float64), ins).astype(value_dtype(dt))
             if ftz and dt == "f32":
                 r = flush(r)
             if sat:
                 r = saturate(r)
             put(m, L, r)
+
         return float_float
     if dt in FLOAT_TYPES and st in INT_TYPES:
         ga, put = reader(a, st), writer(d, dt)
@@ -214,14 +267,19 @@ def d_cvt(ins):
             x = np.asarray(ga(m, L))
             if dt == "f32":
                 if width(st) <= 16 or mode == "rn" and width(st) == 32:
-                    r = x.astype(np.float64).astype(np.float32)   # exact in f64, one rounding
+                    r = x.astype(np.float64).astype(np.float32)  # exact in f64, one rounding
                 else:
                     hi = x.astype(np.float64)
-                    lo = (x - hi.astype(x.dtype)).astype(np.float64) if width(st) == 64 else np.zeros(hi.shape)
+                    lo = (
+                        (x - hi.astype(x.dtype)).astype(np.float64)
+                        if width(st) == 64
+                        else np.zeros(hi.shape)
+                    )
                     r = round_f64_to_f32(hi, lo, mode)
             else:
                 r = x.astype(value_dtype(dt))
             put(m, L, r)
+
         return int_float
     if dt in INT_TYPES and (st in FLOAT_TYPES or st in ("bf16", "f16")):
         ga = float_reader(a, st) if st in ("bf16", "f16") else reader(a, st)
@@ -232,22 +290,36 @@ def d_cvt(ins):
             x = np.asarray(ga(m, L), dtype=np.float64)
             r = _round_integral(x, ins)
             r = np.where(np.isnan(r), 0, np.clip(r, info.min, info.max))
-            put(m, L, r.astype(np.float64).astype(INT_TYPES[dt]) if width(dt) < 64
-                else np.array([int(v) for v in np.atleast_1d(r)], dtype=object).astype(INT_TYPES[dt]))
+            put(
+                m,
+                L,
+                (
+                    r.astype(np.float64).astype(INT_TYPES[dt])
+                    if width(dt) < 64
+                    else np.array([int(v) for v in np.atleast_1d(r)], dtype=object).astype(
+                        INT_TYPES[dt]
+                    )
+                ),
+            )
+
         return float_int
     if dt in INT_TYPES and st in INT_TYPES:
         ga, put = reader(a, st), writer(d, dt)
         sat = "sat" in ins.opcode
         info = np.iinfo(INT_TYPES[dt])
-        wide = np.int64 if st.startswith("s") or st.startswith("u") and width(st) < 64 else np.uint64
+        wide = (
+            np.int64 if st.startswith("s") or st.startswith("u") and width(st) < 64 else np.uint64
+        )
 
         def int_int(m, L):
             x = np.asarray(ga(m, L))
             if sat:
-                y = np.clip(x.astype(object) if width(st) == 64 else x.astype(np.int64),
-                            info.min, info.max)
+                y = np.clip(
+                    x.astype(object) if width(st) == 64 else x.astype(np.int64), info.min, info.max
+                )
                 return put(m, L, np.asarray(y).astype(INT_TYPES[dt]))
             put(m, L, x.astype(wide).astype(INT_TYPES[dt]))
+
         return int_int
     raise UnsupportedPtx(f"{ins.where()} is not emulated")
 
@@ -265,7 +337,6 @@ def _round_integral(x: np.ndarray, ins) -> np.ndarray:
 def _f64_to_f32_odd(x):
     x = np.asarray(x, dtype=np.float64)
     return odd_f32(x, np.zeros(x.shape))
-
 
 
 DECODERS = {

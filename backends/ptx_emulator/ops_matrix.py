@@ -21,8 +21,13 @@ from .layouts import MatrixDescriptor
 from .operands import address_reader, immediate, reader, register_names, writer
 from .values import bf16_to_f32, f16_to_f32, f32_to_f16, fp8_to_f32, tf32
 
-WIDEN = {"bf16": bf16_to_f32, "f16": f16_to_f32, "tf32": lambda b: tf32(b.view(np.float32)),
-          "e4m3": lambda b: fp8_to_f32(b, "e4m3"), "e5m2": lambda b: fp8_to_f32(b, "e5m2")}
+WIDEN = {
+    "bf16": bf16_to_f32,
+    "f16": f16_to_f32,
+    "tf32": lambda b: tf32(b.view(np.float32)),
+    "e4m3": lambda b: fp8_to_f32(b, "e4m3"),
+    "e5m2": lambda b: fp8_to_f32(b, "e5m2"),
+}
 ELEMENT_BYTES = {"bf16": 2, "f16": 2, "tf32": 4, "e4m3": 1, "e5m2": 1}
 _ELEM_VIEW = {1: np.uint8, 2: np.uint16, 4: np.uint32}
 
@@ -34,8 +39,10 @@ def _full_warps(m, E, L, scope_warps: int = 1) -> np.ndarray:
     idx = m.index(E)
     size = WARP * scope_warps
     if len(idx) % size and m.options.schedule != "skewed":
-        raise PtxFault(f"{m.where}: executed by {len(idx)} lanes, not whole "
-                       f"{'warpgroups' if scope_warps > 1 else 'warps'}")
+        raise PtxFault(
+            f"{m.where}: executed by {len(idx)} lanes, not whole "
+            f"{'warpgroups' if scope_warps > 1 else 'warps'}"
+        )
     return idx.reshape(-1, size) if len(idx) % size == 0 else idx.reshape(-1, WARP)
 
 
@@ -56,11 +63,11 @@ def d_ldmatrix(ins):
         if m.count(E) == 0:
             return
         warps = _full_warps(m, E, L)
-        providers = warps[:, :8 * count].ravel()
+        providers = warps[:, : 8 * count].ravel()
         addr = address(m, providers)
         flat = m.shared_index(addr, 16, providers, m.where)
         rows = m.shared_read(flat, 16, providers, m.where).view(np.uint16)
-        rows = rows.reshape(len(warps), count, 8, 8)          # [warp, matrix, row, col]
+        rows = rows.reshape(len(warps), count, 8, 8)  # [warp, matrix, row, col]
         lane = np.arange(WARP)
         g, t = lane // 4, lane % 4
         for j, put in enumerate(puts):
@@ -70,6 +77,7 @@ def d_ldmatrix(ins):
             else:
                 lo, hi = mat[:, g, 2 * t], mat[:, g, 2 * t + 1]
             put(m, warps.ravel(), (lo.astype(np.uint32) | (hi.astype(np.uint32) << 16)).ravel())
+
     return ldmatrix
 
 
@@ -94,9 +102,10 @@ def d_stmatrix(ins):
                 rows[:, j, 2 * t, g], rows[:, j, 2 * t + 1, g] = lo, hi
             else:
                 rows[:, j, g, 2 * t], rows[:, j, g, 2 * t + 1] = lo, hi
-        providers = warps[:, :8 * count].ravel()
+        providers = warps[:, : 8 * count].ravel()
         flat = m.shared_index(address(m, providers), 16, providers, m.where)
         m.shared_write(flat, rows.reshape(-1, 8).view(np.uint8).reshape(-1, 16), providers, m.where)
+
     return stmatrix
 
 
@@ -107,8 +116,12 @@ def d_mma(ins):
     if len(types) != 4 or "row" not in ins.opcode or "col" not in ins.opcode:
         raise UnsupportedPtx(f"{ins.where()} is not emulated")
     dtype, atype, btype, ctype = types
-    if atype not in ("bf16", "f16", "tf32") or shape not in ("m16n8k16", "m16n8k8") or \
-            dtype != ctype or dtype not in ("f32", "f16"):
+    if (
+        atype not in ("bf16", "f16", "tf32")
+        or shape not in ("m16n8k16", "m16n8k8")
+        or dtype != ctype
+        or dtype not in ("f32", "f16")
+    ):
         raise UnsupportedPtx(f"{ins.where()} is not emulated")
     k = int(shape.split("k")[1])
     d_op, a_op, b_op, c_op = ins.operands
@@ -124,7 +137,9 @@ def d_mma(ins):
         v = np.broadcast_to(np.asarray(get(m, lanes)), (len(lanes),)).reshape(nw, WARP)
         if atype == "tf32":
             return widen(v.astype(np.uint32))[..., None]
-        return np.stack([widen((v & 0xFFFF).astype(np.uint16)), widen((v >> 16).astype(np.uint16))], -1)
+        return np.stack(
+            [widen((v & 0xFFFF).astype(np.uint16)), widen((v >> 16).astype(np.uint16))], -1
+        )
 
     def mma(m, E, L):
         if m.count(E) == 0:
@@ -133,24 +148,25 @@ def d_mma(ins):
         lanes, nw = warps.ravel(), len(warps)
         A = np.zeros((nw, 16, k))
         B = np.zeros((nw, k, 8))
-        if atype == "tf32":       # a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4)
+        if atype == "tf32":  # a0 (g, t), a1 (g+8, t), a2 (g, t+4), a3 (g+8, t+4)
             for i, (dr, dk) in enumerate(((0, 0), (8, 0), (0, 4), (8, 4))):
                 A[:, g + dr, t + dk] = unpack(get_a[i], m, lanes, nw)[..., 0]
-            for i, dk in enumerate((0, 4)[:len(get_b)]):
+            for i, dk in enumerate((0, 4)[: len(get_b)]):
                 B[:, t + dk, g] = unpack(get_b[i], m, lanes, nw)[..., 0]
-        else:                     # a0 (g, 2t..), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
+        else:  # a0 (g, 2t..), a1 (g+8, 2t..), a2 (g, 2t+8..), a3 (g+8, 2t+8..)
             blocks = ((0, 0), (8, 0), (0, 8), (8, 8)) if k == 16 else ((0, 0), (8, 0))
             for i, (dr, dk) in enumerate(blocks):
                 pair = unpack(get_a[i], m, lanes, nw)
                 A[:, g + dr, 2 * t + dk], A[:, g + dr, 2 * t + dk + 1] = pair[..., 0], pair[..., 1]
-            for i, dk in enumerate((0, 8)[:k // 8]):
+            for i, dk in enumerate((0, 8)[: k // 8]):
                 pair = unpack(get_b[i], m, lanes, nw)
                 B[:, 2 * t + dk, g], B[:, 2 * t + dk + 1, g] = pair[..., 0], pair[..., 1]
         C = np.zeros((nw, 16, 8))
         if dtype == "f32":
             for i, (dr, dc) in enumerate(((0, 0), (0, 1), (8, 0), (8, 1))):
                 C[:, g + dr, 2 * t + dc] = np.broadcast_to(
-                    np.asarray(get_c[i](m, lanes)), (len(lanes),)).reshape(nw, WARP)
+                    np.asarray(get_c[i](m, lanes)), (len(lanes),)
+                ).reshape(nw, WARP)
         else:
             for i, dr in enumerate((0, 8)):
                 v = np.broadcast_to(np.asarray(get_c[i](m, lanes)), (len(lanes),)).reshape(nw, WARP)
@@ -165,6 +181,7 @@ def d_mma(ins):
                 lo = f32_to_f16(D[:, g + dr, 2 * t].astype(np.float32)).astype(np.uint32)
                 hi = f32_to_f16(D[:, g + dr, 2 * t + 1].astype(np.float32)).astype(np.uint32)
                 puts[i](m, lanes, (lo | (hi << 16)).ravel())
+
     return mma
 
 
@@ -182,6 +199,7 @@ class WgmmaOp:
 
 def _wgmma_groups(m):
     from .ops_memory import GroupedOps
+
     groups = m.state.get("wgmma")
     if groups is None:
         groups = m.state["wgmma"] = GroupedOps(m.n)
@@ -194,7 +212,9 @@ def read_registers(m, names, lanes) -> np.ndarray:
     out = np.empty((len(lanes), len(names)), dtype=np.uint32)
     for i, name in enumerate(names):
         arr = m.regs.get(name)
-        value = np.zeros(len(lanes), dtype=np.uint32) if arr is None else arr[lanes].astype(np.uint32)
+        value = (
+            np.zeros(len(lanes), dtype=np.uint32) if arr is None else arr[lanes].astype(np.uint32)
+        )
         entry = m.poisoned.get(name)
         if entry is not None:
             busy = entry[0][lanes] > 0
@@ -227,15 +247,18 @@ def land_async_result(m, names, lanes) -> None:
             del m.poisoned[name]
 
 
-def gather_operand(m, ctas, desc: MatrixDescriptor, rows: int, k: int, kind: str,
-                   mn_major: bool, where: str) -> tuple[np.ndarray, np.ndarray]:
+def gather_operand(
+    m, ctas, desc: MatrixDescriptor, rows: int, k: int, kind: str, mn_major: bool, where: str
+) -> tuple[np.ndarray, np.ndarray]:
     """(values [groups, rows, k] as float64, the flat shared byte indices read) of a
     descriptor-described operand for each group (CTA of ``ctas``)."""
     e = ELEMENT_BYTES[kind]
     addr = desc.offsets(rows, k, e, mn_major)
     if addr.min() < 0 or addr.max() + e > m.shared_size:
-        raise PtxFault(f"{where}: a matrix operand at shared [{int(addr.min())}, "
-                       f"{int(addr.max()) + e}) lies outside the {m.shared_size} B of shared memory")
+        raise PtxFault(
+            f"{where}: a matrix operand at shared [{int(addr.min())}, "
+            f"{int(addr.max()) + e}) lies outside the {m.shared_size} B of shared memory"
+        )
     if (addr % e).any():
         raise PtxFault(f"{where}: a matrix operand element is misaligned")
     base = ctas[:, None, None] * max(m.shared_size, 1)
@@ -249,8 +272,10 @@ def gather_operand(m, ctas, desc: MatrixDescriptor, rows: int, k: int, kind: str
 def _check_operand(m, offs, where):
     busy = m.smem_busy
     if busy is not None and ((busy[offs] & 0x8000) != 0).any():
-        raise PtxFault(f"{where}: a matrix operand reads shared bytes whose asynchronous copy "
-                       f"has not landed (its wait or mbarrier phase has not completed)")
+        raise PtxFault(
+            f"{where}: a matrix operand reads shared bytes whose asynchronous copy "
+            f"has not landed (its wait or mbarrier phase has not completed)"
+        )
 
 
 def _lane_layout():
@@ -266,9 +291,11 @@ def d_wgmma(ins):
     if op == "fence":
         return _wgmma_check_only()
     if op == "commit_group":
+
         def commit(m, E, L):
             m.check_converged(E, L, scope_warps=4)
             _wgmma_groups(m).commit(m.index(E))
+
         return commit
     if op == "wait_group":
         keep = int(immediate(ins.operands[0].text, "u32"))
@@ -277,6 +304,7 @@ def d_wgmma(ins):
             m.check_converged(E, L, scope_warps=4)
             for rows, payload in _wgmma_groups(m).retire(m.index(E), keep):
                 _retire_wgmma(m, payload, rows)
+
         return wait
     if op != "mma_async":
         raise UnsupportedPtx(f"{ins.where()} is not emulated")
@@ -286,6 +314,7 @@ def d_wgmma(ins):
 def _wgmma_check_only():
     def fence(m, E, L):
         m.check_converged(E, L, scope_warps=4)
+
     return fence
 
 
@@ -316,8 +345,11 @@ def _decode_wgmma(ins):
     if dtype == "f32" and len(dest) != n // 2 or dtype == "f16" and len(dest) != n // 4:
         raise PtxFault(f"{ins.where()}: {len(dest)} accumulator registers for n = {n}")
     get_b = reader(ops[2], "b64")
-    get_scale_d = reader(ops[3], "pred") if isinstance(ops[3], Reg) else \
-        (lambda m, L, v=int(immediate(ops[3].text, "u32")) != 0: np.bool_(v))
+    get_scale_d = (
+        reader(ops[3], "pred")
+        if isinstance(ops[3], Reg)
+        else (lambda m, L, v=int(immediate(ops[3].text, "u32")) != 0: np.bool_(v))
+    )
     scale_a = int(immediate(ops[4].text, "s32"))
     scale_b = int(immediate(ops[5].text, "s32"))
     if a_from_regs:
@@ -333,8 +365,8 @@ def _decode_wgmma(ins):
         raise PtxFault(f"{ins.where()}: .{atype} operands must be K-major")
     w, g, t = _lane_layout()
     regs = np.arange(len(dest) if dtype == "f32" else len(dest) * 2)
-    row = (16 * w[:, None] + g[:, None] + 8 * ((regs[None] // 2) % 2))
-    col = (8 * (regs[None] // 4) + 2 * t[:, None] + regs[None] % 2)
+    row = 16 * w[:, None] + g[:, None] + 8 * ((regs[None] // 2) % 2)
+    col = 8 * (regs[None] // 4) + 2 * t[:, None] + regs[None] % 2
 
     def wgmma(m, E, L):
         if m.count(E) == 0:
@@ -344,7 +376,7 @@ def _decode_wgmma(ins):
         group_of = m.warp_global[idx] // 4
         keys, inverse = np.unique(group_of, return_inverse=True)
         ngroups = len(keys)
-        slots = np.full((ngroups, 128), -1, dtype=np.int64)      # the warpgroups' lanes present
+        slots = np.full((ngroups, 128), -1, dtype=np.int64)  # the warpgroups' lanes present
         slots[inverse, m.thread[idx] % 128] = idx
         groups = np.where(slots >= 0, slots, slots.max(axis=1, keepdims=True))
         lanes = idx
@@ -357,11 +389,15 @@ def _decode_wgmma(ins):
         offs_read = []
         for i in range(ngroups):
             bdesc = MatrixDescriptor.sm90(int(descs_b[i]))
-            B[i], off = gather_operand(m, ctas[i:i + 1], bdesc, n, k, btype, bool(trans_b), where)
+            B[i], off = gather_operand(m, ctas[i : i + 1], bdesc, n, k, btype, bool(trans_b), where)
             offs_read.append(off[0])
             if not a_from_regs:
-                adesc = MatrixDescriptor.sm90(int(np.asarray(get_a(m, groups[i:i + 1, 0])).ravel()[0]))
-                A[i], off = gather_operand(m, ctas[i:i + 1], adesc, 64, k, atype, bool(trans_a), where)
+                adesc = MatrixDescriptor.sm90(
+                    int(np.asarray(get_a(m, groups[i : i + 1, 0])).ravel()[0])
+                )
+                A[i], off = gather_operand(
+                    m, ctas[i : i + 1], adesc, 64, k, atype, bool(trans_a), where
+                )
                 offs_read.append(off[0])
         if a_from_regs:
             values = read_registers(m, a_regs, groups.ravel()).reshape(ngroups, 128, len(a_regs))
@@ -387,8 +423,13 @@ def _decode_wgmma(ins):
             D = product[:, row, col] + np.where(scale_d[:, None, None], C, 0.0)
             result = D.astype(np.float32).view(np.uint32)
         else:
-            halves = np.stack([f16_to_f32((acc & 0xFFFF).astype(np.uint16)),
-                               f16_to_f32((acc >> 16).astype(np.uint16))], -1)
+            halves = np.stack(
+                [
+                    f16_to_f32((acc & 0xFFFF).astype(np.uint16)),
+                    f16_to_f32((acc >> 16).astype(np.uint16)),
+                ],
+                -1,
+            )
             halves = halves.reshape(ngroups, 128, -1)
             D = product[:, row, col] + np.where(scale_d[:, None, None], halves, 0.0)
             h = f32_to_f16(D.astype(np.float32)).reshape(ngroups, 128, -1, 2).astype(np.uint32)
@@ -399,6 +440,7 @@ def _decode_wgmma(ins):
         if offs is not None:
             m.mark_busy(offs, write=False, delta=1)
         _wgmma_groups(m).issue(lanes, WgmmaOp(lanes, dest, offs, a_regs))
+
     return wgmma
 
 

@@ -39,8 +39,9 @@ def load_bytes(m, space: str, addr: np.ndarray, nbytes: int, L) -> np.ndarray:
         if in_shared.any():
             idx = m.index(L)
             out = np.empty((len(idx), nbytes), dtype=np.uint8)
-            out[in_shared] = load_bytes(m, "shared", addr[in_shared] - np.uint64(SHARED_WINDOW),
-                                        nbytes, idx[in_shared])
+            out[in_shared] = load_bytes(
+                m, "shared", addr[in_shared] - np.uint64(SHARED_WINDOW), nbytes, idx[in_shared]
+            )
             out[~in_shared] = load_bytes(m, "global", addr[~in_shared], nbytes, idx[~in_shared])
             return out
         space = "global"
@@ -61,8 +62,13 @@ def store_bytes(m, space: str, addr: np.ndarray, data: np.ndarray, L) -> None:
             return store_bytes(m, "shared", addr - np.uint64(SHARED_WINDOW), data, L)
         if in_shared.any():
             idx = m.index(L)
-            store_bytes(m, "shared", addr[in_shared] - np.uint64(SHARED_WINDOW),
-                        data[in_shared], idx[in_shared])
+            store_bytes(
+                m,
+                "shared",
+                addr[in_shared] - np.uint64(SHARED_WINDOW),
+                data[in_shared],
+                idx[in_shared],
+            )
             return store_bytes(m, "global", addr[~in_shared], data[~in_shared], idx[~in_shared])
         space = "global"
     if space == "global":
@@ -96,7 +102,8 @@ def d_ld(ins):
     def handler(m, L):
         data = load_bytes(m, space, address(m, L), w * k, L)
         for i, put in enumerate(puts):
-            put(m, L, _bytes_to(data[:, i * w:(i + 1) * w], t))
+            put(m, L, _bytes_to(data[:, i * w : (i + 1) * w], t))
+
     return handler
 
 
@@ -112,32 +119,46 @@ def d_st(ins):
 
     def handler(m, L):
         count = m.count(L)
-        data = np.concatenate([_to_bytes(g(m, L), bt, count) for g in gets], axis=1) \
-            if len(gets) > 1 else _to_bytes(gets[0](m, L), bt, count)
+        data = (
+            np.concatenate([_to_bytes(g(m, L), bt, count) for g in gets], axis=1)
+            if len(gets) > 1
+            else _to_bytes(gets[0](m, L), bt, count)
+        )
         store_bytes(m, space, address(m, L), data, L)
+
     return handler
 
 
 # -- atomics ----------------------------------------------------------------------------------
 def _atomic_fn(op: str, t: str):
     if t in ("f16x2", "bf16x2", "f16", "bf16"):
-        widen, narrow = (bf16_to_f32, f32_to_bf16) if t.startswith("bf") else (f16_to_f32, f32_to_f16)
+        widen, narrow = (
+            (bf16_to_f32, f32_to_bf16) if t.startswith("bf") else (f16_to_f32, f32_to_f16)
+        )
         if op not in ("add", "min", "max"):
             raise UnsupportedPtx(f"atomic .{op}.{t}")
         fn = {"add": np.add, "min": np.fmin, "max": np.fmax}[op]
         if t.endswith("x2"):
+
             def packed(old, b, c):
                 lo = narrow(fn(widen(old & 0xFFFF), widen(b & 0xFFFF))).astype(np.uint32)
                 hi = narrow(fn(widen(old >> 16), widen(b >> 16))).astype(np.uint32)
                 return lo | (hi << np.uint32(16))
+
             return packed
         return lambda old, b, c: narrow(fn(widen(old), widen(b)))
-    table = {"add": lambda o, b, c: o + b, "or": lambda o, b, c: o | b,
-             "and": lambda o, b, c: o & b, "xor": lambda o, b, c: o ^ b,
-             "min": lambda o, b, c: np.minimum(o, b), "max": lambda o, b, c: np.maximum(o, b),
-             "exch": lambda o, b, c: b, "cas": lambda o, b, c: np.where(o == b, c, o),
-             "inc": lambda o, b, c: np.where(o >= b, 0, o + 1).astype(o.dtype),
-             "dec": lambda o, b, c: np.where((o == 0) | (o > b), b, o - 1).astype(o.dtype)}
+    table = {
+        "add": lambda o, b, c: o + b,
+        "or": lambda o, b, c: o | b,
+        "and": lambda o, b, c: o & b,
+        "xor": lambda o, b, c: o ^ b,
+        "min": lambda o, b, c: np.minimum(o, b),
+        "max": lambda o, b, c: np.maximum(o, b),
+        "exch": lambda o, b, c: b,
+        "cas": lambda o, b, c: np.where(o == b, c, o),
+        "inc": lambda o, b, c: np.where(o >= b, 0, o + 1).astype(o.dtype),
+        "dec": lambda o, b, c: np.where((o == 0) | (o > b), b, o - 1).astype(o.dtype),
+    }
     if op not in table:
         raise UnsupportedPtx(f"atomic .{op}")
     return table[op]
@@ -146,8 +167,11 @@ def _atomic_fn(op: str, t: str):
 def _atomic(ins, returns: bool):
     space = space_of(ins)
     t = types_of(ins.opcode)[-1]
-    op = next(p for p in ins.opcode[1:] if p in ("add", "or", "and", "xor", "min", "max", "exch",
-                                                 "cas", "inc", "dec"))
+    op = next(
+        p
+        for p in ins.opcode[1:]
+        if p in ("add", "or", "and", "xor", "min", "max", "exch", "cas", "inc", "dec")
+    )
     if returns:
         dst, mem, *srcs = ins.operands
         put = writer(dst, t)
@@ -178,13 +202,27 @@ def _atomic(ins, returns: bool):
             sel = np.flatnonzero(rank == r)
             lanes = idx[sel]
             old = _bytes_to(load_bytes(m, space, addr[sel], w, lanes), vt)
-            new = np.asarray(fn(old, b[sel].view(old.dtype) if b.dtype != old.dtype else b[sel],
-                                c[sel].view(old.dtype) if c.dtype != old.dtype else c[sel]))
+            new = np.asarray(
+                fn(
+                    old,
+                    b[sel].view(old.dtype) if b.dtype != old.dtype else b[sel],
+                    c[sel].view(old.dtype) if c.dtype != old.dtype else c[sel],
+                )
+            )
             store_bytes(m, space, addr[sel], _to_bytes(new.astype(old.dtype), vt, len(sel)), lanes)
             old_all[sel] = old
         if put is not None:
-            put(m, L, old_all.view(value_dtype(t)) if value_dtype(t) != old_all.dtype and
-                np.dtype(value_dtype(t)).itemsize == old_all.itemsize else old_all)
+            put(
+                m,
+                L,
+                (
+                    old_all.view(value_dtype(t))
+                    if value_dtype(t) != old_all.dtype
+                    and np.dtype(value_dtype(t)).itemsize == old_all.itemsize
+                    else old_all
+                ),
+            )
+
     return handler
 
 
@@ -211,7 +249,7 @@ class GroupedOps:
 
     def __init__(self, n: int) -> None:
         self.committed = np.zeros(n, dtype=np.int64)
-        self.ops: list[list] = []          # [lanes, group of each lane, payload]
+        self.ops: list[list] = []  # [lanes, group of each lane, payload]
 
     def issue(self, lanes: np.ndarray, payload) -> None:
         self.ops.append([lanes, self.committed[lanes].copy(), payload])
@@ -278,9 +316,11 @@ def d_cp(ins):
         keep = int(immediate(ins.operands[0].text, "u32"))
         return lambda m, L: _cp_wait(m, L, keep)
     if parts[1:3] == ("async", "wait_all"):
+
         def wait_all(m, L):
             _cp_groups(m).commit(m.index(L))
             _cp_wait(m, L, 0)
+
         return wait_all
     if parts[1] == "async" and parts[2] in ("ca", "cg"):
         return _cp_async(ins)
@@ -300,17 +340,18 @@ def _cp_async(ins):
     dst_addr, src_addr = address_reader(dst), address_reader(src)
     src_size = ignore = None
     if rest and isinstance(rest[0], Reg) and rest[0].name.startswith("%p"):
-        ignore = reader(rest[0], "pred")       # the ignore-src predicate: zero-fill, no read
+        ignore = reader(rest[0], "pred")  # the ignore-src predicate: zero-fill, no read
     elif rest:
-        src_size = reader(rest[0], "u32")      # bytes read; the rest zero-filled
+        src_size = reader(rest[0], "u32")  # bytes read; the rest zero-filled
 
     def handler(m, L):
         idx = m.index(L)
         n = len(idx)
         sizes = np.full(n, cp_size, dtype=np.int64)
         if src_size is not None:
-            sizes = np.minimum(np.broadcast_to(np.asarray(src_size(m, L)), (n,)).astype(np.int64),
-                               cp_size)
+            sizes = np.minimum(
+                np.broadcast_to(np.asarray(src_size(m, L)), (n,)).astype(np.int64), cp_size
+            )
         if ignore is not None:
             sizes = np.where(np.broadcast_to(ignore(m, L), (n,)), 0, sizes)
         data = np.zeros((n, cp_size), dtype=np.uint8)
@@ -320,11 +361,12 @@ def _cp_async(ins):
             full = reading[sizes[reading] == cp_size]
             if len(full):
                 data[full] = m.memory.load(a[full], cp_size, m.where, m.who(idx[full]))
-            for b in range(cp_size):      # partial copies, byte by byte
+            for b in range(cp_size):  # partial copies, byte by byte
                 sel = reading[(sizes[reading] > b) & (sizes[reading] < cp_size)]
                 if len(sel):
-                    data[sel, b] = m.memory.load(a[sel] + np.uint64(b), 1, m.where,
-                                                 m.who(idx[sel]))[:, 0]
+                    data[sel, b] = m.memory.load(
+                        a[sel] + np.uint64(b), 1, m.where, m.who(idx[sel])
+                    )[:, 0]
         flat = m.shared_index(dst_addr(m, L), cp_size, idx, m.where)
         offs = flat[:, None] + np.arange(cp_size)
         m.check_async_access(offs, idx, m.where, write=True)
@@ -332,11 +374,22 @@ def _cp_async(ins):
             m.race.async_issue(m, offs, idx, m.where)
         m.mark_busy(offs, write=True, delta=1)
         _cp_groups(m).issue(idx, SharedCopy(idx, offs, data))
+
     return handler
 
 
 DECODERS = {
-    "ld": d_ld, "ldu": d_ldu, "st": d_st, "atom": d_atom, "red": d_red, "cp": d_cp,
-    "fence": d_nothing, "membar": d_nothing, "prefetch": d_nothing, "prefetchu": d_nothing,
-    "nanosleep": d_nothing, "discard": d_nothing, "applypriority": d_nothing,
+    "ld": d_ld,
+    "ldu": d_ldu,
+    "st": d_st,
+    "atom": d_atom,
+    "red": d_red,
+    "cp": d_cp,
+    "fence": d_nothing,
+    "membar": d_nothing,
+    "prefetch": d_nothing,
+    "prefetchu": d_nothing,
+    "nanosleep": d_nothing,
+    "discard": d_nothing,
+    "applypriority": d_nothing,
 }

@@ -14,6 +14,7 @@ from .isa import INT_TYPES, UNSIGNED, value_dtype, width
 from .operands import immediate, reader, writer
 from .values import f32_op
 
+
 def d_add(ins):
     return float_op(ins, arith("add"), 2) if is_float(ins) else _int_binary(ins, np.add)
 
@@ -44,17 +45,22 @@ def _minmax(ins, pick):
         # -0 < +0 for min/max
         both_zero = (x == 0) & (y == 0)
         if np.any(both_zero):
-            neg = np.signbit(x) | np.signbit(y) if pick is np.minimum else np.signbit(x) & np.signbit(y)
+            neg = (
+                np.signbit(x) | np.signbit(y)
+                if pick is np.minimum
+                else np.signbit(x) & np.signbit(y)
+            )
             r = np.where(both_zero, np.where(neg, -0.0, 0.0).astype(r.dtype), r)
         return r
 
-    def fn(mode, wide, *xs):      # two sources, or three (sm_100: max.f32 d, a, b, c)
+    def fn(mode, wide, *xs):  # two sources, or three (sm_100: max.f32 d, a, b, c)
         r = pair(xs[0], xs[1])
         for x in xs[2:]:
             r = pair(r, x)
         if "relu" in ins.opcode:
             r = np.where(r < 0, np.zeros_like(r), r)
         return r
+
     return float_op(ins, fn, len(ins.operands) - 1)
 
 
@@ -80,22 +86,33 @@ def _int_binary(ins, fn):
 
         def packed(m, L):
             x, y = np.atleast_1d(ga(m, L)), np.atleast_1d(gb(m, L))
-            lo = fn((x & 0xFFFF).astype(np.uint16).view(INT_TYPES[et]),
-                    (y & 0xFFFF).astype(np.uint16).view(INT_TYPES[et]))
-            hi = fn((x >> 16).astype(np.uint16).view(INT_TYPES[et]),
-                    (y >> 16).astype(np.uint16).view(INT_TYPES[et]))
-            put(m, L, lo.astype(INT_TYPES[et]).view(np.uint16).astype(np.uint32)
-                | (hi.astype(INT_TYPES[et]).view(np.uint16).astype(np.uint32) << np.uint32(16)))
+            lo = fn(
+                (x & 0xFFFF).astype(np.uint16).view(INT_TYPES[et]),
+                (y & 0xFFFF).astype(np.uint16).view(INT_TYPES[et]),
+            )
+            hi = fn(
+                (x >> 16).astype(np.uint16).view(INT_TYPES[et]),
+                (y >> 16).astype(np.uint16).view(INT_TYPES[et]),
+            )
+            put(
+                m,
+                L,
+                lo.astype(INT_TYPES[et]).view(np.uint16).astype(np.uint32)
+                | (hi.astype(INT_TYPES[et]).view(np.uint16).astype(np.uint32) << np.uint32(16)),
+            )
+
         return packed
     if t not in INT_TYPES:
         raise UnsupportedPtx(f"{ins.where()}: type .{t} is not emulated")
     dt = INT_TYPES[t]
     ga, gb, put = reader(a, t), reader(b, t), writer(d, t)
     if "sat" in ins.opcode:
+
         def saturating(m, L):
             r = fn(ga(m, L).astype(np.int64), gb(m, L).astype(np.int64))
             info = np.iinfo(dt)
             put(m, L, np.clip(r, info.min, info.max).astype(dt))
+
         return saturating
     return lambda m, L: put(m, L, fn(ga(m, L), gb(m, L)).astype(dt))
 
@@ -106,6 +123,7 @@ def _bitwise(fn):
         d, a, b = ins.operands
         ga, gb, put = reader(a, t), reader(b, t), writer(d, t)
         return lambda m, L: put(m, L, fn(ga(m, L), gb(m, L)))
+
     return decode
 
 
@@ -140,6 +158,7 @@ def d_lop3(ins):
             if table >> k & 1:
                 r |= (x if k & 4 else ~x) & (y if k & 2 else ~y) & (z if k & 1 else ~z)
         put(m, L, r)
+
     return handler
 
 
@@ -154,7 +173,9 @@ def d_mul(ins):
     if "wide" in ins.opcode:
         wide = ("s" if signed else "u") + str(2 * w)
         put = writer(d, wide)
-        return lambda m, L: put(m, L, ga(m, L).astype(INT_TYPES[wide]) * gb(m, L).astype(INT_TYPES[wide]))
+        return lambda m, L: put(
+            m, L, ga(m, L).astype(INT_TYPES[wide]) * gb(m, L).astype(INT_TYPES[wide])
+        )
     put = writer(d, t)
     if "hi" in ins.opcode:
         return lambda m, L: put(m, L, _mul_hi(ga(m, L), gb(m, L), w, signed))
@@ -169,9 +190,14 @@ def _mul_hi(x, y, w: int, signed: bool):
         return ((x.astype(wide) * y.astype(wide)) >> w).astype(x.dtype)
     xs = np.atleast_1d(x).astype(object)
     ys = np.atleast_1d(y).astype(object)
-    r = np.array([(int(p) * int(q)) >> 64 for p, q in zip(*np.broadcast_arrays(xs, ys))], dtype=object)
-    return r.astype(np.int64 if signed else np.uint64) if signed else \
-        np.array([int(v) & ((1 << 64) - 1) for v in r], dtype=np.uint64)
+    r = np.array(
+        [(int(p) * int(q)) >> 64 for p, q in zip(*np.broadcast_arrays(xs, ys))], dtype=object
+    )
+    return (
+        r.astype(np.int64 if signed else np.uint64)
+        if signed
+        else np.array([int(v) & ((1 << 64) - 1) for v in r], dtype=np.uint64)
+    )
 
 
 def d_mad(ins):
@@ -188,7 +214,9 @@ def d_mad(ins):
         return lambda m, L: put(m, L, ga(m, L).astype(dt) * gb(m, L).astype(dt) + gc(m, L))
     gc, put = reader(c, t), writer(d, t)
     if "hi" in ins.opcode:
-        return lambda m, L: put(m, L, (_mul_hi(ga(m, L), gb(m, L), w, signed) + gc(m, L)).astype(INT_TYPES[t]))
+        return lambda m, L: put(
+            m, L, (_mul_hi(ga(m, L), gb(m, L), w, signed) + gc(m, L)).astype(INT_TYPES[t])
+        )
     if "lo" in ins.opcode:
         return lambda m, L: put(m, L, (ga(m, L) * gb(m, L) + gc(m, L)).astype(INT_TYPES[t]))
     raise UnsupportedPtx(f"{ins.where()} is not emulated")
@@ -206,17 +234,22 @@ def _int_divide(ins, remainder: bool):
         zero = y == 0
         safe = np.where(zero, 1, y)
         if t.startswith("s"):
-            xx, yy = x.astype(object) if width(t) == 64 else x.astype(np.int64), \
+            xx, yy = x.astype(object) if width(t) == 64 else x.astype(np.int64), (
                 safe.astype(object) if width(t) == 64 else safe.astype(np.int64)
+            )
             q = np.abs(xx) // np.abs(yy) * np.sign(xx) * np.sign(yy)
             r = xx - q * yy
-            out = (r if remainder else q)
-            out = np.array([int(v) for v in out.ravel()], dtype=object).astype(np.int64) \
-                if width(t) == 64 else out
+            out = r if remainder else q
+            out = (
+                np.array([int(v) for v in out.ravel()], dtype=object).astype(np.int64)
+                if width(t) == 64
+                else out
+            )
             out = out.astype(np.int64).astype(dt)
         else:
             out = (x % safe) if remainder else (x // safe)
         put(m, L, np.where(zero, (x if remainder else np.asarray(-1).astype(dt)), out).astype(dt))
+
     return handler
 
 
@@ -229,6 +262,7 @@ def d_div(ins):
         if wide is True:
             return x / y
         return f32_op("div", mode, x, y)
+
     return float_op(ins, fn, 2)
 
 
@@ -263,8 +297,13 @@ def d_shl(ins):
 
     def handler(m, L):
         x, n = ga(m, L), gb(m, L).astype(np.uint64)
-        r = (x.astype(np.uint64) << np.minimum(n, 63)) if w < 64 else x << np.minimum(n, 63).astype(ut)
+        r = (
+            (x.astype(np.uint64) << np.minimum(n, 63))
+            if w < 64
+            else x << np.minimum(n, 63).astype(ut)
+        )
         put(m, L, np.where(n >= w, 0, r).astype(ut))
+
     return handler
 
 
@@ -282,6 +321,7 @@ def d_shr(ins):
         else:
             r = np.where(n >= w, 0, x >> np.minimum(n, w - 1).astype(dt))
         put(m, L, np.asarray(r).astype(dt))
+
     return handler
 
 
@@ -298,13 +338,18 @@ def d_bfe(ins):
         length = (gc(m, L) & 0xFF).astype(np.uint64)
         x, pos, length = np.broadcast_arrays(x, pos, length)
         shifted = np.where(pos >= w, 0, x >> np.minimum(pos, 63))
-        mask = np.where(length >= 64, np.uint64(0xFFFFFFFFFFFFFFFF), (np.uint64(1) << np.minimum(length, 63)) - np.uint64(1))
+        mask = np.where(
+            length >= 64,
+            np.uint64(0xFFFFFFFFFFFFFFFF),
+            (np.uint64(1) << np.minimum(length, 63)) - np.uint64(1),
+        )
         field = shifted & mask
         if signed:
             top = np.minimum(pos + length - np.uint64(1), np.uint64(w - 1))
             sbit = np.where(length == 0, 0, (x >> top) & np.uint64(1))
             field = np.where((sbit == 1) & (length < w), field | ~mask, field)
         put(m, L, field.astype(ut).view(value_dtype(t)))
+
     return handler
 
 
@@ -318,11 +363,16 @@ def d_bfi(ins):
     def handler(m, L):
         pos = (gp(m, L) & 0xFF).astype(np.uint64)
         length = (gn(m, L) & 0xFF).astype(np.uint64)
-        mask = np.where(length >= 64, np.uint64(0xFFFFFFFFFFFFFFFF), (np.uint64(1) << np.minimum(length, 63)) - np.uint64(1))
+        mask = np.where(
+            length >= 64,
+            np.uint64(0xFFFFFFFFFFFFFFFF),
+            (np.uint64(1) << np.minimum(length, 63)) - np.uint64(1),
+        )
         mask = np.where(pos >= w, 0, mask << np.minimum(pos, 63))
         src = np.where(pos >= w, 0, gf(m, L).astype(np.uint64) << np.minimum(pos, 63))
         r = (gb(m, L).astype(np.uint64) & ~mask) | (src & mask)
         put(m, L, r.astype(UNSIGNED[w]))
+
     return handler
 
 
@@ -333,16 +383,20 @@ def d_prmt(ins):
     ga, gb, gc, put = reader(a, "b32"), reader(b, "b32"), reader(c, "b32"), writer(d, "b32")
 
     def handler(m, L):
-        x, y, sel = np.broadcast_arrays(np.atleast_1d(ga(m, L)), np.atleast_1d(gb(m, L)),
-                                        np.atleast_1d(gc(m, L)))
+        x, y, sel = np.broadcast_arrays(
+            np.atleast_1d(ga(m, L)), np.atleast_1d(gb(m, L)), np.atleast_1d(gc(m, L))
+        )
         source = x.astype(np.uint64) | (y.astype(np.uint64) << np.uint64(32))
         r = np.zeros(x.shape, dtype=np.uint32)
         for i in range(4):
             s = (sel >> np.uint32(4 * i)) & np.uint32(0xF)
-            byte = ((source >> ((s & 7).astype(np.uint64) * np.uint64(8))) & np.uint64(0xFF)).astype(np.uint32)
+            byte = (
+                (source >> ((s & 7).astype(np.uint64) * np.uint64(8))) & np.uint64(0xFF)
+            ).astype(np.uint32)
             byte = np.where(s & 8, np.where(byte & 0x80, 0xFF, 0), byte).astype(np.uint32)
             r |= byte << np.uint32(8 * i)
         put(m, L, r)
+
     return handler
 
 
@@ -357,6 +411,7 @@ def d_popc(ins):
         for i in range(width(t)):
             count += ((x >> np.uint64(i)) & np.uint64(1)).astype(np.uint32)
         put(m, L, count)
+
     return handler
 
 
@@ -371,6 +426,7 @@ def d_clz(ins):
         for i in range(w):
             n = np.where((x >> np.uint64(i)) & np.uint64(1), np.uint32(w - 1 - i), n)
         put(m, L, n)
+
     return handler
 
 
@@ -385,6 +441,7 @@ def d_brev(ins):
         for i in range(w):
             r |= ((x >> np.uint64(i)) & np.uint64(1)) << np.uint64(w - 1 - i)
         put(m, L, r.astype(UNSIGNED[w]))
+
     return handler
 
 
@@ -411,9 +468,14 @@ def d_testp(ins):
     d, a = ins.operands
     ga, put = reader(a, t), writer(d, "pred")
     tiny = np.finfo(value_dtype(t)).tiny
-    tests = {"finite": np.isfinite, "infinite": np.isinf, "number": lambda x: ~np.isnan(x),
-             "notanumber": np.isnan, "normal": lambda x: np.isfinite(x) & (np.abs(x) >= tiny),
-             "subnormal": lambda x: (np.abs(x) < tiny) & (x != 0)}
+    tests = {
+        "finite": np.isfinite,
+        "infinite": np.isinf,
+        "number": lambda x: ~np.isnan(x),
+        "notanumber": np.isnan,
+        "normal": lambda x: np.isfinite(x) & (np.abs(x) >= tiny),
+        "subnormal": lambda x: (np.abs(x) < tiny) & (x != 0),
+    }
     return lambda m, L: put(m, L, tests[kind](ga(m, L)))
 
 

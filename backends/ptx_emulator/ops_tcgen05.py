@@ -32,8 +32,7 @@ from .ops_matrix import ELEMENT_BYTES, WIDEN, gather_operand
 
 LANES, COLUMNS = 128, 512
 IN_FLIGHT_MMA, IN_FLIGHT_ST, IN_FLIGHT_LD, MMA_OPERAND = 1, 2, 4, 8
-_KINDS = {"f16": {0: "f16", 1: "bf16"}, "tf32": {2: "tf32"},
-          "f8f6f4": {0: "e4m3", 1: "e5m2"}}
+_KINDS = {"f16": {0: "f16", 1: "bf16"}, "tf32": {2: "tf32"}, "f8f6f4": {0: "e4m3", 1: "e5m2"}}
 
 
 class Tmem:
@@ -59,18 +58,29 @@ def _split(address: int) -> tuple[int, int]:
 def _check_allocated(m, cta: int, cols: np.ndarray) -> None:
     t = tmem(m)
     if cols.min() < 0 or cols.max() >= COLUMNS or not t.allocated[cta, cols].all():
-        raise PtxFault(f"{m.where}: tensor memory columns [{int(cols.min())}, {int(cols.max()) + 1}) "
-                       f"are not all allocated to the CTA")
+        raise PtxFault(
+            f"{m.where}: tensor memory columns [{int(cols.min())}, {int(cols.max()) + 1}) "
+            f"are not all allocated to the CTA"
+        )
 
 
 def d_tcgen05(ins):
     op = ins.opcode[1]
     if any(p.startswith("cta_group::2") for p in ins.opcode):
         raise UnsupportedPtx(f"{ins.where()}: cta_group::2 (CTA pairs) is not emulated")
-    return {"alloc": _alloc, "dealloc": _dealloc, "relinquish_alloc_permit": _permit,
-            "mma": _mma, "commit": _commit, "ld": _ld, "st": _st, "wait::ld": _wait_ld,
-            "wait::st": _wait_st, "fence::before_thread_sync": _fence,
-            "fence::after_thread_sync": _fence}.get(op, _unsupported)(ins)
+    return {
+        "alloc": _alloc,
+        "dealloc": _dealloc,
+        "relinquish_alloc_permit": _permit,
+        "mma": _mma,
+        "commit": _commit,
+        "ld": _ld,
+        "st": _st,
+        "wait::ld": _wait_ld,
+        "wait::st": _wait_st,
+        "fence::before_thread_sync": _fence,
+        "fence::after_thread_sync": _fence,
+    }.get(op, _unsupported)(ins)
 
 
 def _unsupported(ins):
@@ -84,6 +94,7 @@ def _fence(ins):
 def _permit(ins):
     def permit(m, E, L):
         m.check_converged(E, L)
+
     return permit
 
 
@@ -104,14 +115,18 @@ def _alloc(ins):
             if n < 32 or n > COLUMNS or n & (n - 1):
                 raise PtxFault(f"{m.where}: tcgen05.alloc of {n} columns (a power of 2, 32..512)")
             cta = int(m.cta_index[lane])
-            free = [c for c in range(0, COLUMNS, n) if not t.allocated[cta, c:c + n].any()]
+            free = [c for c in range(0, COLUMNS, n) if not t.allocated[cta, c : c + n].any()]
             if not free:
-                raise PtxFault(f"{m.where}: tcgen05.alloc of {n} columns: tensor memory is full "
-                               f"(on a GPU the warp would wait forever)")
-            t.allocated[cta, free[0]:free[0] + n] = True
+                raise PtxFault(
+                    f"{m.where}: tcgen05.alloc of {n} columns: tensor memory is full "
+                    f"(on a GPU the warp would wait forever)"
+                )
+            t.allocated[cta, free[0] : free[0] + n] = True
             flat = m.shared_index(address(m, one), 4, one, m.where)
-            m.shared_write(flat, np.asarray([[free[0]]], dtype=np.uint32).view(np.uint8), one,
-                           m.where)
+            m.shared_write(
+                flat, np.asarray([[free[0]]], dtype=np.uint32).view(np.uint8), one, m.where
+            )
+
     return alloc
 
 
@@ -132,10 +147,13 @@ def _dealloc(ins):
             n = int(np.asarray(get_cols(m, one)).ravel()[0])
             cta = int(m.cta_index[lane])
             _check_allocated(m, cta, np.arange(col, col + n))
-            if t.busy[cta, :, col:col + n].any():
-                raise DataRace(f"{m.where}: tensor memory deallocated while an operation on it "
-                               f"is in flight")
-            t.allocated[cta, col:col + n] = False
+            if t.busy[cta, :, col : col + n].any():
+                raise DataRace(
+                    f"{m.where}: tensor memory deallocated while an operation on it "
+                    f"is in flight"
+                )
+            t.allocated[cta, col : col + n] = False
+
     return dealloc
 
 
@@ -190,14 +208,24 @@ def _decode_idesc(idesc: int, kind: str, where: str):
     n, mm = ((idesc >> 17) & 0x3F) << 3, ((idesc >> 24) & 0x1F) << 4
     types = _KINDS.get(kind)
     if types is None or a_fmt not in types or b_fmt not in types:
-        raise UnsupportedPtx(f"{where}: tcgen05.mma kind::{kind} with operand formats "
-                             f"{a_fmt}, {b_fmt}")
+        raise UnsupportedPtx(
+            f"{where}: tcgen05.mma kind::{kind} with operand formats " f"{a_fmt}, {b_fmt}"
+        )
     if c_fmt not in (0, 1):
         raise UnsupportedPtx(f"{where}: accumulator format {c_fmt}")
     if mm not in (64, 128) or not 8 <= n <= 256 or n % (16 if mm == 128 else 8):
         raise PtxFault(f"{where}: tcgen05.mma shape M = {mm}, N = {n} is not valid for one CTA")
-    return types[a_fmt], types[b_fmt], c_fmt == 1, bool(neg_a), bool(neg_b), bool(a_mn), \
-        bool(b_mn), mm, n
+    return (
+        types[a_fmt],
+        types[b_fmt],
+        c_fmt == 1,
+        bool(neg_a),
+        bool(neg_b),
+        bool(a_mn),
+        bool(b_mn),
+        mm,
+        n,
+    )
 
 
 def _d_lanes(mm: int) -> np.ndarray:
@@ -217,8 +245,11 @@ def _mma(ins):
     get_a = address_reader(ops[1]) if a_tmem else reader(ops[1], "b64")
     get_b = reader(ops[2], "b64")
     get_idesc = reader(ops[3], "b32")
-    get_enable = reader(ops[4], "pred") if isinstance(ops[4], Reg) else \
-        (lambda m, L, v=int(immediate(ops[4].text, "u32")) != 0: np.bool_(v))
+    get_enable = (
+        reader(ops[4], "pred")
+        if isinstance(ops[4], Reg)
+        else (lambda m, L, v=int(immediate(ops[4].text, "u32")) != 0: np.bool_(v))
+    )
     kbytes = 32
 
     def mma(m, L):
@@ -227,7 +258,9 @@ def _mma(ins):
             one = np.asarray([lane])
             cta = int(m.cta_index[lane])
             idesc = int(np.asarray(get_idesc(m, one)).ravel()[0])
-            atype, btype, f32acc, neg_a, neg_b, a_mn, b_mn, mm, n = _decode_idesc(idesc, kind, m.where)
+            atype, btype, f32acc, neg_a, neg_b, a_mn, b_mn, mm, n = _decode_idesc(
+                idesc, kind, m.where
+            )
             if not f32acc:
                 raise UnsupportedPtx(f"{m.where}: tcgen05.mma with an f16 accumulator")
             k = kbytes // ELEMENT_BYTES[atype]
@@ -247,44 +280,55 @@ def _mma(ins):
             product = (-1 if neg_a else 1) * (-1 if neg_b else 1) * (A @ B[0].T)
             lane0, col0 = _split(int(get_d(m, one)[0]))
             if lane0 not in ((0, 16) if mm == 64 else (0,)):
-                raise PtxFault(f"{m.where}: the accumulator's address names lane {lane0}; an "
-                               f"M = {mm} accumulator starts at lane 0{' or 16' if mm == 64 else ''}")
+                raise PtxFault(
+                    f"{m.where}: the accumulator's address names lane {lane0}; an "
+                    f"M = {mm} accumulator starts at lane 0{' or 16' if mm == 64 else ''}"
+                )
             rows = rows + lane0
             cols = col0 + np.arange(n)
             _check_allocated(m, cta, cols)
             region = np.ix_(rows, cols)
             busy = t.busy[cta][region]
             if (busy & IN_FLIGHT_ST).any():
-                raise DataRace(f"{m.where}: tcgen05.mma accumulates into tensor memory a "
-                               f"tcgen05.st has not finished writing (no tcgen05.wait::st)")
+                raise DataRace(
+                    f"{m.where}: tcgen05.mma accumulates into tensor memory a "
+                    f"tcgen05.st has not finished writing (no tcgen05.wait::st)"
+                )
             if (busy & (IN_FLIGHT_LD | MMA_OPERAND)).any():
-                raise DataRace(f"{m.where}: tcgen05.mma writes tensor memory that is still read "
-                               f"(by a tcgen05.ld without its wait, or an MMA in flight)")
+                raise DataRace(
+                    f"{m.where}: tcgen05.mma writes tensor memory that is still read "
+                    f"(by a tcgen05.ld without its wait, or an MMA in flight)"
+                )
             enable = bool(np.asarray(get_enable(m, one)).ravel()[0])
             acc = t.cells[cta][region].view(np.float32).astype(np.float64) if enable else 0.0
             t.cells[cta][region] = (product + acc).astype(np.float32).view(np.uint32)
             t.busy[cta][region] |= IN_FLIGHT_MMA
             m.mark_busy(offs, write=False, delta=1)
             _issued(m).setdefault(lane, []).append(MmaInFlight(cta, region, a_region, offs))
+
     return mma
 
 
 def _tmem_operand(m, t: Tmem, cta: int, address: int, rows: np.ndarray, k: int, kind: str):
     """(A [rows, k] as float64, its cells) of an operand in tensor memory: row r in the
-    accumulator's lane for r (offset by the address's lane), elements packed along the columns (two 16-bit elements, or one
-    32-bit, per cell, the lower element in the low half)."""
+    accumulator's lane for r (offset by the address's lane), elements packed along the columns
+    (two 16-bit elements, or one 32-bit, per cell, the lower element in the low half)."""
     lane0, col0 = _split(address)
     per_cell = 4 // ELEMENT_BYTES[kind]
     if lane0 not in ((0, 16) if len(rows) == 64 else (0,)):
-        raise PtxFault(f"{m.where}: an A operand in tensor memory at lane {lane0}; for M = "
-                       f"{len(rows)} it starts at lane 0{' or 16' if len(rows) == 64 else ''}")
+        raise PtxFault(
+            f"{m.where}: an A operand in tensor memory at lane {lane0}; for M = "
+            f"{len(rows)} it starts at lane 0{' or 16' if len(rows) == 64 else ''}"
+        )
     rows = rows + lane0
     cols = col0 + np.arange(k // per_cell)
     _check_allocated(m, cta, cols)
     region = np.ix_(rows, cols)
     if (t.busy[cta][region] & (IN_FLIGHT_ST | IN_FLIGHT_MMA)).any():
-        raise DataRace(f"{m.where}: tcgen05.mma reads an A operand in tensor memory that is "
-                       f"still being written")
+        raise DataRace(
+            f"{m.where}: tcgen05.mma reads an A operand in tensor memory that is "
+            f"still being written"
+        )
     cells = t.cells[cta][region]
     if per_cell == 2:
         raw = np.stack([(cells & 0xFFFF).astype(np.uint16), (cells >> 16).astype(np.uint16)], -1)
@@ -308,6 +352,7 @@ def _commit(ins):
             pending = [op for op in _issued(m).get(lane, []) if not op.done]
             _issued(m)[lane] = pending
             m.async_ops.append(CommitArrive(list(pending), barrier))
+
     return commit
 
 
@@ -342,9 +387,11 @@ def _warp_cells(m, idx, taddr: np.ndarray, shape, num, splitoff):
     bad = (lane0 < quarter) | (lane0 + span > quarter + 32)
     if bad.any():
         w = int(np.argmax(bad))
-        raise PtxFault(f"{m.where}: warp {int(m.warp_in_cta[warps[w, 0]])} addresses tensor "
-                       f"memory lane {int(lane0[w])}, outside its lanes [{int(quarter[w])}, "
-                       f"{int(quarter[w]) + 32})")
+        raise PtxFault(
+            f"{m.where}: warp {int(m.warp_in_cta[warps[w, 0]])} addresses tensor "
+            f"memory lane {int(lane0[w])}, outside its lanes [{int(quarter[w])}, "
+            f"{int(quarter[w]) + 32})"
+        )
     lanes = lane0[:, None, None] + lanes_off[None]
     cols = col0[:, None, None] + cols_off[None]
     ctas = np.broadcast_to(m.cta_index[warps[:, 0]][:, None, None], lanes.shape)
@@ -371,14 +418,17 @@ def _ld(ins):
         warps, ctas, lanes, cols = _warp_cells(m, idx, get_addr(m, idx), shape, num, splitoff)
         t = tmem(m)
         if (t.busy[ctas, lanes, cols] & IN_FLIGHT_MMA).any():
-            raise DataRace(f"{m.where}: tcgen05.ld reads tensor memory a tcgen05.mma is still "
-                           f"writing (its commit's mbarrier phase has not completed)")
+            raise DataRace(
+                f"{m.where}: tcgen05.ld reads tensor memory a tcgen05.mma is still "
+                f"writing (its commit's mbarrier phase has not completed)"
+            )
         values = t.cells[ctas, lanes, cols].reshape(-1, num)
         lanes_of_warps = warps.ravel()
         for i, put in enumerate(puts):
             put(m, lanes_of_warps, values[:, i])
         t.busy[ctas, lanes, cols] |= IN_FLIGHT_LD
         m.state.setdefault("tcgen05.ld", []).append((warps[:, 0].copy(), ctas, lanes, cols))
+
     return load
 
 
@@ -398,15 +448,19 @@ def _st(ins):
         warps, ctas, lanes, cols = _warp_cells(m, idx, get_addr(m, idx), shape, num, splitoff)
         t = tmem(m)
         if (t.busy[ctas, lanes, cols] & IN_FLIGHT_MMA).any():
-            raise DataRace(f"{m.where}: tcgen05.st writes tensor memory a tcgen05.mma is still "
-                           f"writing")
+            raise DataRace(
+                f"{m.where}: tcgen05.st writes tensor memory a tcgen05.mma is still " f"writing"
+            )
         if (t.busy[ctas, lanes, cols] & (IN_FLIGHT_LD | MMA_OPERAND)).any():
-            raise DataRace(f"{m.where}: tcgen05.st writes tensor memory still read (by a "
-                           f"tcgen05.ld without its wait, or an MMA in flight)")
+            raise DataRace(
+                f"{m.where}: tcgen05.st writes tensor memory still read (by a "
+                f"tcgen05.ld without its wait, or an MMA in flight)"
+            )
         values = np.stack([np.broadcast_to(np.asarray(g(m, idx)), (len(idx),)) for g in gets], -1)
         t.cells[ctas, lanes, cols] = values.reshape(ctas.shape)
         t.busy[ctas, lanes, cols] |= IN_FLIGHT_ST
         m.state.setdefault("tcgen05.st", []).append((warps[:, 0].copy(), ctas, lanes, cols))
+
     return store
 
 
@@ -420,6 +474,7 @@ def _wait_st(ins):
 
 def _wait(bit: int, key: str):
     """``tcgen05.wait::ld``/``::st``: the executing warps' transfers of that kind are done."""
+
     def wait(m, E, L):
         m.check_converged(E, L)
         warps = np.unique(m.warp_global[m.index(E)])
@@ -432,10 +487,22 @@ def _wait(bit: int, key: str):
             if not mine.all():
                 remaining.append((first_lanes[~mine], ctas[~mine], lanes[~mine], cols[~mine]))
         m.state[key] = remaining
+
     return wait
 
 
 DECODERS = {"tcgen05": d_tcgen05}
-COLLECTIVES = {("tcgen05", op) for op in ("alloc", "dealloc", "relinquish_alloc_permit", "ld", "st",
-                                          "wait::ld", "wait::st", "fence::before_thread_sync",
-                                          "fence::after_thread_sync")}
+COLLECTIVES = {
+    ("tcgen05", op)
+    for op in (
+        "alloc",
+        "dealloc",
+        "relinquish_alloc_permit",
+        "ld",
+        "st",
+        "wait::ld",
+        "wait::st",
+        "fence::before_thread_sync",
+        "fence::after_thread_sync",
+    )
+}

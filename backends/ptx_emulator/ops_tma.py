@@ -27,12 +27,20 @@ from .layouts import swizzle
 from .operands import address_reader, immediate, reader
 
 MAP_BYTES = 128
-MAGIC = 0x50414D54        # "TMAP": set by every tensormap.replace
-_FIELDS = {               # field -> (byte offset, bytes per entry, entries)
-    "global_address": (0, 8, 1), "rank": (8, 4, 1), "elemtype": (12, 4, 1),
-    "swizzle_mode": (16, 4, 1), "interleave_layout": (20, 4, 1), "fill_mode": (24, 4, 1),
-    "magic": (28, 4, 1), "box_dim": (32, 4, 5), "global_dim": (52, 4, 5),
-    "global_stride": (72, 8, 4), "element_stride": (104, 4, 5), "swizzle_atomicity": (124, 4, 1),
+MAGIC = 0x50414D54  # "TMAP": set by every tensormap.replace
+_FIELDS = {  # field -> (byte offset, bytes per entry, entries)
+    "global_address": (0, 8, 1),
+    "rank": (8, 4, 1),
+    "elemtype": (12, 4, 1),
+    "swizzle_mode": (16, 4, 1),
+    "interleave_layout": (20, 4, 1),
+    "fill_mode": (24, 4, 1),
+    "magic": (28, 4, 1),
+    "box_dim": (32, 4, 5),
+    "global_dim": (52, 4, 5),
+    "global_stride": (72, 8, 4),
+    "element_stride": (104, 4, 5),
+    "swizzle_atomicity": (124, 4, 1),
 }
 ELEMENT_BYTES = {0: 1, 1: 2, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 4, 9: 8, 10: 2, 11: 4, 12: 4}
 SWIZZLES = {0: 0, 1: 32, 2: 64, 3: 128}
@@ -57,13 +65,16 @@ class TensorMap:
     def decode(cls, raw: np.ndarray, where: str, address: int) -> TensorMap:
         def field(name, i=0):
             off, size, _ = _FIELDS[name]
-            chunk = raw[off + i * size: off + (i + 1) * size]
+            chunk = raw[off + i * size : off + (i + 1) * size]
             return int(chunk.view(np.uint64 if size == 8 else np.uint32)[0])
+
         problems = []
         if field("magic") != MAGIC:
-            raise PtxFault(f"{where}: the tensor map at {address:#x} was not built by "
-                           f"tensormap.replace (a wrong global-scratch offset, or a map never "
-                           f"copied there)")
+            raise PtxFault(
+                f"{where}: the tensor map at {address:#x} was not built by "
+                f"tensormap.replace (a wrong global-scratch offset, or a map never "
+                f"copied there)"
+            )
         rank = field("rank") + 1
         etype = field("elemtype")
         if etype not in ELEMENT_BYTES:
@@ -94,7 +105,9 @@ class TensorMap:
         if any(s != 1 for s in elem_strides):
             problems.append(f"element strides {elem_strides} (only 1 is emulated)")
         if SWIZZLES.get(swz) and box[0] * e > SWIZZLES[swz]:
-            problems.append(f"inner box of {box[0] * e} B wider than its {SWIZZLES[swz]}-byte swizzle")
+            problems.append(
+                f"inner box of {box[0] * e} B wider than its {SWIZZLES[swz]}-byte swizzle"
+            )
         if problems:
             raise PtxFault(f"{where}: invalid tensor map at {address:#x}: " + "; ".join(problems))
         return cls(base, rank, e, SWIZZLES[swz], box, dims, strides, field("fill_mode") == 1)
@@ -105,9 +118,10 @@ class TensorMap:
     def elements(self, coords) -> tuple[np.ndarray, np.ndarray]:
         """(global byte address of each box element, in bounds) in box order (innermost
         fastest)."""
-        grids = np.meshgrid(*[np.arange(b) + c for b, c in zip(self.box[::-1], coords[::-1])],
-                            indexing="ij")
-        idx = [g.ravel() for g in grids[::-1]]          # innermost first
+        grids = np.meshgrid(
+            *[np.arange(b) + c for b, c in zip(self.box[::-1], coords[::-1])], indexing="ij"
+        )
+        idx = [g.ravel() for g in grids[::-1]]  # innermost first
         inside = np.ones(idx[0].shape, dtype=bool)
         offset = np.zeros(idx[0].shape, dtype=np.int64)
         for d, i in enumerate(idx):
@@ -144,8 +158,9 @@ def d_tensormap(ins):
                 view = _map_view(m, space, a, np.asarray([lane]))
                 chunk = np.asarray([v], dtype=np.uint64 if size == 8 else np.uint32).view(np.uint8)
                 start = off + ordinal * size
-                view[start:start + size] = chunk
+                view[start : start + size] = chunk
                 view[28:32] = np.asarray([MAGIC], dtype=np.uint32).view(np.uint8)
+
         return replace
     if op == "cp_fenceproxy":
         dst, src, size = ins.operands
@@ -160,12 +175,16 @@ def d_tensormap(ins):
             m.check_converged(E, L)
             idx = m.index(E)
             firsts = idx[np.r_[True, m.warp_global[idx][1:] != m.warp_global[idx][:-1]]]
-            for lane, g, s in zip(firsts.tolist(), to_global(m, firsts).tolist(),
-                                  from_shared(m, firsts).tolist()):
+            for lane, g, s in zip(
+                firsts.tolist(), to_global(m, firsts).tolist(), from_shared(m, firsts).tolist()
+            ):
                 if g % 64:
-                    raise PtxFault(f"{m.where}: tensor map destination {g:#x} is not 64-byte aligned")
+                    raise PtxFault(
+                        f"{m.where}: tensor map destination {g:#x} is not 64-byte aligned"
+                    )
                 source = _map_view(m, "shared", s, np.asarray([lane]))
                 m.memory.view(g, MAP_BYTES, m.where)[:] = source
+
         return copy
     raise UnsupportedPtx(f"{ins.where()} is not emulated")
 
@@ -175,9 +194,11 @@ def _map_view(m, space: str, address: int, lanes) -> np.ndarray:
         a = address - SHARED_WINDOW if address >= SHARED_WINDOW else address
         flat = m.shared_index(np.asarray([a], dtype=np.uint64), MAP_BYTES, lanes, m.where)
         if a % 128:
-            raise PtxFault(f"{m.where}: a tensor map in shared memory at offset {a} is not "
-                           f"128-byte aligned")
-        return m.shared[int(flat[0]):int(flat[0]) + MAP_BYTES]
+            raise PtxFault(
+                f"{m.where}: a tensor map in shared memory at offset {a} is not "
+                f"128-byte aligned"
+            )
+        return m.shared[int(flat[0]) : int(flat[0]) + MAP_BYTES]
     if address % 64:
         raise PtxFault(f"{m.where}: a tensor map at {address:#x} is not 64-byte aligned")
     return m.memory.view(address, MAP_BYTES, m.where)
@@ -217,6 +238,7 @@ class BulkRead:
 
 def _bulk_groups(m):
     from .ops_memory import GroupedOps
+
     groups = m.state.get("bulk")
     if groups is None:
         groups = m.state["bulk"] = GroupedOps(m.n)
@@ -235,12 +257,16 @@ def d_cp_bulk(ins):
                 if payload.offs is not None:
                     m.mark_busy(payload.offs, write=False, delta=-1)
                     payload.offs = None
+
         return wait
     if parts[0] == "cp" and parts[1] == "reduce":
         raise UnsupportedPtx(f"{ins.where()}: bulk reductions are not emulated")
     tensor = "tensor" in parts
-    to_shared = any(p.startswith("shared") for p in parts[3:5]) if not tensor else \
-        parts[parts.index("tensor") + 2].startswith("shared")
+    to_shared = (
+        any(p.startswith("shared") for p in parts[3:5])
+        if not tensor
+        else parts[parts.index("tensor") + 2].startswith("shared")
+    )
     if tensor and to_shared:
         return _tensor_load(ins)
     if tensor:
@@ -251,8 +277,9 @@ def d_cp_bulk(ins):
 
 
 def _tensor_load(ins):
-    if "mbarrier::complete_tx::bytes" not in ins.opcode and \
-            not any(p.startswith("mbarrier") for p in ins.opcode):
+    if "mbarrier::complete_tx::bytes" not in ins.opcode and not any(
+        p.startswith("mbarrier") for p in ins.opcode
+    ):
         raise UnsupportedPtx(f"{ins.where()}: a tensor load without an mbarrier")
     if any(p in ("multicast::cluster", "im2col") or p.startswith("cta_group") for p in ins.opcode):
         raise UnsupportedPtx(f"{ins.where()} is not emulated")
@@ -274,17 +301,21 @@ def _tensor_load(ins):
             if tmap.fill_nan:
                 raise UnsupportedPtx(f"{m.where}: NaN out-of-bounds fill is not emulated")
             if inside.any():
-                data[inside] = m.memory.load(addr[inside].astype(np.uint64), e, m.where,
-                                             lambda j: m.who(one)(0))
+                data[inside] = m.memory.load(
+                    addr[inside].astype(np.uint64), e, m.where, lambda j: m.who(one)(0)
+                )
             smem = int(dst_addr(m, one)[0])
             smem -= SHARED_WINDOW if smem >= SHARED_WINDOW else 0
             if smem % 128:
-                raise PtxFault(f"{m.where}: TMA destination at shared offset {smem} is not "
-                               f"128-byte aligned")
+                raise PtxFault(
+                    f"{m.where}: TMA destination at shared offset {smem} is not "
+                    f"128-byte aligned"
+                )
             linear = smem + np.arange(len(addr)) * e
             phys = swizzle(linear, tmap.swizzle)
-            flat = m.shared_index(np.asarray(phys, dtype=np.uint64), e, np.repeat(one, len(phys)),
-                                  m.where)
+            flat = m.shared_index(
+                np.asarray(phys, dtype=np.uint64), e, np.repeat(one, len(phys)), m.where
+            )
             offs = (flat[:, None] + np.arange(e)).ravel()
             m.check_async_access(offs[None], one, m.where, write=True)
             if m.race is not None:
@@ -293,6 +324,7 @@ def _tensor_load(ins):
             barrier = int(mbarrier.flat_addresses(m, bar_addr, one)[0])
             mbarrier.lookup(m, barrier)
             m.async_ops.append(TensorLoad(offs, data.ravel(), barrier))
+
     return load
 
 
@@ -314,19 +346,23 @@ def _tensor_store(ins):
             smem = int(src_addr(m, one)[0])
             smem -= SHARED_WINDOW if smem >= SHARED_WINDOW else 0
             if smem % 128:
-                raise PtxFault(f"{m.where}: TMA source at shared offset {smem} is not "
-                               f"128-byte aligned")
+                raise PtxFault(
+                    f"{m.where}: TMA source at shared offset {smem} is not " f"128-byte aligned"
+                )
             phys = swizzle(smem + np.arange(len(addr)) * e, tmap.swizzle)
-            flat = m.shared_index(np.asarray(phys, dtype=np.uint64), e, np.repeat(one, len(phys)),
-                                  m.where)
+            flat = m.shared_index(
+                np.asarray(phys, dtype=np.uint64), e, np.repeat(one, len(phys)), m.where
+            )
             offs = flat[:, None] + np.arange(e)
             m.check_async_access(offs, np.repeat(one, len(phys)), m.where, write=False)
             data = m.shared[offs]
             if inside.any():
-                m.memory.store(addr[inside].astype(np.uint64), data[inside], m.where,
-                               lambda j: m.who(one)(0))
+                m.memory.store(
+                    addr[inside].astype(np.uint64), data[inside], m.where, lambda j: m.who(one)(0)
+                )
             m.mark_busy(offs.ravel(), write=False, delta=1)
             _bulk_groups(m).issue(one, BulkRead(offs.ravel()))
+
     return store
 
 
@@ -341,8 +377,11 @@ def _bulk_load(ins):
             n = int(np.asarray(get_size(m, one)).ravel()[0])
             if n % 16:
                 raise PtxFault(f"{m.where}: bulk copy of {n} bytes (a multiple of 16)")
-            data = m.memory.load(src_addr(m, one), n, m.where, m.who(one))[0] if n <= 16 else \
-                np.array(m.memory.view(int(src_addr(m, one)[0]), n, m.where))
+            data = (
+                m.memory.load(src_addr(m, one), n, m.where, m.who(one))[0]
+                if n <= 16
+                else np.array(m.memory.view(int(src_addr(m, one)[0]), n, m.where))
+            )
             smem = int(dst_addr(m, one)[0])
             smem -= SHARED_WINDOW if smem >= SHARED_WINDOW else 0
             flat = m.shared_index(np.asarray([smem], dtype=np.uint64), 16, one, m.where)
@@ -355,6 +394,7 @@ def _bulk_load(ins):
             m.mark_busy(offs, write=True, delta=1)
             barrier = int(mbarrier.flat_addresses(m, bar_addr, one)[0])
             m.async_ops.append(TensorLoad(offs, data, barrier))
+
     return load
 
 
@@ -374,6 +414,7 @@ def _bulk_store(ins):
             m.memory.view(int(dst_addr(m, one)[0]), n, m.where)[:] = m.shared[offs]
             m.mark_busy(offs, write=False, delta=1)
             _bulk_groups(m).issue(one, BulkRead(offs))
+
     return store
 
 

@@ -80,12 +80,15 @@ class PtxProgram:
         if entry is not None:
             entries = [m for m in entries if m.group(1) == entry]
         if len(entries) != 1:
-            raise PtxFault(f"expected one .entry{' named ' + entry if entry else ''} in the PTX, "
-                           f"found {len(entries)}")
+            raise PtxFault(
+                f"expected one .entry{' named ' + entry if entry else ''} in the PTX, "
+                f"found {len(entries)}"
+            )
         m = entries[0]
         module = text[: m.start()]
-        dyn = re.search(r"\.extern\s+\.shared\s+(?:\.align\s+\d+\s+)?\.b8\s+([\w$]+)\s*\[\s*\]",
-                        module)
+        dyn = re.search(
+            r"\.extern\s+\.shared\s+(?:\.align\s+\d+\s+)?\.b8\s+([\w$]+)\s*\[\s*\]", module
+        )
         body_start = m.end()
         depth, i = 1, None
         for brace in re.finditer(r"[{}]", text[body_start:]):
@@ -96,11 +99,18 @@ class PtxProgram:
         if i is None:
             raise PtxFault(f"{m.group(1)}: unbalanced braces in the kernel body")
         line0 = text.count("\n", 0, body_start) + 1
-        registers, instrs, labels = _Body(text[body_start:i - 1], line0, files).parse()
-        program = cls(m.group(1), _params(m.group(2)), registers, instrs, labels,
-                      target.group(1) if target else "",
-                      _bound(m.group(3), "reqntid"), _bound(m.group(3), "maxntid"),
-                      dyn.group(1) if dyn else None)
+        registers, instrs, labels = _Body(text[body_start : i - 1], line0, files).parse()
+        program = cls(
+            m.group(1),
+            _params(m.group(2)),
+            registers,
+            instrs,
+            labels,
+            target.group(1) if target else "",
+            _bound(m.group(3), "reqntid"),
+            _bound(m.group(3), "maxntid"),
+            dyn.group(1) if dyn else None,
+        )
         program.shared_symbols = _shared_symbols(module)
         program.global_data = _global_data(module)
         return program
@@ -128,8 +138,12 @@ def _bound(text: str, name: str) -> tuple[int, int, int] | None:
 
 def _shared_symbols(module: str) -> dict[str, tuple[int, int]]:
     out, offset = {}, 0
-    for m in re.finditer(r"^\s*(?:\.visible\s+)?\.shared\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+"
-                         r"([\w$]+)\s*\[\s*(\d+)\s*\]", module, re.M):
+    for m in re.finditer(
+        r"^\s*(?:\.visible\s+)?\.shared\s+(?:\.align\s+(\d+)\s+)?\.(\w+)\s+"
+        r"([\w$]+)\s*\[\s*(\d+)\s*\]",
+        module,
+        re.M,
+    ):
         align, elem, name, count = int(m.group(1) or 1), m.group(2), m.group(3), int(m.group(4))
         offset = -(-offset // align) * align
         size = count * max(1, int(re.sub(r"\D", "", elem) or 8) // 8)
@@ -140,9 +154,12 @@ def _shared_symbols(module: str) -> dict[str, tuple[int, int]]:
 
 def _global_data(module: str) -> dict[str, GlobalData]:
     out = {}
-    for m in re.finditer(r"^\s*(?:\.visible\s+)?\.(?:global|const)\s+(?:\.align\s+(\d+)\s+)?"
-                         r"\.(\w+)\s+([\w$]+)\s*\[\s*(\d+)\s*\](?:\s*=\s*\{([^}]*)\})?", module,
-                         re.M):
+    for m in re.finditer(
+        r"^\s*(?:\.visible\s+)?\.(?:global|const)\s+(?:\.align\s+(\d+)\s+)?"
+        r"\.(\w+)\s+([\w$]+)\s*\[\s*(\d+)\s*\](?:\s*=\s*\{([^}]*)\})?",
+        module,
+        re.M,
+    ):
         elem_bytes = max(1, int(re.sub(r"\D", "", m.group(2)) or 8) // 8)
         values = [int(v, 0) for v in m.group(5).split(",")] if m.group(5) else []
         data = b"".join(v.to_bytes(elem_bytes, "little", signed=v < 0) for v in values)
@@ -161,14 +178,19 @@ class _Body:
     def _items(body: str, line: int, files: dict[str, str]) -> list[tuple]:
         """('open'|'close'|'label'|'stmt', text, line, loc) in order."""
         items, loc, pos, counted = [], None, 0, 0
-        token = re.compile(r"\s*(?:(\{)|(\})|([\w$@]+):(?!:)|(\.loc\s+(\d+)\s+(\d+)[^\n]*)|"
-                           r"([^;{}]*?(?:\{[^{}]*\}[^;{}]*?)*);)", re.S)
+        token = re.compile(
+            r"\s*(?:(\{)|(\})|([\w$@]+):(?!:)|(\.loc\s+(\d+)\s+(\d+)[^\n]*)|"
+            r"([^;{}]*?(?:\{[^{}]*\}[^;{}]*?)*);)",
+            re.S,
+        )
         end = len(body.rstrip())
         while pos < end:
             m = token.match(body, pos)
             if m is None:
-                raise PtxFault(f"cannot parse the kernel body at line "
-                               f"{line + body.count(chr(10), counted, pos)}: {body[pos:pos + 80]!r}")
+                raise PtxFault(
+                    f"cannot parse the kernel body at line "
+                    f"{line + body.count(chr(10), counted, pos)}: {body[pos:pos + 80]!r}"
+                )
             start = m.start() + len(m.group(0)) - len(m.group(0).lstrip())
             line += body.count("\n", counted, start)
             counted = start
@@ -231,8 +253,10 @@ class _Body:
                 for name, rtype in _declared(text):
                     registers[rename(name)] = rtype
             elif text.startswith((".local", ".shared")):
-                raise PtxFault(f"kernel-scope {text.split()[0]} declarations are not emulated: "
-                               f"{text} (PTX line {line})")
+                raise PtxFault(
+                    f"kernel-scope {text.split()[0]} declarations are not emulated: "
+                    f"{text} (PTX line {line})"
+                )
             elif not text.startswith((".pragma", ".loc", ".file")):
                 instrs.append(_instruction(text, line, loc, rename, scoped_registers))
         return registers, instrs, labels
@@ -259,12 +283,11 @@ def _instruction(stmt: str, line: int, loc: str | None, rename, scoped: set[str]
     gm = re.match(r"@(!?)([%\w$@]+)\s+", stmt)
     if gm:
         negated, guard = gm.group(1) == "!", rename(gm.group(2))
-        stmt = stmt[gm.end():]
+        stmt = stmt[gm.end() :]
     op, rest = (re.split(r"\s+", stmt, maxsplit=1) + [""])[:2]
     try:
-        operands = tuple(_renamed(parse_operand(o), rename, scoped)
-                         for o in split_operands(rest))
-        if op.split(".")[0] == "bra" and isinstance(operands[0], Sym):   # a label without '$'
+        operands = tuple(_renamed(parse_operand(o), rename, scoped) for o in split_operands(rest))
+        if op.split(".")[0] == "bra" and isinstance(operands[0], Sym):  # a label without '$'
             operands = (Label(rename(operands[0].name)),) + operands[1:]
     except ValueError as exc:
         raise PtxFault(f"cannot parse '{stmt}' (PTX line {line}): {exc}") from exc
@@ -285,6 +308,9 @@ def _renamed(op, rename, scoped: set[str]):
     if isinstance(op, Pair):
         return Pair(_renamed(op.value, rename, scoped), _renamed(op.pred, rename, scoped))
     if isinstance(op, Mem):
-        return Mem(_renamed(op.base, rename, scoped), op.offset,
-                   tuple(_renamed(c, rename, scoped) for c in op.coords))
+        return Mem(
+            _renamed(op.base, rename, scoped),
+            op.offset,
+            tuple(_renamed(c, rename, scoped) for c in op.coords),
+        )
     return op

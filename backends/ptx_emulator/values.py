@@ -61,7 +61,7 @@ def f32_op(op: str, mode: str, *args) -> np.ndarray:
     a = [np.asarray(v, dtype=np.float64) for v in args]
     if op in ("add", "sub", "fma"):
         if op == "fma":
-            hi, lo = two_sum(a[0] * a[1], a[2])   # the float64 product of two floats is exact
+            hi, lo = two_sum(a[0] * a[1], a[2])  # the float64 product of two floats is exact
         else:
             hi, lo = two_sum(a[0], a[1] if op == "add" else -a[1])
         return round_f64_to_f32(hi, lo, mode)
@@ -86,7 +86,7 @@ def saturate(x: np.ndarray) -> np.ndarray:
     return np.where(np.isnan(x), 0, np.clip(x, 0, 1)).astype(x.dtype)
 
 
-# -- bf16 ------------------------------------------------------------------------------------------
+# -- bf16 -----------------------------------------------------------------------------------------
 def bf16_to_f32(bits) -> np.ndarray:
     """bf16 bit patterns (uint16) -> float32, exactly."""
     return (np.asarray(bits).astype(np.uint32) << np.uint32(16)).view(np.float32)
@@ -100,12 +100,16 @@ def f32_to_bf16(x, mode: str = "rn", relu: bool = False, satfinite: bool = False
         x = np.where(x < 0, np.float32(0), x)
     bits = x.view(np.uint32).astype(np.uint64)
     if mode == "rn":
-        rounded = (bits + np.uint64(0x7FFF) + ((bits >> np.uint64(16)) & np.uint64(1))) >> np.uint64(16)
+        rounded = (
+            bits + np.uint64(0x7FFF) + ((bits >> np.uint64(16)) & np.uint64(1))
+        ) >> np.uint64(16)
     elif mode == "rz":
         rounded = bits >> np.uint64(16)
     else:
         raise UnsupportedPtx(f"rounding mode .{mode} for a bf16 conversion is not emulated")
-    out = np.where(np.isnan(x), (bits >> np.uint64(16)) | np.uint64(0x40), rounded).astype(np.uint16)
+    out = np.where(np.isnan(x), (bits >> np.uint64(16)) | np.uint64(0x40), rounded).astype(
+        np.uint16
+    )
     if satfinite:
         inf = (out & np.uint16(0x7FFF)) == np.uint16(0x7F80)
         out = np.where(inf, (out & np.uint16(0x8000)) | np.uint16(0x7F7F), out).astype(np.uint16)
@@ -125,10 +129,12 @@ def f16_to_f32(bits) -> np.ndarray:
 
 def tf32(x: np.ndarray) -> np.ndarray:
     """The tf32 value a tensor core reads from a float32 (its low 13 mantissa bits dropped)."""
-    return (np.asarray(x, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(np.float32)
+    return (np.asarray(x, dtype=np.float32).view(np.uint32) & np.uint32(0xFFFFE000)).view(
+        np.float32
+    )
 
 
-# -- fp8 ---------------------------------------------------------------------------------------------
+# -- fp8 ------------------------------------------------------------------------------------------
 _FP8 = {"e4m3": (4, 3, 7, 448.0), "e5m2": (5, 2, 15, 57344.0)}
 
 
@@ -138,8 +144,7 @@ def _fp8_table(kind: str) -> np.ndarray:
     sign = np.where(codes >> 7, -1.0, 1.0)
     e = (codes >> mbits) & ((1 << ebits) - 1)
     m = codes & ((1 << mbits) - 1)
-    value = np.where(e == 0, m * 2.0 ** (1 - bias - mbits),
-                     (1 + m / 2 ** mbits) * 2.0 ** (e - bias))
+    value = np.where(e == 0, m * 2.0 ** (1 - bias - mbits), (1 + m / 2**mbits) * 2.0 ** (e - bias))
     value = sign * value
     if kind == "e4m3":
         value[(codes & 0x7F) == 0x7F] = np.nan

@@ -41,8 +41,14 @@ class CaseResult:
     error: str | None = None
 
 
-def run_cases(name: str, arch: str, kinds=("small",), dtype=torch.bfloat16, backend="triton",
-              only: set[int] | None = None) -> list[CaseResult]:
+def run_cases(
+    name: str,
+    arch: str,
+    kinds=("small",),
+    dtype=torch.bfloat16,
+    backend="triton",
+    only: set[int] | None = None,
+) -> list[CaseResult]:
     """Every case of ``kinds`` of family ``name`` through its plans on ``backend``, compiled
     for ``arch`` and run on the emulator (``FUSEDOPS_EMULATE`` must be set)."""
     if emulated_target() is None:
@@ -66,15 +72,28 @@ def run_cases(name: str, arch: str, kinds=("small",), dtype=torch.bfloat16, back
                     rel_l2, max_rel = errors(value, expected[key])
                     finite = bool(torch.isfinite(value.detach().double()).all())
                     if not finite or rel_l2 > tol.rel_l2 or max_rel > tol.max_rel:
-                        failures.append(f"{key}: rel L2 {rel_l2:.2e} (limit {tol.rel_l2:.1e}), "
-                                        f"max rel {max_rel:.2e} (limit {tol.max_rel:.1e})"
-                                        + ("" if finite else ", non-finite"))
-                out.append(CaseResult(name, arch, case.label, not failures,
-                                      time.perf_counter() - start, failures))
+                        failures.append(
+                            f"{key}: rel L2 {rel_l2:.2e} (limit {tol.rel_l2:.1e}), "
+                            f"max rel {max_rel:.2e} (limit {tol.max_rel:.1e})"
+                            + ("" if finite else ", non-finite")
+                        )
+                out.append(
+                    CaseResult(
+                        name, arch, case.label, not failures, time.perf_counter() - start, failures
+                    )
+                )
             except Exception as exc:  # noqa: BLE001  (reported per case, with its traceback's tail)
                 tail = traceback.format_exc().strip().splitlines()[-1]
-                out.append(CaseResult(name, arch, case.label, False, time.perf_counter() - start,
-                                      error=f"{type(exc).__name__}: {exc}"[:4000] or tail))
+                out.append(
+                    CaseResult(
+                        name,
+                        arch,
+                        case.label,
+                        False,
+                        time.perf_counter() - start,
+                        error=f"{type(exc).__name__}: {exc}"[:4000] or tail,
+                    )
+                )
     return out
 
 
@@ -102,8 +121,9 @@ def execute_contract(name: str, arch: str, backend: str = "triton") -> list[str]
     return problems
 
 
-TILE_CONSTEXPR = re.compile(r"^(B[A-Z]|BLOCK_\w+|DX_BN|TMA|SWAP|QUARTERS|FEATURES_M|HELD|"
-                            r"TRANSPOSED\w*|WITH_DX)$")
+TILE_CONSTEXPR = re.compile(
+    r"^(B[A-Z]|BLOCK_\w+|DX_BN|TMA|SWAP|QUARTERS|FEATURES_M|HELD|" r"TRANSPOSED\w*|WITH_DX)$"
+)
 """The constexprs that are a kernel's tiles or choose its code path (block sizes, TMA,
 transposed products, held rows...), as opposed to problem sizes and options."""
 
@@ -125,17 +145,43 @@ def production_signatures(name: str, arch: str, backend: str = "triton") -> set[
     """The tile signatures of every kernel of the family's production plans on ``arch``."""
     info = family(name)
     with compiling_for(arch):
-        return {tile_signature(k) for _, calls in info.production() for k in _kernels(calls, backend)}
+        return {
+            tile_signature(k) for _, calls in info.production() for k in _kernels(calls, backend)
+        }
 
 
-def case_signatures(name: str, arch: str, kinds, dtype=torch.bfloat16,
-                    backend: str = "triton") -> set[tuple]:
+def case_signatures(
+    name: str, arch: str, kinds, dtype=torch.bfloat16, backend: str = "triton"
+) -> set[tuple]:
     """The tile signatures of every kernel the family's cases of ``kinds`` run on ``arch``."""
     info = family(name)
     with compiling_for(arch):
         cases = [c for kind in kinds for c in info.cases(kind, dtype=dtype)]
-        return {tile_signature(k) for case in cases
-                for k in _kernels(info.plan_calls(case, "torch"), backend)}
+        return {
+            tile_signature(k)
+            for case in cases
+            for k in _kernels(info.plan_calls(case, "torch"), backend)
+        }
+
+
+def verification_table() -> str:
+    """docs/backends.md's table: every kernel of every production plan, by family and backend,
+    and the rungs CI runs it on (the Triton kernels on all five but the GPU, the CuTe kernels,
+    which have no interpreter, on their two targets)."""
+    rows = []
+    for info in FAMILIES:
+        for backend in ("triton", "cute"):
+            names = sorted(
+                {k.name for _, calls in info.production() for k in _kernels(calls, backend)}
+            )
+            for name in names:
+                interpreter = "CI" if backend == "triton" else "— (none exists)"
+                targets = "CI, CI, CI" if backend == "triton" else "—, CI, CI"
+                rows.append(
+                    f"| {info.name} | `{name}` ({backend}) | CI | {interpreter} | {targets} "
+                    f"| {targets} | not yet |\n"
+                )
+    return "".join(rows)
 
 
 def main(argv=None) -> int:
@@ -147,12 +193,21 @@ def main(argv=None) -> int:
     p.add_argument("--backend", default="triton", choices=["triton", "cute"])
     p.add_argument("--only", type=int, action="append", help="case indexes")
     p.add_argument("--json", action="store_true", help="one JSON object per case")
-    p.add_argument("--coverage", action="store_true",
-                   help="list the production tile signatures the cases do not run (no emulation)")
-    p.add_argument("--names", action="store_true",
-                   help="with --coverage: compare kernel names only (every kernel runs)")
-    p.add_argument("--contract", action="store_true",
-                   help="execute() of each plan on the emulator dispatches no torch operator")
+    p.add_argument(
+        "--coverage",
+        action="store_true",
+        help="list the production tile signatures the cases do not run (no emulation)",
+    )
+    p.add_argument(
+        "--names",
+        action="store_true",
+        help="with --coverage: compare kernel names only (every kernel runs)",
+    )
+    p.add_argument(
+        "--contract",
+        action="store_true",
+        help="execute() of each plan on the emulator dispatches no torch operator",
+    )
     args = p.parse_args(argv)
     status = 0
     if args.contract:
@@ -166,9 +221,12 @@ def main(argv=None) -> int:
         for name in args.family or [i.name for i in FAMILIES if "triton" in i.backends]:
             for arch in args.arch or ["sm_80", "sm_90a", "sm_100a"]:
                 missing = production_signatures(name, arch) - case_signatures(
-                    name, arch, tuple(args.kind or ["small"]))
+                    name, arch, tuple(args.kind or ["small"])
+                )
                 if args.names:
-                    run = {sig[0] for sig in case_signatures(name, arch, tuple(args.kind or ["small"]))}
+                    run = {
+                        sig[0] for sig in case_signatures(name, arch, tuple(args.kind or ["small"]))
+                    }
                     missing = {sig[:1] for sig in missing if sig[0] not in run}
                 for sig in sorted(missing, key=str):
                     print(f"{arch} {name} not run: {sig}")
@@ -177,16 +235,25 @@ def main(argv=None) -> int:
     for name in args.family or [i.name for i in FAMILIES if "triton" in i.backends]:
         for arch in args.arch or ["sm_80", "sm_90a", "sm_100a"]:
             for dtype in args.dtype or ["bfloat16"]:
-                for r in run_cases(name, arch, tuple(args.kind or ["small"]), DTYPES[dtype],
-                                   args.backend, set(args.only) if args.only else None):
+                for r in run_cases(
+                    name,
+                    arch,
+                    tuple(args.kind or ["small"]),
+                    DTYPES[dtype],
+                    args.backend,
+                    set(args.only) if args.only else None,
+                ):
                     status |= not r.ok
                     if args.json:
                         print(json.dumps(asdict(r)), flush=True)
                     else:
                         verdict = "ok  " if r.ok else "FAIL"
                         detail = r.error or "; ".join(r.failures)
-                        print(f"{verdict} {r.arch:<8} {r.family:<16} {r.seconds:6.1f}s "
-                              f"{r.label} {detail}", flush=True)
+                        print(
+                            f"{verdict} {r.arch:<8} {r.family:<16} {r.seconds:6.1f}s "
+                            f"{r.label} {detail}",
+                            flush=True,
+                        )
     return status
 
 

@@ -46,31 +46,74 @@ class Mutation:
 
 
 MUTATIONS = (
-    Mutation("a wgmma.wait_group with too high a count", "relu2_moe", "sm_90a", "small", 1,
-             "moe_gemm_kernel", r"wgmma\.wait_group\.sync\.aligned\s+0;",
-             "wgmma.wait_group.sync.aligned 1;", None, "DataRace: an accumulator read in flight"),
-    Mutation("a removed bar.sync under the skewed schedule", "relu2_moe", "sm_90a", "small", 3,
-             "moe_router_fwd_kernel", r"bar\.sync\s+0;", "", 0,
-             "DataRace: a warp reads another's shared-memory write with no barrier between",
-             schedule="skewed"),
-    Mutation("a tensor map written to the wrong global-scratch offset", "gqa_attention", "sm_90a",
-             "small", 0, "attn_fwd_kernel",
-             r"(tensormap\.cp_fenceproxy[^\[]*\[ %rd\d+ \+ )0( \])", r"\g<1>128\g<2>", 0,
-             "PtxFault: the copy reads a slot no tensormap.replace built"),
-    Mutation("an mbarrier expecting the wrong byte count", "gqa_attention", "sm_90a", "small", 0,
-             "attn_fwd_kernel", r"(mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[%r\d+\], )512;",
-             r"\g<1>256;", None, "Deadlock: the phase's transaction count never reaches zero"),
-    Mutation("a buffer stage reused one iteration early", "relu2_moe", "sm_80", "small", 1,
-             "moe_wgrad_kernel",
-             r"bar\.sync\s+0;(?=(?:(?!bar\.sync|ldmatrix|ld\.shared)[\s\S]){0,600}?cp\.async\.cg\.)",
-             "", None, "DataRace: a refill overwrites a stage other warps still read"),
+    Mutation(
+        "a wgmma.wait_group with too high a count",
+        "relu2_moe",
+        "sm_90a",
+        "small",
+        1,
+        "moe_gemm_kernel",
+        r"wgmma\.wait_group\.sync\.aligned\s+0;",
+        "wgmma.wait_group.sync.aligned 1;",
+        None,
+        "DataRace: an accumulator read in flight",
+    ),
+    Mutation(
+        "a removed bar.sync under the skewed schedule",
+        "relu2_moe",
+        "sm_90a",
+        "small",
+        3,
+        "moe_router_fwd_kernel",
+        r"bar\.sync\s+0;",
+        "",
+        0,
+        "DataRace: a warp reads another's shared-memory write with no barrier between",
+        schedule="skewed",
+    ),
+    Mutation(
+        "a tensor map written to the wrong global-scratch offset",
+        "gqa_attention",
+        "sm_90a",
+        "small",
+        0,
+        "attn_fwd_kernel",
+        r"(tensormap\.cp_fenceproxy[^\[]*\[ %rd\d+ \+ )0( \])",
+        r"\g<1>128\g<2>",
+        0,
+        "PtxFault: the copy reads a slot no tensormap.replace built",
+    ),
+    Mutation(
+        "an mbarrier expecting the wrong byte count",
+        "gqa_attention",
+        "sm_90a",
+        "small",
+        0,
+        "attn_fwd_kernel",
+        r"(mbarrier\.arrive\.expect_tx\.shared::cta\.b64 _, \[%r\d+\], )512;",
+        r"\g<1>256;",
+        None,
+        "Deadlock: the phase's transaction count never reaches zero",
+    ),
+    Mutation(
+        "a buffer stage reused one iteration early",
+        "relu2_moe",
+        "sm_80",
+        "small",
+        1,
+        "moe_wgrad_kernel",
+        r"bar\.sync\s+0;(?=(?:(?!bar\.sync|ldmatrix|ld\.shared)[\s\S]){0,600}?cp\.async\.cg\.)",
+        "",
+        None,
+        "DataRace: a refill overwrites a stage other warps still read",
+    ),
 )
 
 
 @dataclass
 class MutationResult:
     name: str
-    applied: int              # matches replaced
+    applied: int  # matches replaced
     caught: bool
     how: str
 
@@ -80,7 +123,7 @@ def mutated(mutation: Mutation, applied: list[int]) -> Iterator[None]:
     """Within the block, the PTX of ``mutation.kernel`` is mutated as it is parsed (the count
     of replacements appended to ``applied``)."""
     original = PtxProgram.parse.__func__
-    cache_clear()           # compiled programs and the plans holding their launchers
+    cache_clear()  # compiled programs and the plans holding their launchers
     EAGER_PLANS.clear()
     entry = re.compile(rf"\.entry\s+{re.escape(mutation.kernel)}\s*\(")
     pattern = re.compile(mutation.pattern)
@@ -94,9 +137,13 @@ def mutated(mutation: Mutation, applied: list[int]) -> Iterator[None]:
                 count += 1
                 hit = mutation.occurrence is None or count - 1 == mutation.occurrence
                 return match.expand(mutation.replacement) if hit else match.group(0)
+
             ptx = pattern.sub(replace, ptx)
-            applied.append(count if mutation.occurrence is None else int(count > mutation.occurrence))
+            applied.append(
+                count if mutation.occurrence is None else int(count > mutation.occurrence)
+            )
         return original(cls, ptx, entry_name)
+
     PtxProgram.parse = classmethod(parse)
     try:
         yield
@@ -111,8 +158,7 @@ def run_mutation(mutation: Mutation) -> MutationResult:
     oracle."""
     applied: list[int] = []
     with mutated(mutation, applied), using(Options(schedule=mutation.schedule, race_check=True)):
-        [result] = run_cases(mutation.family, mutation.arch, (mutation.kind,),
-                             only={mutation.case})
+        [result] = run_cases(mutation.family, mutation.arch, (mutation.kind,), only={mutation.case})
     how = result.error or "; ".join(result.failures) or "passed"
     return MutationResult(mutation.name, sum(applied), not result.ok, how[:2000])
 
@@ -132,8 +178,9 @@ def main(argv=None) -> int:
             print(json.dumps(asdict(result)), flush=True)
         else:
             verdict = "caught" if result.caught else "MISSED"
-            print(f"{verdict:<7} {result.name} ({result.applied} replaced): {result.how}",
-                  flush=True)
+            print(
+                f"{verdict:<7} {result.name} ({result.applied} replaced): {result.how}", flush=True
+            )
     return status
 
 

@@ -68,7 +68,14 @@ TRAFFIC_BOUNDS = {
     "Mamba2StateUpdate": 1.01,
     "Mamba2StateRollback": 1.00,
 }
-ARCHS = ("sm_90a", "sm_100a")   # CI's; `fusedops kernels` adds sm_80 for the Triton kernels
+ARCHS = ("sm_80", "sm_90a", "sm_100a")      # every target `fusedops kernels` compiles for
+# the targets of each kernel backend (the CuTe DSL kernels: Hopper and Blackwell only)
+TARGETS = {"triton": ARCHS, "cute": ("sm_90a", "sm_100a")}
+# The rules on what the kernels compute and move (no duplicated tensor-core work, traffic within
+# its bound of the floor) hold for the sm_90 and sm_100 tables; sm_80's kernels are held to
+# compiling without spills: its d = 256 attention forward lays its mma.sync warps along P·V's
+# 256 columns (S computed 1.5 times) and its 40 MB L2 models more re-reads (docs/attention.md)
+DESIGN_ARCHS = ("sm_90a", "sm_100a")
 
 # (rule, family) pairs today's kernels break, and why.
 KNOWN = {
@@ -111,15 +118,18 @@ def _rows(report, family):
 
 
 def test_every_kernel_compiles_for_every_target(report, aot_figures):
-    targets = {"triton": set(ARCHS), "cute": set(ARCHS)}
+    """Every plan's kernels compile for each target of its backend (TARGETS), or the backend
+    states why they cannot. The report compiles every kernel of a plan's program for an arch or
+    fails, so a plan's rows on a target are all its kernels there; the programs may differ by
+    arch (sm_80's MoE backward runs the shared expert's two weight gradients as two launches)."""
     seen = {}
     for r in report[0]:
-        seen.setdefault((r["backend"], r["label"], r["plan"], r["kernel"]), set()).add(r["arch"])
+        seen.setdefault((r["backend"], r["label"], r["plan"]), set()).add(r["arch"])
         aot_figures.append(f"{r['backend']:<6} {r['label'][:32]:<32} {r['kernel'][:32]:<32} {r['arch']:<7} "
                            f"regs {r['registers']:>3}  spill {r['spill_bytes']:>4} B  smem "
                            f"{r['shared_bytes']:>6} B  CTA/SM {r['ctas_per_sm']:>2}  mma {r['mma']}")
     excused = {(u["backend"], u["label"], u["plan"], u["arch"]) for u in report[2]}
-    missing = {k: sorted(a for a in targets[k[0]] - archs if (k[0], k[1], k[2], a) not in excused)
+    missing = {k: sorted(a for a in set(TARGETS[k[0]]) - archs if (*k, a) not in excused)
                for k, archs in seen.items()}
     assert not any(missing.values()), {k: v for k, v in missing.items() if v}
     assert {f["family"] for f in report[0]} == {info.name for info in FAMILIES if any(
@@ -173,9 +183,10 @@ def test_wgmma_waits_are_read_from_the_sass():
 def test_no_warpgroup_duplicates_another(report, family):
     """No warp or warpgroup computes a tensor-core product another also computes (the kernel's
     model states its duplication factor from its warp layout: a wgmma covers 64 rows, so a
-    64-row score tile on two warpgroups is computed twice)."""
+    64-row score tile on two warpgroups is computed twice); on DESIGN_ARCHS."""
     offenders = [f"{r['label']} {r['kernel']} {r['arch']}: {r['mma_duplication']:.2f}x"
-                 for r in _rows(report, family) if r.get("mma_duplication", 1.0) > 1.0]
+                 for r in _rows(report, family)
+                 if r["arch"] in DESIGN_ARCHS and r.get("mma_duplication", 1.0) > 1.0]
     assert not offenders, offenders
 
 
@@ -189,9 +200,10 @@ def test_every_kernel_and_plan_is_modelled(report, family):
 
 @pytest.mark.parametrize("family", _rule_params("traffic_bound"))
 def test_modelled_traffic_within_bound_of_floor(report, family):
+    """Each plan's modelled traffic over its floor within TRAFFIC_BOUNDS, on DESIGN_ARCHS."""
     over, unbounded = [], set()
     for p in report[1]:
-        if p["family"] != family or p["traffic_ratio"] is None:
+        if p["family"] != family or p["traffic_ratio"] is None or p["arch"] not in DESIGN_ARCHS:
             continue
         bound = TRAFFIC_BOUNDS.get((p["plan"], p["label"]), TRAFFIC_BOUNDS.get(p["plan"]))
         if bound is None:

@@ -70,6 +70,11 @@ WIDE_TILE_REGISTERS = 192
 DQ_REGISTERS = 128
 STRIDED_FOUR_CTAS = 128
 STRIDED_THREE_CTAS = 168
+# sm_80's 128-row forward at d = 64: 2 CTAs of 8 warps per SM (ptxas's own choice leaves one)
+TWO_CTAS_OF_EIGHT_WARPS = 128
+# the whole register file: where shared memory bounds the CTAs per SM, ptxas's own choice can
+# stop short of what the kernel needs and spill (sm_80's d = 256 dq)
+ALL_REGISTERS = 255
 
 FORWARD = {
     "sm_90": {
@@ -103,11 +108,15 @@ FORWARD = {
               "bytes (2026-12-02, `fusedops kernels`)"),
     },
     "sm_80": {
-        64: (Tiles(64, 64, 4, 2, STRIDED_THREE_CTAS), "today's tiles: mma.sync m16n8k16, four "
-             "warps of 16 rows each; 3 CTAs per SM on 108 SMs (a 168 budget: strided addressing "
-             "took ptxas to 178)"),
-        128: (Tiles(64, 64, 8, 2, WIDE_TILE_REGISTERS), "today's tiles: 8 warps of mma.sync (no "
-              "warpgroups, no duplicated work); 192 registers, no spill"),
+        64: (Tiles(128, 32, 8, 2, TWO_CTAS_OF_EIGHT_WARPS, WIDE_TILE_REGISTERS), "128 query rows "
+             "on 8 warps of 16 rows each (mma.sync m16n8k16, no duplicated work), 32 keys per "
+             "step: each key block read once per 128 query rows, not 64, and 2 CTAs per SM (16 "
+             "warps; the 64 x 64 tile on 4 warps spilled at the 168 registers of its 3 CTAs); "
+             "the wide variants under the 192 budget, 1 CTA"),
+        128: (Tiles(128, 32, 8), "128 query rows on 8 warps of 16 rows each (mma.sync, no "
+              "duplicated work), 32 keys per step: each key block read once per 128 query rows, "
+              "not 64, at the same 1 CTA per SM, with ptxas's own register choice (the 64-row "
+              "tile spilled at a 192 budget; 64 keys per step spill in the windowed variant)"),
         256: (Tiles(64, 32, 8, 2, None), "sm_80's own entry: at 192 registers ptxas spilled 56 "
               "bytes; without a budget it fits in 255 registers x 8 warps (one CTA per SM, as "
               "with the budget)"),
@@ -166,10 +175,11 @@ BACKWARD = {
               "former 64 keys x 32 rows lay the warps so that Sᵀ and dPᵀ ran twice; 64 x 64 "
               "took 255 registers and its softcapped variant spilled 8 bytes); all mma.sync "
               "m16n8k16; no spill"),
-        256: (BackwardTiles(Tiles(32, 16, 4), Tiles(32, 32, 4)),
-              "dk/dv as sm_90 (247 registers, 2 CTAs per SM); dq: 32 x 32 on 4 warps (168 "
-              "registers, no duplicated product: the 16 x 32 tiles on 8 warps computed S and dP "
-              "5/3 times)"),
+        256: (BackwardTiles(Tiles(32, 16, 4), Tiles(32, 32, 4, 2, ALL_REGISTERS)),
+              "dk/dv as sm_90 (247 registers, 2 CTAs per SM); dq: 32 x 32 on 4 warps (no "
+              "duplicated product: the 16 x 32 tiles on 8 warps computed S and dP 5/3 times), "
+              "2 CTAs per SM by its shared memory, with the whole register file (ptxas's own "
+              "choice spilled)"),
     },
 }
 

@@ -304,7 +304,7 @@ def chunk_states_bwd_spec(problem, t: Tiles | None = None) -> KernelSpec:
                       VARLEN=_varlen(problem), **numerics(problem.dtype), **ty.seq,
                       VX=problem.vector, VB=problem.bc_vector),
                  (c["NNB"] * c["NPB"] * problem.sequences * problem.heads,),
-                 cost=model.chunk_states_cost(problem, t, False, True),
+                 cost=model.chunk_states_cost(problem, t, False, True), stages=t.WALK_STAGES,
                  maxnreg=(GATED_WALK_REGISTERS[problem.head_dim % t.BP > 0] if problem.has_z
                           else None))
 

@@ -26,7 +26,9 @@ class ScanTiles:
     launch, beside the dB and dC programs of their (segment, group), so that dy, x, dH1 and B
     come from the L2 (C·B then comes from the prologue's C·B kernel); DBC_STAGES: that launch's
     software-pipelining stages (dB and dC's head-dim loops are one step at p <= 64; dx's block
-    loop is what a second stage pipelines)."""
+    loop is what a second stage pipelines). WALK_STAGES: the backward state walk's
+    software-pipelining stages (``ssd_chunk_states_bwd_kernel``: C's next steps loaded
+    ahead through shared memory)."""
 
     BQ: int = 64
     BP: int = 64
@@ -38,6 +40,7 @@ class ScanTiles:
     DBC_BN: int = 128
     DX_IN_DBC: bool = True
     DBC_STAGES: int = 1
+    WALK_STAGES: int = 2
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,7 @@ class Tiles:
     DBC_BN: int
     DX_IN_DBC: bool
     DBC_STAGES: int
+    WALK_STAGES: int
 
 
 FUSED_MAX_STATE = 128
@@ -64,13 +68,15 @@ spill."""
 
 
 TILES = {
-    "sm_80": (ScanTiles(64, 64, 64, 16),
+    "sm_80": (ScanTiles(64, 64, 64, 16, WALK_STAGES=3),
               "A100 (108 SMs, 164 KiB shared memory, mma.sync m16n8k16): today's tiles; the "
               "output kernel's 40.5 KiB of shared memory at two stages allows 4 CTAs per SM; the "
               "fused forward walk at one stage (206-222 registers; two spill 24 bytes at p = 64); "
               "dB/dC over the whole state at n <= 128 with dx in their launch at one stage "
               "(246-248 registers, 1 CTA per SM, no spill; 255 without dx; at two stages 8 "
-              "bytes spill at p = 80); no measurement yet says better"),
+              "bytes spill at p = 80); the backward state walk at three stages, C two steps "
+              "ahead through cp.async: the gated walk fits its 128-register budget for 4 CTAs "
+              "per SM (two stages spill 32 bytes there); no measurement yet says better"),
     "sm_90": (ScanTiles(64, 64, 64, 16, DBC_STAGES=2),
               "H100/H200 (132 SMs, 228 KiB, wgmma): BQ = BP = 64 rows is one m64 wgmma per "
               "warpgroup, the smallest tile with no mma.sync; the fused forward walk with 8 "
@@ -107,7 +113,7 @@ def tiles(problem, config: ScanTiles | None = None) -> Tiles:
                  FUSED=c.FUSED and triton.next_power_of_2(problem.state) <= FUSED_MAX_STATE,
                  FUSED_WARPS=c.FUSED_WARPS, FUSED_STAGES=c.FUSED_STAGES,
                  DBC_BN=_pow2_between(problem.state, 16, c.DBC_BN), DX_IN_DBC=c.DX_IN_DBC,
-                 DBC_STAGES=c.DBC_STAGES)
+                 DBC_STAGES=c.DBC_STAGES, WALK_STAGES=c.WALK_STAGES)
 
 
 def candidates(problem) -> list[ScanTiles]:

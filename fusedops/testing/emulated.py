@@ -166,21 +166,25 @@ def case_signatures(
 
 def verification_table() -> str:
     """docs/backends.md's table: every kernel of every production plan, by family and backend,
-    and the rungs CI runs it on (the Triton kernels on all five but the GPU, the CuTe kernels,
-    which have no interpreter, on their two targets)."""
+    and the rungs CI runs it on, per target ("—" where the target's plans do not launch it;
+    the CuTe kernels have no interpreter and only the sm_90a/sm_100a targets)."""
     rows = []
     for info in FAMILIES:
         for backend in ("triton", "cute"):
-            names = sorted(
-                {k.name for _, calls in info.production() for k in _kernels(calls, backend)}
-            )
-            for name in names:
+            used = {}
+            for arch in ("sm_80", "sm_90a", "sm_100a"):
+                if backend == "cute" and arch == "sm_80":
+                    continue
+                with compiling_for(arch):
+                    for _, calls in info.production():
+                        for k in _kernels(calls, backend):
+                            used.setdefault(k.name, set()).add(arch)
+            for name in sorted(used):
+                targets = ", ".join("CI" if a in used[name] else "—"
+                                    for a in ("sm_80", "sm_90a", "sm_100a"))
                 interpreter = "CI" if backend == "triton" else "— (none exists)"
-                targets = "CI, CI, CI" if backend == "triton" else "—, CI, CI"
-                rows.append(
-                    f"| {info.name} | `{name}` ({backend}) | CI | {interpreter} | {targets} "
-                    f"| {targets} | not yet |\n"
-                )
+                rows.append(f"| {info.name} | `{name}` ({backend}) | CI | {interpreter} | {targets} "
+                            f"| {targets} | not yet |\n")
     return "".join(rows)
 
 

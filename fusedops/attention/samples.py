@@ -14,6 +14,7 @@ import torch
 from ..core.desc import TensorDesc
 from ..core.dtypes import dtype_name
 from ..core.status import STATUS_DTYPE, Status
+from ..core.target import target_arch
 from ..opinfo import Case, PlanCall
 from .contract import FP8, FP8_MAX
 from .decode import GQAAttentionDecode
@@ -113,11 +114,47 @@ def to_pages(cache: torch.Tensor, page: int, table: torch.Tensor) -> torch.Tenso
     return pages
 
 
+def tiles(dtype=torch.bfloat16, device="cpu") -> list[Case]:
+    """The production tile configurations (``production()``'s head dims, packing and decode
+    caches) on problems small enough for the PTX emulator. The tile tables cut every tile to
+    the longest sequence rounded up to a power of two (``attention_tiles._fit``), and no entry
+    has a tile over 128, so a longest sequence of 65 or more keeps each entry's own tiles
+    (33 or more at d = 64, whose tiles are 64); the sequences are few and short past that:
+
+    - d = 128, causal with s_q = 80 < s_k = 150: one ragged 128-row query block (sm_90's
+      forward) against three 64-key blocks (the last of 22 keys), so the forward's three
+      pipeline stages all fill; the backward's 128-key (sm_90) and 32/64-key blocks, ragged;
+    - d = 128 packed (the wide variants' register budgets: sm_90's forward, sm_80's dq),
+      causal, sequences of 70, 0 and 23 queries against 90, 0 and 41 keys;
+    - d = 64, causal, s_q = 45 < s_k = 100: two 64-key blocks, the second ragged;
+    - d = 256, causal, s_q = 50 < s_k = 70: the 128-row tiles (forward, dq; dk/dv with the
+      features as M on sm_90) and three 32-key blocks, the last of 6 keys;
+    - decode of one token (h_q / h_kv = 4: the split kernel's 16 rows) on a contiguous bf16
+      cache of 192 positions (a multiple of 64: 64 positions a step) in two splits, one row's
+      cache empty;
+    - decode of four tokens on a paged cache (64-position pages) with FP8 per-head scales in
+      two splits, one row's new tokens closing its first page, the other's inside its third.
+      sm_80 plans refuse e4m3 caches (sm_89 and newer), so under that target the cache is
+      bf16, paged alike.
+
+    One or two KV heads of a GQA group of 2 or 4, batch 1 or 2."""
+    kw = dict(device=device)
+    fp8 = None if target_arch(torch.device(device)) == "sm_80" else "head"
+    return [make(1, 80, 150, 2, 1, 128, dtype, seed=20, causal=True, **kw),
+            make_packed([70, 0, 23], [90, 0, 41], 4, 2, 128, dtype, seed=21, causal=True, **kw),
+            make(1, 45, 100, 2, 1, 64, dtype, seed=22, causal=True, **kw),
+            make(1, 50, 70, 2, 1, 256, dtype, seed=23, causal=True, **kw),
+            make_decode(2, 1, 8, 2, 128, 192, [0, 150], dtype, num_splits=2, seed=24, **kw),
+            make_decode(2, 4, 8, 2, 128, 192, [60, 131], dtype, page_size=64, fp8=fp8,
+                        num_splits=2, seed=25, **kw)]
+
+
 def cases(kind: str, *, dtype=torch.float32, device="cpu", backend: str = "torch") -> list[Case]:
     """small: oracle shapes (dense, causal, windowed, packed); edge: a single token, tile
     boundaries (16, 64 and their neighbours), d = 256, one-token packed sequences (every row sees
     a key); decode: decode steps (T = 1 and 3, a full cache, paged, FP8 per tensor and per KV
-    head); demo: the demonstration's causal bf16 shape for ``backend`` (small ones on the CPU)."""
+    head); tiles: the production tile configurations on small problems (``tiles``); demo: the
+    demonstration's causal bf16 shape for ``backend`` (small ones on the CPU)."""
     kw = dict(device=device)
     if kind == "small":
         return [make(2, 9, 9, 4, 2, 16, dtype, **kw),
@@ -136,12 +173,14 @@ def cases(kind: str, *, dtype=torch.float32, device="cpu", backend: str = "torch
                 make_decode(3, 2, 8, 2, 32, 96, [5, 40, 90], dtype, page_size=16, seed=9, **kw),
                 make_decode(2, 2, 8, 2, 64, 80, [10, 60], dtype, fp8="tensor", seed=10, **kw),
                 make_decode(2, 2, 8, 2, 64, 80, [10, 60], dtype, fp8="head", seed=10, **kw)]
+    if kind == "tiles":
+        return tiles(dtype, device)
     if kind == "demo":
         on_cpu = torch.device(device).type == "cpu"
         b, s, hq, hkv, d = ({"torch": (2, 512, 8, 2, 64), "triton": (1, 64, 4, 2, 64)}[backend]
                             if on_cpu else (4, 4096, 32, 8, 128))
         return [make(b, s, s, hq, hkv, d, dtype, seed=2, causal=True, **kw)]
-    raise ValueError(f"kind: expected small, edge, decode or demo, got {kind!r}")
+    raise ValueError(f"kind: expected small, edge, decode, tiles or demo, got {kind!r}")
 
 
 def production() -> list[tuple[str, list[PlanCall]]]:

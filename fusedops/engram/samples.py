@@ -35,9 +35,28 @@ def make(n: int, s: int, d: int, dtype=torch.float32, *, mask="some", seed: int 
                 dict(eps=eps))
 
 
+def tiles(dtype=torch.bfloat16, device="cpu") -> list[Case]:
+    """The production row layouts (``production()``) on a few tokens. A program holds a whole
+    row, so the layout follows D and the dtype alone and the token count only sets the grid:
+
+    - S = 4, D = 5120 with a mask (its first token on, the others drawn): five 1024-element
+      chunks on 4 warps held in registers (forward), five on 8 warps (backward);
+    - S = 4, D = 12288 without a mask: six 2048-element chunks on 8 warps (forward), three
+      4096-element chunks on 16 warps (backward);
+    - S = 1, D = 384 with a mask: three 128-element chunks on one warp, and the S = 1
+      grad_weight reduce (512 partial rows at most): in bf16 the layout of production's fp32
+      S = 1, D = 256 rows (two 128-element chunks; a bf16 row of 256 is one 256-element chunk).
+
+    Three, two and five tokens."""
+    return [make(3, 4, 5120, dtype, seed=1, device=device),
+            make(2, 4, 12288, dtype, mask="none", seed=2, device=device),
+            make(5, 1, 384, dtype, seed=3, device=device)]
+
+
 def cases(kind: str, *, dtype=torch.float32, device="cpu", backend: str = "torch") -> list[Case]:
     """small: oracle shapes; edge: one token, 16-byte rows, all masked, blocks of the backward;
-    demo: the demonstration's shape for ``backend`` (small ones on the CPU interpreter)."""
+    tiles: the production row layouts on a few tokens (``tiles``); demo: the demonstration's
+    shape for ``backend`` (small ones on the CPU interpreter)."""
     if kind == "small":
         shapes = [(1, 1, 8), (7, 4, 16), (5, 3, 40)]
         return [make(n, s, d, dtype, device=device) for n, s, d in shapes]
@@ -45,12 +64,14 @@ def cases(kind: str, *, dtype=torch.float32, device="cpu", backend: str = "torch
         row = 16 // torch.empty((), dtype=dtype).element_size()
         return [make(1, 1, row, dtype, device=device), make(65, 2, 64, dtype, device=device),
                 make(6, 3, 32, dtype, mask="nothing", device=device)]
+    if kind == "tiles":
+        return tiles(dtype, device)
     if kind == "demo":
         on_cpu = torch.device(device).type == "cpu"
         n, s, d = {"torch": (256, 4, 1024), "triton": (8, 4, 256),
                    "cute": (8, 4, 5120)}[backend] if on_cpu else (8192, 4, 5120)
         return [make(n, s, d, dtype, device=device)]
-    raise ValueError(f"kind: expected small, edge or demo, got {kind!r}")
+    raise ValueError(f"kind: expected small, edge, tiles or demo, got {kind!r}")
 
 
 def production() -> list[tuple[str, list[PlanCall]]]:

@@ -95,21 +95,57 @@ def small(name: str, dtype=torch.float32, *, seed: int = 6, device="cpu", **over
     return make(*cfg["shape"], dtype, seed=seed, device=device, **options)
 
 
+def tiles(dtype=torch.bfloat16, device="cpu") -> list[Case]:
+    """The production tiles (``production()``: p = 64 and 80, n = 128, chunks of 256 and 128)
+    on problems small enough for the PTX emulator. The table's tiles are fitted to the chunk
+    (64-token row blocks from a chunk of 64 on), p (64-row head-dim tiles from p = 64 on), n
+    (the fused forward walk and dB/dC hold the whole state, 128) and the heads (16 per dt
+    program from 9 heads on); the sequences are as short as a case allows past that:
+
+    - Nemotron-H's call (no z, no initial states; D per head, dt_bias), chunk 256: the
+      backward walk's 64-token steps without the gate; 9 heads in one group (16 heads per dt
+      and parameter-reduce program, 7 of them masked); 50 tokens, one ragged row block;
+    - every option (z: the gated walk's 16-token steps at a 128-register budget; initial and
+      final states), chunk 128: 150 tokens, so the state crosses into a second segment of 22;
+    - packed sequences of 150, 0, 37 and 9 tokens with every option, chunk 128, and 14 tokens
+      after them that no sequence covers (the stage zeroing them, 64-wide rows of y and
+      128-wide rows of dB and dC): an empty sequence, one crossing a segment boundary;
+    - p = 80 with D per channel and every option, chunk 128: two head-dim tiles, the second
+      masked (the gated walk's 168-register budget); 9 heads; 40 tokens.
+
+    Batch 1, one group of 2 or 9 heads."""
+    kw = dict(dtype=dtype, device=device)
+    packed = make(1, 210, 2, 64, 1, 128, seed=32, chunk=128, lengths=[150, 0, 37, 23],
+                  **ALL_OPTIONS, **kw)
+    cu = packed.tensors["cu_seqlens"].clone()
+    cu[-1] -= 14                                        # the last 14 tokens uncovered
+    packed = Case(packed.label.replace("[150, 0, 37, 23]", "[150, 0, 37, 9] + 14 uncovered"),
+                  dict(packed.tensors, cu_seqlens=cu), packed.options)
+    return [make(1, 50, 9, 64, 1, 128, seed=30, chunk=256, D="h", dt_bias=True, **kw),
+            make(1, 150, 2, 64, 1, 128, seed=31, chunk=128, **ALL_OPTIONS, **kw),
+            packed,
+            make(1, 40, 9, 80, 1, 128, seed=33, chunk=128, D="hp", z=True, dt_bias=True,
+                 initial_states=True, dfinal=True, **kw)]
+
+
 def cases(kind: str, *, dtype=torch.float32, device="cpu", backend: str = "torch") -> list[Case]:
     """small: the oracle configurations (SMALL); edge: one token, one chunk and one more, empty
-    packed sequences, recomputed states; demo: the demonstration's shape for ``backend`` (D, z,
-    dt_bias, initial states)."""
+    packed sequences, recomputed states; tiles: the production tiles on small problems
+    (``tiles``); demo: the demonstration's shape for ``backend`` (D, z, dt_bias, initial
+    states)."""
     if kind == "small":
         return [small(name, dtype, device=device) for name in SMALL]
     if kind == "edge":
         return [make(*shape, dtype, seed=13 + i, device=device, chunk=chunk, **options)
                 for i, (shape, chunk, options) in enumerate(EDGE)]
+    if kind == "tiles":
+        return tiles(dtype, device)
     if kind == "demo":
         on_cpu = torch.device(device).type == "cpu"
         shape, chunk = DEMO.get(backend, DEMO["triton"]) if on_cpu else DEMO_GPU
         return [make(*shape, dtype, seed=1, device=device, chunk=chunk, D="h", z=True,
                      dt_bias=True, initial_states=True)]
-    raise ValueError(f"kind: expected small, edge or demo, got {kind!r}")
+    raise ValueError(f"kind: expected small, edge, tiles or demo, got {kind!r}")
 
 
 def production() -> list[tuple[str, list[PlanCall]]]:

@@ -76,6 +76,26 @@ EDGE = [
                                 dt_bias=True, accepted=[-1, 2])),           # fp32 dt; a refused rollback
 ]
 
+TILES = [
+    # a speculative launch on an fp16 state rounded stochastically, slots with padding, a row
+    # that accepts all 4 tokens
+    ((3, 4, 2, 64, 1, 128), dict(state_dtype=torch.float16, slots=5, indices=[4, -1, 1], D="h",
+                                 z=True, dt_bias=True, rounding="stochastic", accepted=[4, 1, 2])),
+    # bf16 state rounded stochastically, snapshots every 2 tokens, two groups
+    ((2, 4, 4, 64, 2, 128), dict(state_dtype=torch.bfloat16, D="h", z=True, dt_bias=True,
+                                 rounding="stochastic", period=2, accepted=[3, 0])),
+    # one token on an fp32 state, slots in another order
+    ((2, 1, 2, 64, 1, 128), dict(slots=3, indices=[2, 0], D="h", z=True, dt_bias=True,
+                                 accepted=[1, 0])),
+    # a speculative launch on an fp16 state rounded to nearest
+    ((2, 4, 2, 64, 1, 128), dict(state_dtype=torch.float16, D="h", z=True, dt_bias=True,
+                                 accepted=[2, 4])),
+]
+"""The production blocks (``production()``: p = 64, n = 128, D, z, dt_bias, one token and
+four with snapshots, each state dtype and rounding): 16 head-dim rows a program on 8 warps
+(to nearest) and 8 rows on 4 warps under a 128-register budget (stochastic: Philox), the
+state's 128 columns whole; a few rows and heads."""
+
 DEMO = {"torch": ((8, 4, 8, 32, 2, 64), 16), "triton": ((2, 2, 2, 16, 1, 16), 4)}
 """The demonstration's shapes (b, T, h, p, g, n) and slots on the CPU; on a GPU 8 rows of a
 64-slot cache at h=128, p=64, n=128, g=8 (Nemotron-H), a 4-token speculative launch."""
@@ -84,14 +104,18 @@ DEMO_GPU = ((8, 4, 128, 64, 8, 128), 64)
 
 def cases(kind: str, *, dtype=torch.float32, device="cpu", backend: str = "torch") -> list[Case]:
     """small: slot pools with padding, every storage dtype and rounding; edge: sizes 1, every row
-    skipped, several p and n tiles, fp32 dt, a refused rollback; demo: a speculative launch of 4
-    tokens on an fp16 state with stochastic rounding (D, z, dt_bias, padding), then its rollback."""
+    skipped, several p and n tiles, fp32 dt, a refused rollback; tiles: the production blocks
+    on a few rows (TILES); demo: a speculative launch of 4 tokens on an fp16 state with
+    stochastic rounding (D, z, dt_bias, padding), then its rollback."""
     if kind == "small":
         return [make(*shape, dtype, seed=1 + i, device=device, **options)
                 for i, (shape, options) in enumerate(SMALL)]
     if kind == "edge":
         return [make(*shape, dtype, seed=11 + i, device=device, **options)
                 for i, (shape, options) in enumerate(EDGE)]
+    if kind == "tiles":
+        return [make(*shape, dtype, seed=21 + i, device=device, **options)
+                for i, (shape, options) in enumerate(TILES)]
     if kind == "demo":
         on_cpu = torch.device(device).type == "cpu"
         shape, slots = DEMO.get(backend, DEMO["triton"]) if on_cpu else DEMO_GPU
@@ -99,7 +123,7 @@ def cases(kind: str, *, dtype=torch.float32, device="cpu", backend: str = "torch
         indices = [slots - 1 - 2 * i if i % 4 != 3 else -1 for i in range(b)]
         return [make(*shape, dtype, state_dtype=torch.float16, slots=slots, indices=indices,
                      D="h", z=True, dt_bias=True, rounding="stochastic", seed=2, device=device)]
-    raise ValueError(f"kind: expected small, edge or demo, got {kind!r}")
+    raise ValueError(f"kind: expected small, edge, tiles or demo, got {kind!r}")
 
 
 def production() -> list[tuple[str, list[PlanCall]]]:

@@ -74,13 +74,18 @@ def expert_results(tensors) -> dict[str, torch.Tensor]:
 
 def oracle(case) -> dict[str, torch.Tensor]:
     """Every result of an MoE case (the names ``samples.run`` returns), in float64: the router's
-    weights and ids, the experts' out and gradients, and d_logits through the weights."""
+    weights and ids, the experts' out and gradients, and d_logits through the weights (a
+    router-only case, without expert weights: d_logits from its own d_topk_weights)."""
     t = {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in case.tensors.items()}
     o = case.options
     logits = t["logits"].double().requires_grad_()
     weights, ids = router(logits, o["top_k"], t.get("correction_bias"), o.get("n_group", 1),
                           o.get("topk_group", 1), o.get("norm_topk_prob", True),
                           o.get("routed_scaling_factor", 1.0))
+    if t.get("x") is None:
+        d_logits, = torch.autograd.grad(weights, logits, t["d_topk_weights"].double())
+        return dict(topk_weights=weights.detach(), topk_ids=ids.to(torch.int32),
+                    d_logits=d_logits)
     results = expert_results(dict(t, topk_ids=ids, topk_weights=weights.detach()))
     d_logits, = torch.autograd.grad(weights, logits, results["d_topk_weights"])
     return dict(topk_weights=weights.detach(), topk_ids=ids.to(torch.int32), **results,

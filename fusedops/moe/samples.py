@@ -85,11 +85,69 @@ def make(t: int, H: int, E: int, I: int, k: int, *, shared: int = 0, dtype=torch
                                      routed_scaling_factor=routed_scaling_factor))
 
 
+def make_router(t: int, E: int, k: int, *, dtype=torch.float32, seed: int = 0, device="cpu",
+                n_group: int = 1, topk_group: int = 1, norm_topk_prob: bool = True,
+                routed_scaling_factor: float = 2.5) -> Case:
+    """A router-only case: logits (``separated_logits``) and a correction bias (0.01 N(0, 1)) in
+    the router's dtype (fp32; float64 for float64) and d_topk_weights [t, k] (N(0, 1)), which
+    ``run`` hands to the router's backward; no expert weights (``is_router_case``)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = separated_logits(t, E, gen)
+    bias, d_weights = torch.randn(E, generator=gen) * 0.01, torch.randn(t, k, generator=gen)
+    acc = accumulator_dtype(dtype)
+    label = (f"router t={t} E={E} k={k}{f' groups {topk_group}/{n_group}' if n_group > 1 else ''}"
+             f" {str(acc).removeprefix('torch.')}")
+    return Case(label, dict(logits=logits.to(device, acc), correction_bias=bias.to(device, acc),
+                            d_topk_weights=d_weights.to(device, acc)),
+                dict(top_k=k, n_group=n_group, topk_group=topk_group,
+                     norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor))
+
+
+def is_router_case(case: Case) -> bool:
+    """Whether ``case`` exercises the router alone (``make_router``: no expert weights)."""
+    return case.tensors.get("x") is None
+
+
+def tiles(dtype=torch.bfloat16, device="cpu") -> list[Case]:
+    """The production tiles (``production()``) on problems small enough for the PTX emulator.
+    The routed row tile follows the mean rows per expert (t·k / E: 128 from 96 on, 16 below
+    24), the shared expert's dense row tile the token count (128 from 65 tokens, 64 from 33),
+    the column and K tiles H, I and the shared width (128 columns from 65, K steps of 64 from
+    33; at 16-row tiles 64 columns from 33 and K steps of 128 from 65), the combine's columns
+    H (256 from 129) and the router's tokens per program E (8, 4, 2 at E = 128, 256, 512):
+
+    - 96 tokens to both of 2 experts (96 rows each: one ragged 128-row tile per expert) with
+      a 128-wide shared expert (one ragged 128-row dense tile): every 128 x 128 GEMM of the
+      forward and backward (K steps of 64 over H = 192; relu(u)²'s 32 over I = 96), the
+      weight gradients' 128 x 128 tiles, split over K past 64 rows (the split table and the
+      fp32 slots), the shared expert's two weight gradients in one launch;
+    - 40 tokens to 2 of 8 experts (decode-sized: 16-row tiles, products transposed; 7 to 17
+      rows an expert, the 17th a tile of its own) with a 128-wide shared expert (64-row dense
+      tiles), H = 128;
+    - 144 tokens to 2 of 3 experts, every token to expert 1 (144 rows: two row tiles, the
+      second of 16), no shared expert (the combine, 256 columns over H = 192);
+    - the router alone (``make_router``: E = 128 and 512, no experts there: a grid of E·15
+      padded rows takes minutes to emulate) at Nano's E = 128, k = 6 (13 tokens), Super's
+      E = 512, k = 22 (5 tokens) and the grouped E = 256, k = 8, top 4 of 8 groups (7
+      tokens), each with a bias: its forward and backward, the last program ragged.
+
+    I = 96: every up GEMM's single column tile and the weight gradients' rows ragged (I =
+    1856 leaves production's last column tile half full)."""
+    c = dict(dtype=dtype, device=device)
+    return [make(96, 192, 2, 96, 2, shared=128, seed=40, **c),
+            make(40, 128, 8, 96, 2, shared=128, seed=44, **c),
+            make(144, 192, 3, 96, 2, favourite=1, seed=42, **c),
+            make_router(13, 128, 6, seed=45, **c),
+            make_router(5, 512, 22, seed=46, **c),
+            make_router(7, 256, 8, n_group=8, topk_group=4, seed=47, **c)]
+
+
 def cases(kind: str, *, dtype=torch.float32, device="cpu", backend: str = "torch") -> list[Case]:
     """small: oracle shapes (with and without a shared expert, a bias, grouping and the
     normalisation); edge: t = 1 with k = E = 1, k = E = 5, every token to one expert (17 rows:
-    one more than a row tile), two dispatch blocks (260 assignments); demo: the
-    demonstration's shape for ``backend`` (small ones on the CPU)."""
+    one more than a row tile), two dispatch blocks (260 assignments); tiles: the production
+    tiles on small problems (``tiles``); demo: the demonstration's shape for ``backend`` (small
+    ones on the CPU)."""
     c = dict(dtype=dtype, device=device)
     if kind == "small":
         return [make(8, 16, 4, 24, 2, shared=8, **c),
@@ -101,11 +159,13 @@ def cases(kind: str, *, dtype=torch.float32, device="cpu", backend: str = "torch
                 make(6, 16, 5, 24, 5, shared=8, seed=8, **c),
                 make(17, 16, 4, 24, 2, favourite=3, seed=9, **c),
                 make(130, 16, 6, 16, 2, seed=10, **c)]
+    if kind == "tiles":
+        return tiles(dtype, device)
     if kind == "demo":
         on_cpu = torch.device(device).type == "cpu"
         t, H, E, k, I, S = DEMO_CPU.get(backend, DEMO_CPU["torch"]) if on_cpu else DEMO_GPU
         return [make(t, H, E, I, k, shared=S, bias=False, seed=3, **c)]
-    raise ValueError(f"kind: expected small, edge or demo, got {kind!r}")
+    raise ValueError(f"kind: expected small, edge, tiles or demo, got {kind!r}")
 
 
 def production() -> list[tuple[str, list[PlanCall]]]:
@@ -175,12 +235,18 @@ def plan_calls(case: Case, backend: str) -> list[PlanCall]:
     """The four plans of ``case`` in INFO.plans order: the router (run on ``backend`` for the
     experts' ids and weights), the experts' forward (run for the backward's saved buffer), the
     experts' backward, and the router's backward (with a fixed d_topk_weights); the three that
-    read topk_ids with a status word each."""
+    read topk_ids with a status word each. A router-only case: the router and its backward
+    (with the case's d_topk_weights)."""
     t, o = case.tensors, case.options
     device = t["logits"].device
     router = PlanCall(MoERouter, dict(logits=t["logits"], correction_bias=t.get("correction_bias")),
                       {n: o[n] for n in ROUTER_OPTIONS})
     routed = _execute(router.build(backend).compile(), router.tensors)
+    if is_router_case(case):
+        return [router, PlanCall(MoERouterBackward,
+                                 dict(logits=t["logits"], topk_ids=routed["topk_ids"],
+                                      d_topk_weights=t["d_topk_weights"], status=_status(device)),
+                                 {n: o[n] for n in ROUTER_BACKWARD_OPTIONS})]
     experts = _expert_tensors(t, routed["topk_weights"], routed["topk_ids"])
     forward = PlanCall(ReLU2MoEForward, dict(experts, status=_status(device)))
     saved = _execute(forward.build(backend).compile(), forward.tensors)["saved"]
@@ -200,12 +266,20 @@ def run(case: Case, backend: str) -> dict[str, torch.Tensor]:
     """Router forward, experts forward and backward, router backward (with the experts'
     d_topk_weights) through the plans with caller-allocated buffers; returns topk_weights,
     topk_ids, out, d_x, d_topk_weights, d_w_up, d_w_down (d_shared_w_up, d_shared_w_down) and
-    d_logits."""
+    d_logits. A router-only case: the router and its backward (with the case's d_topk_weights);
+    returns topk_weights, topk_ids and d_logits."""
     t, o = case.tensors, case.options
     bias = t.get("correction_bias")
     router = MoERouter(t["logits"], correction_bias=bias, backend=backend,
                        **{n: o[n] for n in ROUTER_OPTIONS}).compile()
     routed = _execute(router, t)
+    if is_router_case(case):
+        router_backward = MoERouterBackward(t["logits"], routed["topk_ids"], t["d_topk_weights"],
+                                            backend=backend,
+                                            **{n: o[n] for n in ROUTER_BACKWARD_OPTIONS}).compile()
+        d_logits = _execute(router_backward, dict(t, topk_ids=routed["topk_ids"]))["d_logits"]
+        return dict(topk_weights=routed["topk_weights"], topk_ids=routed["topk_ids"],
+                    d_logits=d_logits)
     experts = _expert_tensors(t, routed["topk_weights"], routed["topk_ids"])
     shared = {n: experts[n] for n in SHARED}
     names = ("x", "w_up", "w_down", "topk_ids", "topk_weights")

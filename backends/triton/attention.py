@@ -38,7 +38,7 @@ from fusedops.core.device import device_capability
 from fusedops.core.dtypes import element_size, kernel_dtype_reason
 from fusedops.core.status import Status
 from fusedops.core.program import Program, Stage, Stride, workspace_piece
-from fusedops.core.target import target_arch
+from fusedops.core.target import emulated_target, target_arch
 from fusedops.core.workspace import Layout
 
 from . import attention_cost as C
@@ -254,6 +254,8 @@ def unsupported_reason(problem) -> str | None:
         if cap < FP8_MIN_CAPABILITY:
             return (f"FP8 (e4m3) KV caches need compute capability >= 8.9; {problem.device} has "
                     f"{cap[0]}.{cap[1]}")
+    if reason is None and problem.device.type == "cpu" and emulated_target() is not None:
+        return unsupported_arch_reason(problem, target_arch(problem.device))   # the emulated target
     return reason
 
 

@@ -11,6 +11,7 @@ Run it in a process of its own (Triton compiles only where its interpreter is of
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import re
 import sys
@@ -20,7 +21,8 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from ..core.target import compiling_for, emulated_target
+from ..core.target import compiling_for, emulated_target, normalise_arch
+from ..errors import UnsupportedError
 from ..registry import FAMILIES, family
 from . import NoTorchOps, errors
 
@@ -39,6 +41,7 @@ class CaseResult:
     seconds: float
     failures: list[str] = field(default_factory=list)
     error: str | None = None
+    skipped: str | None = None      # why the target does not take the case (its plans refuse it)
 
 
 def run_cases(
@@ -82,6 +85,9 @@ def run_cases(
                         name, arch, case.label, not failures, time.perf_counter() - start, failures
                     )
                 )
+            except UnsupportedError as exc:     # the plans refuse the case on this target
+                out.append(CaseResult(name, arch, case.label, True, time.perf_counter() - start,
+                                      skipped=str(exc)))
             except Exception as exc:  # noqa: BLE001  (reported per case, with its traceback's tail)
                 tail = traceback.format_exc().strip().splitlines()[-1]
                 out.append(
@@ -135,10 +141,17 @@ def tile_signature(spec) -> tuple:
     return (spec.name, spec.num_warps, spec.num_stages, spec.maxnreg, tiles)
 
 
-def _kernels(calls, backend: str):
+def _kernels(calls, backend: str, arch: str | None = None):
+    """The kernels ``backend`` runs for ``calls`` (those it can compile for ``arch``)."""
     for call in calls:
-        if backend in call.plan.backends:
-            yield from call.build("torch").kernel_program(backend).kernels
+        if backend not in call.plan.backends:
+            continue
+        plan = call.build("torch")
+        module = importlib.import_module(f"fusedops.backends.{backend}.{plan.backend_module}")
+        refuse = getattr(module, "unsupported_arch_reason", None)
+        if arch is not None and refuse is not None and refuse(plan.problem, normalise_arch(arch)):
+            continue
+        yield from plan.kernel_program(backend).kernels
 
 
 def production_signatures(name: str, arch: str, backend: str = "triton") -> set[tuple]:
@@ -177,7 +190,7 @@ def verification_table() -> str:
                     continue
                 with compiling_for(arch):
                     for _, calls in info.production():
-                        for k in _kernels(calls, backend):
+                        for k in _kernels(calls, backend, arch):
                             used.setdefault(k.name, set()).add(arch)
             for name in sorted(used):
                 targets = ", ".join("CI" if a in used[name] else "—"
@@ -251,8 +264,8 @@ def main(argv=None) -> int:
                     if args.json:
                         print(json.dumps(asdict(r)), flush=True)
                     else:
-                        verdict = "ok  " if r.ok else "FAIL"
-                        detail = r.error or "; ".join(r.failures)
+                        verdict = "skip" if r.skipped else "ok  " if r.ok else "FAIL"
+                        detail = r.skipped or r.error or "; ".join(r.failures)
                         print(
                             f"{verdict} {r.arch:<8} {r.family:<16} {r.seconds:6.1f}s "
                             f"{r.label} {detail}",

@@ -45,10 +45,12 @@ class FuzzResult:
 class Guarded:
     """A tensor placed inside a byte buffer with GUARD_BYTES of canary before and after it."""
 
-    def __init__(self, like: torch.Tensor, fill=None) -> None:
+    def __init__(self, like: torch.Tensor, fill=None, alignment: int = 16) -> None:
         nbytes = like.numel() * like.element_size()
-        self.buffer = torch.full((GUARD_BYTES + nbytes + GUARD_BYTES,), CANARY, dtype=torch.uint8,
-                                 device=like.device)
+        buffer = torch.full((alignment + GUARD_BYTES + nbytes + GUARD_BYTES,), CANARY,
+                            dtype=torch.uint8, device=like.device)
+        skip = -(buffer.data_ptr() + GUARD_BYTES) % alignment    # the body starts aligned
+        self.buffer = buffer[skip:skip + GUARD_BYTES + nbytes + GUARD_BYTES]
         body = self.buffer[GUARD_BYTES:GUARD_BYTES + nbytes]
         self.tensor = body.view(like.dtype).view(like.shape) if like.numel() else \
             torch.empty(like.shape, dtype=like.dtype, device=like.device)
@@ -85,7 +87,8 @@ def run_guarded(case: FuzzCase, backend: str) -> FuzzResult:
     args = {name: g.tensor for name, g in guards.items()}
     if plan.workspace_size:
         guards["workspace"] = Guarded(torch.empty(plan.workspace_size, dtype=torch.uint8,
-                                                  device=device), fill=0xFF)
+                                                  device=device), fill=0xFF,
+                                      alignment=plan._program.workspace_alignment(device))
         args["workspace"] = guards["workspace"].tensor
     plan.execute(**args)
     if device.type == "cuda":

@@ -76,8 +76,11 @@ class OpInfo:
     """One operator family.
 
     ``cases(kind, dtype=, device=, backend=)``: sample inputs; kinds "small" (oracle checks),
-    "edge" (sizes at and around the tile boundaries) and "demo" (the demonstration's shape for
-    that backend). ``production()``: (label, [PlanCall]) at the production shapes, as
+    "edge" (sizes at and around the tile boundaries), the family's own (``sample_kinds``) and
+    "demo" (the demonstration's shape for that backend). ``sample_kinds``: every kind but
+    "demo", the samples the family's oracle tests run and ``fusedops kernels --samples``
+    compiles for every target; ``sample_dtypes``: the activation dtypes those samples are drawn
+    in. ``production()``: (label, [PlanCall]) at the production shapes, as
     TensorDescs on the CPU (AOT compiles, kernel report). ``plan_calls(case, backend)``: every
     plan of the family with that case's arguments, in order (a backward's saved buffer comes
     from running the forward on ``backend``). ``run(case, backend)``: forward and backward
@@ -107,6 +110,8 @@ class OpInfo:
     bench: Sequence[str] = ()
     demo_reference: str = "torch"
     index_fuzz: Callable[..., list] | None = None
+    sample_kinds: Sequence[str] = ("small", "edge")
+    sample_dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16, torch.float16)
 
     @property
     def backends(self) -> tuple[str, ...]:

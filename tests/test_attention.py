@@ -139,7 +139,7 @@ def test_fully_masked_rows_give_zero_and_minus_inf():
 
 # -- 2. every backend against the oracle -------------------------------------------------------
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("kind", ["small", "edge", "decode"])
+@pytest.mark.parametrize("kind", INFO.sample_kinds)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=dtype_id)
 def test_backend_matches_oracle(backend, kind, dtype):
     for case in INFO.cases(kind, dtype=dtype, device=DEVICE, backend=backend):

@@ -1,7 +1,8 @@
 """The kernel report (``fusedops kernels``) as CI's yardstick until a GPU measures: every kernel of
 every plan at the production shapes compiles for its targets, and the design rules hold from the
-compiled code. A rule today's kernels break is marked xfail(strict=True) with the reason: when a
-kernel change fixes it, the test turns red and the mark must come off."""
+compiled code; every kernel of every registry sample compiles for every target as well. A rule
+today's kernels break is marked xfail(strict=True) with the reason: when a kernel change fixes
+it, the test turns red and the mark must come off."""
 
 from __future__ import annotations
 
@@ -89,12 +90,21 @@ KNOWN = {
 }
 
 
-@pytest.fixture(scope="module")
-def report():
+def compile_env() -> dict[str, str]:
+    """The environment of this file's compiling subprocesses: the test session's without the
+    interpreter. One environment for all of them, so that Triton's on-disk cache (keyed by a
+    kernel's source hash, its options, the target and the cache-invalidating environment
+    variables) serves a specialisation one of them compiled to the others."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["TRITON_DEFAULT_FP_FUSION"] = "1"
-    proc = subprocess.run([sys.executable, "-m", "fusedops", "kernels", "--json", "--arch", *ARCHS], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=2400)
+    return env
+
+
+@pytest.fixture(scope="module")
+def report():
+    proc = subprocess.run([sys.executable, "-m", "fusedops", "kernels", "--json", "--arch", *ARCHS],
+                          cwd=ROOT, env=compile_env(), capture_output=True, text=True,
+                          timeout=2400)
     assert proc.returncode == 0, proc.stderr[-4000:]
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     kernels = [r for r in lines if r["kind"] == "kernel"]
@@ -237,3 +247,28 @@ def test_performance_page_shows_the_current_report(report):
         assert block, f"docs/performance.md lacks the {name} markers"
         assert block.group(1) == expected, \
             f"docs/performance.md's {name} is stale: python -m fusedops kernels --markdown"
+
+
+def test_every_registry_sample_compiles_for_every_target():
+    """``fusedops kernels --samples``: every kernel of every plan of every registry sample (each
+    family's ``sample_kinds`` in each of its ``sample_dtypes``) and of the production shapes
+    compiles for every target with that target's tile table (Triton: sm_80, sm_90a, sm_100a;
+    CuTe: sm_90a, sm_100a), or its backend states why it cannot; a failure names the family,
+    the sample, the plan, the kernel and the arch. It runs in a subprocess with the report's
+    environment (``compile_env``) after the report in this file, so Triton's on-disk cache
+    already holds the production specialisations the report compiled for sm_90a and sm_100a
+    and serves them without compiling again; an identical specialisation of several samples
+    compiles once per target."""
+    proc = subprocess.run([sys.executable, "-m", "fusedops", "kernels", "--samples", "--json"],
+                          cwd=ROOT, env=compile_env(), capture_output=True, text=True,
+                          timeout=5400)
+    lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    failed = [f"{r['family']} | {r['label']} | {r['plan']} | {r['kernel']} | {r['arch']}: "
+              f"{r['error'].strip().splitlines()[-1]}" for r in lines if r["kind"] == "failed"]
+    assert not failed, "\n".join(failed)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    summary = next(r for r in lines if r["kind"] == "samples")
+    assert summary["archs"] == ["sm_100a", "sm_80", "sm_90a"]
+    kinds = {f: v["kinds"] for f, v in summary["families"].items()}
+    assert kinds == {info.name: sorted({*info.sample_kinds, "production"}) for info in FAMILIES
+                     if any(b in ("triton", "cute") for b in info.backends)}

@@ -56,7 +56,7 @@ def compare(result, expected, tolerance, names=None):
 # -- 0. the registry's cases: router -> experts -> backward -> router backward ------------------
 @pytest.mark.parametrize("backend,dtype", [(b, d) for b in BACKENDS for d in EXPERT_DTYPES[b]],
                          ids=lambda v: dtype_id(v) if isinstance(v, torch.dtype) else v)
-@pytest.mark.parametrize("kind", ["small", "edge"])
+@pytest.mark.parametrize("kind", INFO.sample_kinds)
 def test_cases_match_oracle(backend, dtype, kind):
     for case in INFO.cases(kind, dtype=dtype, device=DEVICE, backend=backend):
         results = INFO.run(case, backend)

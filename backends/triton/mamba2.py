@@ -32,7 +32,8 @@ from . import mamba2_fwd as fwd_kernels
 from . import mamba2_bwd_model as bwd_model
 from . import mamba2_model as model
 from .mamba2_buffers import backward_workspace, forward_workspace, saved_layout
-from .mamba2_tiles import TILES, ScanTiles, Tiles, candidates, counts, tiles
+from .mamba2_tiles import (TILES, ScanTiles, Tiles, candidates, counts, fused_state_width,
+                           tiles)
 from .mamba2_strides import contiguous_x, per_token_shape, stride_args, strides
 from .runtime import KernelSpec, numerics, pointer_type
 
@@ -237,7 +238,7 @@ def fused_fwd_spec(problem, t: Tiles | None = None, entering: bool = False) -> K
                   *stride_args("x", "x"), *stride_args("z", "x"), *stride_args("B", "B"),
                   *stride_args("C", "B"), *stride_args("y", "x"), ("L", "i32")),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
-                      Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=triton.next_power_of_2(problem.state),
+                      Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=fused_state_width(problem.state),
                       HAS_H0=problem.has_initial_states, HAS_ENTERING=entering,
                       HAS_D=problem.has_D, D_PER_CHANNEL=problem.D_per_channel,
                       HAS_Z=problem.has_z, VARLEN=_varlen(problem), **numerics(problem.dtype),

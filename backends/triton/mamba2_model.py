@@ -37,14 +37,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import triton
 
 from fusedops.core.cost import Cost
 from fusedops.core.dtypes import element_size
 from fusedops.core.target import target_arch
 from fusedops.mamba2.contract import segment_lengths
 
-from .mamba2_tiles import Tiles, counts
+from .mamba2_tiles import Tiles, counts, fused_state_width
 from .l2_reuse import Programs, every_program, key, machine, per_arch
 
 
@@ -359,7 +358,7 @@ def fused_fwd_cost(problem, t: Tiles, entering: bool) -> Cost:
     d = _Dims(problem, t)
     first, count = _sequences(problem, d)
     steps = max(1, int(count.max()))
-    Np = triton.next_power_of_2(d.N)
+    Np = fused_state_width(d.N)          # the walk's state tile, padded for the MMA
     launch = _Launch(problem, t, (d.NPB, d.seqs * d.H))
     w, V = launch.programs, launch.V
     ip, sh = w.coords

@@ -96,8 +96,20 @@ TILES = {
 }
 
 
+MMA_MIN = 16
+"""The smallest dimension of a tensor-core product Triton compiles (``tl.dot``'s K, on every
+target): every tile of a dot operand is at least this wide, and a narrower p or n is padded to it
+with masked loads (the padding reads nothing and adds zeros)."""
+
+
 def _pow2_between(value: int, lo: int, hi: int) -> int:
     return max(lo, min(hi, triton.next_power_of_2(value)))
+
+
+def fused_state_width(state: int) -> int:
+    """The state tile of the fused forward walk: the whole state n, rounded up to a power of two
+    and to at least MMA_MIN (the K of its C·H0 product)."""
+    return max(MMA_MIN, triton.next_power_of_2(state))
 
 
 def tiles(problem, config: ScanTiles | None = None) -> Tiles:
@@ -107,12 +119,12 @@ def tiles(problem, config: ScanTiles | None = None) -> Tiles:
     up to a power of two) is at most FUSED_MAX_STATE."""
     c = config or TILES[target_arch(problem.device)][0]
     search = max(1, math.ceil(math.log2(problem.sequences + 1))) if problem.num_sequences else 1
-    return Tiles(BQ=min(problem.chunk, c.BQ), BP=_pow2_between(problem.head_dim, 16, c.BP),
-                 BN=_pow2_between(problem.state, 16, c.BN),
+    return Tiles(BQ=min(problem.chunk, c.BQ), BP=_pow2_between(problem.head_dim, MMA_MIN, c.BP),
+                 BN=_pow2_between(problem.state, MMA_MIN, c.BN),
                  BLOCK_H=_pow2_between(problem.heads, 1, c.BLOCK_H), SEARCH=search,
                  FUSED=c.FUSED and triton.next_power_of_2(problem.state) <= FUSED_MAX_STATE,
                  FUSED_WARPS=c.FUSED_WARPS, FUSED_STAGES=c.FUSED_STAGES,
-                 DBC_BN=_pow2_between(problem.state, 16, c.DBC_BN), DX_IN_DBC=c.DX_IN_DBC,
+                 DBC_BN=_pow2_between(problem.state, MMA_MIN, c.DBC_BN), DX_IN_DBC=c.DX_IN_DBC,
                  DBC_STAGES=c.DBC_STAGES, WALK_STAGES=c.WALK_STAGES)
 
 

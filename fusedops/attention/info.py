@@ -44,4 +44,5 @@ INFO = OpInfo(
     cases=samples.cases, production=samples.production, plan_calls=samples.plan_calls,
     run=samples.run, oracle=oracle, tolerance=tolerance,
     demo_limit=2.5e-2,   # tensor-core products with bf16 operands (P rounded to bf16)
-    bench=("attention",), index_fuzz=samples.index_fuzz)
+    bench=("attention",), index_fuzz=samples.index_fuzz,
+    sample_kinds=("small", "edge", "decode"))

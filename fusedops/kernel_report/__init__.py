@@ -117,37 +117,79 @@ def production_plans(backends: Sequence[str] = tuple(KERNEL_BACKENDS),
                                       plan.floor())
 
 
-_TASKS: list = []      # (backend, kernel, arch) to compile; read by forked workers by index
+@dataclass(frozen=True)
+class CompileFailure:
+    """A kernel that did not compile for an architecture: the compiler's message."""
+
+    error: str
+
+
+_TASKS: list = []      # (backend, kernel, arch, read) to compile; read by forked workers by index
 
 
 def _compile_task(index: int):
-    backend, kernel, arch = _TASKS[index]
-    return (compile_triton if backend == "triton" else compile_cute)(kernel, arch)
+    backend, kernel, arch, read = _TASKS[index]
+    compile_one = compile_triton if backend == "triton" else compile_cute
+    try:
+        return compile_one(kernel, arch, read=read)
+    except Exception as e:      # reported with the kernel and arch by the caller
+        return CompileFailure(error_text(e))
 
 
-def kernel_rows(plans: Sequence[PlanKernels], archs: Sequence[str] | None = None,
-                keep_artifacts: bool = False, jobs: int | None = None) -> list[KernelRow]:
-    """Compiles every kernel of ``plans`` for its backend's architectures (or ``archs``); a
-    kernel shared by several plans with the same specialisation is compiled once per arch.
-    ``jobs`` compiler processes run side by side (default: one per CPU core)."""
-    entries = []
-    for p in plans:
-        for arch in archs or KERNEL_BACKENDS[p.backend]:
-            if arch in KERNEL_BACKENDS[p.backend] and not p.unsupported(arch):
-                entries += [(p, kernel, arch) for kernel in p.kernels(arch)]
-    keys = list(dict.fromkeys((p.backend, kernel, arch) for p, kernel, arch in entries))
-    _TASKS[:] = keys
+def error_text(error: BaseException) -> str:
+    """An exception and its causes, outermost first, one "Type: message" each (a Triton
+    CompilationError points at the source line; its cause says what the compiler refused)."""
+    parts, seen = [], set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        parts.append(f"{type(error).__name__}: {str(error).strip()[-2000:]}")
+        error = error.__cause__ or (None if error.__suppress_context__ else error.__context__)
+    return "\n".join(parts)
+
+
+def compile_kernels(keys: Sequence[tuple], jobs: int | None = None,
+                    read: bool = True) -> dict[tuple, Any]:
+    """Compiles each (backend, kernel, arch) of ``keys`` once, ``jobs`` compiler processes side
+    by side (default: one per CPU core). Per key: (Compiled, {"ptx", "sass", "cubin"}), or
+    without ``read`` (None, {}) (compiled, the cubin not read back), or a ``CompileFailure``."""
+    keys = list(dict.fromkeys(keys))
+    _TASKS[:] = [(*key, read) for key in keys]
     jobs = max(1, jobs or os.cpu_count() or 1)
     if jobs > 1 and len(keys) > 1:
         with multiprocessing.get_context("fork").Pool(jobs) as pool:
             results = pool.map(_compile_task, range(len(keys)), chunksize=1)
     else:
         results = [_compile_task(i) for i in range(len(keys))]
-    compiled = dict(zip(keys, results))
+    return dict(zip(keys, results))
+
+
+def plan_entries(plans: Sequence[PlanKernels],
+                 archs: Sequence[str] | None = None) -> list[tuple[PlanKernels, Any, str]]:
+    """(plan, kernel, arch) for every kernel of ``plans`` on each architecture of its backend
+    (or of ``archs``) that the backend does not refuse (``unsupported``)."""
+    entries = []
+    for p in plans:
+        for arch in archs or KERNEL_BACKENDS[p.backend]:
+            if arch in KERNEL_BACKENDS[p.backend] and not p.unsupported(arch):
+                entries += [(p, kernel, arch) for kernel in p.kernels(arch)]
+    return entries
+
+
+def kernel_rows(plans: Sequence[PlanKernels], archs: Sequence[str] | None = None,
+                keep_artifacts: bool = False, jobs: int | None = None) -> list[KernelRow]:
+    """Compiles every kernel of ``plans`` for its backend's architectures (or ``archs``); a
+    kernel shared by several plans with the same specialisation is compiled once per arch.
+    ``jobs`` compiler processes run side by side (default: one per CPU core). A kernel that
+    does not compile raises, naming it and the arch."""
+    entries = plan_entries(plans, archs)
+    compiled = compile_kernels([(p.backend, kernel, arch) for p, kernel, arch in entries], jobs)
     rows = []
     for p, kernel, arch in entries:
-        result, artifacts = compiled[(p.backend, kernel, arch)]
-        rows.append(_row(p, kernel, arch, result, artifacts if keep_artifacts else {}))
+        result = compiled[(p.backend, kernel, arch)]
+        if isinstance(result, CompileFailure):
+            raise RuntimeError(f"{p.label} {p.plan}: {kernel.name} does not compile for {arch}: "
+                               f"{result.error}")
+        rows.append(_row(p, kernel, arch, result[0], result[1] if keep_artifacts else {}))
     return rows
 
 
@@ -217,5 +259,6 @@ def plan_totals(plans: Sequence[PlanKernels], arch: str = "sm_90a") -> list[Plan
     return out
 
 
-__all__ = ["GPUS", "KERNEL_BACKENDS", "KernelRow", "PlanKernels", "PlanTotal", "kernel_rows",
-           "plan_totals", "production_plans", "unsupported"]
+__all__ = ["GPUS", "KERNEL_BACKENDS", "CompileFailure", "KernelRow", "PlanKernels", "PlanTotal",
+           "compile_kernels", "kernel_rows", "plan_entries", "plan_totals", "production_plans",
+           "unsupported"]

@@ -1,4 +1,5 @@
-"""``fusedops kernels``: the kernel report as a table, JSON, and dumped PTX/cubin/SASS."""
+"""``fusedops kernels``: the kernel report as a table, JSON, and dumped PTX/cubin/SASS; with
+``--samples``, the compile check of every registry sample (``fusedops.kernel_report.samples``)."""
 
 from __future__ import annotations
 
@@ -24,6 +25,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--jobs", type=int, help="compiler processes (default: one per CPU core)")
     p.add_argument("--markdown", action="store_true",
                    help="the tables of docs/performance.md (sm_90a)")
+    p.add_argument("--samples", action="store_true",
+                   help="instead of the report: compile every kernel of every plan of every "
+                        "registry sample (each family's sample kinds and dtypes) and production "
+                        "shape for each target; print what does not compile (exit status 1)")
     return p
 
 
@@ -84,10 +89,15 @@ def dump(rows, directory: str) -> None:
 
 def main(argv=None) -> int:
     args = parser().parse_args(argv)
+    if args.samples and (args.dump or args.markdown):
+        parser().error("--samples: expected without --dump and --markdown (it reads no cubin)")
     from ..backends.triton import interpreter_active
     if "triton" in args.backend and interpreter_active():
         raise SystemExit("fusedops kernels: unset TRITON_INTERPRET (the report compiles with "
                          "Triton's JIT, not the interpreter)")
+    if args.samples:
+        from .samples import main as samples_main
+        return samples_main(args)
     plans = list(production_plans(args.backend, args.only))
     rows = kernel_rows(plans, args.arch, keep_artifacts=bool(args.dump), jobs=args.jobs)
     if args.only:

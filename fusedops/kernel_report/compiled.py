@@ -141,11 +141,14 @@ def wgmma_overlap(sass: str) -> int:
 TRITON_TARGETS = {"sm_80": 80, "sm_90a": 90, "sm_100a": 100}
 
 
-def compile_triton(spec, arch: str):
-    """(Compiled, {"ptx", "sass", "cubin"}) of a Triton KernelSpec for ``arch``."""
+def compile_triton(spec, arch: str, read: bool = True):
+    """(Compiled, {"ptx", "sass", "cubin"}) of a Triton KernelSpec for ``arch``; without
+    ``read``, (None, {}) once it compiled and its scratch is checked (the cubin not read back)."""
     from ..backends.triton.aot import check_scratch, compile_spec, gpu_target
     compiled = compile_spec(spec, gpu_target(TRITON_TARGETS[arch]))
     check_scratch(spec, compiled)
+    if not read:
+        return None, {}
     result, sass = read_cubin(compiled.asm["cubin"], arch)
     shared = max(result.shared_bytes, int(compiled.metadata.shared))
     result = Compiled(arch, result.registers, result.spill_bytes, shared, result.opcodes,
@@ -153,9 +156,12 @@ def compile_triton(spec, arch: str):
     return result, dict(ptx=compiled.asm["ptx"], sass=sass, cubin=compiled.asm["cubin"])
 
 
-def compile_cute(kernel, arch: str):
-    """(Compiled, {"ptx", "sass", "cubin"}) of a CuteKernel for ``arch`` (PTX through ptxas)."""
+def compile_cute(kernel, arch: str, read: bool = True):
+    """(Compiled, {"ptx", "sass", "cubin"}) of a CuteKernel for ``arch`` (PTX through ptxas);
+    without ``read``, (None, {}) once it assembled."""
     from ..backends.cute.aot import assemble
     ptx, cubin = assemble(kernel, arch)
+    if not read:
+        return None, {}
     result, sass = read_cubin(cubin, arch, extra_shared=kernel.dynamic_shared_bytes)
     return result, dict(ptx=ptx, sass=sass, cubin=cubin)

@@ -71,13 +71,20 @@ class PlanCall:
         return self.plan(**args, **self.options, backend=backend)
 
 
+TILES = "tiles"
+"""The sample kind every family has for compiled code on the emulator: the production tile
+configurations (wgmma, TMA, tcgen05 paths included) on small, ragged problems."""
+
+
 @dataclass(frozen=True)
 class OpInfo:
     """One operator family.
 
     ``cases(kind, dtype=, device=, backend=)``: sample inputs; kinds "small" (oracle checks),
-    "edge" (sizes at and around the tile boundaries), the family's own (``sample_kinds``) and
-    "demo" (the demonstration's shape for that backend). ``sample_kinds``: every kind but
+    "edge" (sizes at and around the tile boundaries), the family's own (``sample_kinds``),
+    "tiles" (``TILES``: bf16 problems whose static sizes make every kernel take its production
+    tile configuration, at runtime sizes small enough for the PTX emulator) and "demo" (the
+    demonstration's shape for that backend). ``sample_kinds``: every kind but "tiles" and
     "demo", the samples the family's oracle tests run and ``fusedops kernels --samples``
     compiles for every target; ``sample_dtypes``: the activation dtypes those samples are drawn
     in. ``production()``: (label, [PlanCall]) at the production shapes, as

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -26,3 +28,15 @@ def check_against_oracle(info, case, results: dict, names=None) -> None:
     expected = info.oracle(case)
     for name in names or results:
         assert_close(results[name], expected[name], info.tolerance(name, case.dtype), name)
+
+
+def compile_env(**extra: str) -> dict[str, str]:
+    """The environment of the tests' compiling subprocesses (the kernel report, the sample
+    compiles, the emulated kernels): the test session's without Triton's interpreter, with
+    ``extra``. One environment for all, so that Triton's on-disk cache (keyed by a kernel's
+    source hash, its options, the target and the cache-invalidating environment variables)
+    serves a specialisation one of them compiled to the others."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    env.update(extra)
+    return env

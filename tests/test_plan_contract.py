@@ -12,6 +12,7 @@ import torch
 from fusedops import TensorDesc
 from fusedops.errors import PlanStateError, ValidationError
 from fusedops.plan import EAGER_PLANS
+from fusedops.opinfo import TILES
 from fusedops.registry import FAMILIES
 from fusedops.testing import NoTorchOps
 
@@ -205,15 +206,17 @@ def test_gpu_graph_replay_with_changed_inputs_and_poisoned_outputs(info, index, 
 
 
 @pytest.mark.parametrize("info", FAMILIES, ids=lambda info: info.name)
-def test_sample_kinds_are_every_kind_of_cases_but_demo(info):
+def test_sample_kinds_are_every_kind_of_cases_but_tiles_and_demo(info):
     """``OpInfo.sample_kinds`` (what the oracle tests and ``fusedops kernels --samples`` run)
-    is every kind ``cases`` takes but "demo", each giving samples in every ``sample_dtypes``:
-    the kinds ``cases`` names when it refuses one."""
+    is every kind ``cases`` takes but "tiles" (the emulator's production tile configurations)
+    and "demo", each giving samples in every ``sample_dtypes``: the kinds ``cases`` names when
+    it refuses one."""
     with pytest.raises(ValueError, match="kind: expected") as refused:
         info.cases("no such kind")
     listed = str(refused.value).split("expected ", 1)[1].split(", got", 1)[0]
     kinds = [k for part in listed.split(", ") for k in part.split(" or ")]
-    assert sorted(kinds) == sorted([*info.sample_kinds, "demo"])
+    triton = "triton" in info.backends
+    assert sorted(kinds) == sorted([*info.sample_kinds, *([TILES] if triton else []), "demo"])
     for dtype in info.sample_dtypes:
         for kind in info.sample_kinds:
             assert info.cases(kind, dtype=dtype), (kind, dtype)

@@ -228,14 +228,6 @@ def unary(fn):
     return decode
 
 
-d_ex2 = unary(lambda x, mode: np.exp2(x))
-d_lg2 = unary(lambda x, mode: np.log2(x))
-d_sin = unary(lambda x, mode: np.sin(x))
-d_cos = unary(lambda x, mode: np.cos(x))
-d_tanh = unary(lambda x, mode: np.tanh(x))
-d_rsqrt = unary(lambda x, mode: 1.0 / np.sqrt(x))
-
-
 def rounded(op):
     def fn(x, mode):
         if mode == "rn":
@@ -245,5 +237,3 @@ def rounded(op):
     return fn
 
 
-d_sqrt = unary(rounded("sqrt"))
-d_rcp = unary(rounded("rcp"))

@@ -97,6 +97,12 @@ class Machine:
         """How many lanes ``L`` holds."""
         return self.n if isinstance(L, slice) else len(L)
 
+    def warp_leaders(self, L) -> np.ndarray:
+        """The first lane of each warp in ``L`` (an instruction a warp executes once)."""
+        idx = self.index(L)
+        warp = self.warp_global[idx]
+        return idx[np.r_[True, warp[1:] != warp[:-1]]] if len(idx) else idx
+
     def index(self, L) -> np.ndarray:
         """``L`` as an index array."""
         return np.arange(self.n) if isinstance(L, slice) else L

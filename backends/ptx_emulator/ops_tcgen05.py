@@ -108,7 +108,7 @@ def _alloc(ins):
         m.check_converged(E, L)
         idx = m.index(E)
         t = tmem(m)
-        firsts = idx[np.r_[True, m.warp_global[idx][1:] != m.warp_global[idx][:-1]]]
+        firsts = m.warp_leaders(idx)
         for lane in firsts.tolist():
             one = np.asarray([lane])
             n = int(np.asarray(get_cols(m, one)).ravel()[0])
@@ -140,7 +140,7 @@ def _dealloc(ins):
         m.check_converged(E, L)
         idx = m.index(E)
         t = tmem(m)
-        firsts = idx[np.r_[True, m.warp_global[idx][1:] != m.warp_global[idx][:-1]]]
+        firsts = m.warp_leaders(idx)
         for lane in firsts.tolist():
             one = np.asarray([lane])
             _, col = _split(int(np.asarray(get_addr(m, one)).ravel()[0]))

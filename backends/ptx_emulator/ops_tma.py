@@ -174,7 +174,7 @@ def d_tensormap(ins):
                 return
             m.check_converged(E, L)
             idx = m.index(E)
-            firsts = idx[np.r_[True, m.warp_global[idx][1:] != m.warp_global[idx][:-1]]]
+            firsts = m.warp_leaders(idx)
             for lane, g, s in zip(
                 firsts.tolist(), to_global(m, firsts).tolist(), from_shared(m, firsts).tolist()
             ):

@@ -96,6 +96,7 @@ class Plan:
             self.op_name, backend, self._device, self.problem, self.backend_module, self.backends,
             self.auto_order)
         self._program: Program = getattr(self._impl, f"{self.program_name}_program")(self.problem)
+        self._alignment_of: Program | None = None
         self._declare_program_buffers()
 
     # -- what a subclass implements ----------------------------------------------------------
@@ -182,11 +183,20 @@ class Plan:
         """Bytes of caller workspace execute() needs (0 when it needs none)."""
         return self._program.workspace.size
 
+    @property
+    def _workspace_alignment(self) -> int:
+        """The alignment execute() requires of the workspace (the program's, on this device),
+        found once per program."""
+        program = self._program
+        if self._alignment_of is not program:
+            self._alignment_of = program
+            self._alignment = program.workspace_alignment(self._device)
+        return self._alignment
+
     def allocate_workspace(self) -> torch.Tensor:
         """A uint8 tensor of ``workspace_size`` bytes on the plan's device, aligned as execute()
         requires (allocate before CUDA Graph capture; execute only binds it)."""
-        return aligned_bytes(self.workspace_size, self._program.workspace_alignment(self._device),
-                             self._device)
+        return aligned_bytes(self.workspace_size, self._workspace_alignment, self._device)
 
     @property
     def saved_size(self) -> int:
@@ -298,8 +308,7 @@ class Plan:
             binding[name] = value
             (written if operand.is_written else read)[name] = value
         workspace = args.get("workspace")
-        check_workspace(workspace, self.workspace_size, self._device,
-                        self._program.workspace_alignment(self._device))
+        check_workspace(workspace, self.workspace_size, self._device, self._workspace_alignment)
         if self.workspace_size:
             written["workspace"] = workspace
         check_no_overlap(read, written)

@@ -88,7 +88,7 @@ def run_guarded(case: FuzzCase, backend: str) -> FuzzResult:
     if plan.workspace_size:
         guards["workspace"] = Guarded(torch.empty(plan.workspace_size, dtype=torch.uint8,
                                                   device=device), fill=0xFF,
-                                      alignment=plan._program.workspace_alignment(device))
+                                      alignment=plan._workspace_alignment)
         args["workspace"] = guards["workspace"].tensor
     plan.execute(**args)
     if device.type == "cuda":

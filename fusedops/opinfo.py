@@ -87,7 +87,9 @@ class OpInfo:
     demonstration's shape for that backend). ``sample_kinds``: every kind but "tiles" and
     "demo", the samples the family's oracle tests run and ``fusedops kernels --samples``
     compiles for every target; ``sample_dtypes``: the activation dtypes those samples are drawn
-    in. ``production()``: (label, [PlanCall]) at the production shapes, as
+    in. ``emulated_cases``: the cases (``"kind:index"``, bf16) CI runs on the code compiled for
+    every target, on the PTX emulator: together they launch every kernel of the family.
+    ``production()``: (label, [PlanCall]) at the production shapes, as
     TensorDescs on the CPU (AOT compiles, kernel report). ``plan_calls(case, backend)``: every
     plan of the family with that case's arguments, in order (a backward's saved buffer comes
     from running the forward on ``backend``). ``run(case, backend)``: forward and backward
@@ -119,6 +121,7 @@ class OpInfo:
     index_fuzz: Callable[..., list] | None = None
     sample_kinds: Sequence[str] = ("small", "edge")
     sample_dtypes: Sequence[torch.dtype] = (torch.float32, torch.bfloat16, torch.float16)
+    emulated_cases: Sequence[str] = ("small:0",)
 
     @property
     def backends(self) -> tuple[str, ...]:

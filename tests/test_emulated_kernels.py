@@ -4,8 +4,9 @@ interpreter is off, so each check runs in a subprocess (``python -m fusedops.tes
 ``python -m fusedops.testing.mutations``) in the environment of the other compiling tests, so
 Triton's on-disk cache serves each specialisation once.
 
-CI runs every family's small cases on every target (every kernel, forward, backward and decode),
-the execute() contract on the emulated launch path and the mutations the emulator must catch.
+CI runs each family's ``emulated_cases`` (registry facts: together they launch every kernel,
+forward, backward and decode) on every target, the execute() contract on the emulated launch
+path and the mutations the emulator must catch.
 ``-m matrix`` runs the full matrix: every sample kind and the "tiles" kind (the
 production tile configurations: wgmma pipelines, TMA, tcgen05), both dtypes, both schedules."""
 
@@ -28,7 +29,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 pytest.importorskip("triton")
 TARGETS = ("sm_80", "sm_90a", "sm_100a")
 TRITON_FAMILIES = [info for info in FAMILIES if "triton" in info.backends]
-CI_KINDS = ("small",)
 
 # (family, case label) of the full matrix whose compiled code misses the documented tolerance
 KNOWN_MISSES = {
@@ -78,20 +78,23 @@ def _failures(results) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize("family", [i.name for i in TRITON_FAMILIES])
-def test_compiled_kernels_match_the_oracle(family):
-    """Each family's small bf16 cases, forward, backward and decode, on the code compiled for
-    each target: every access in bounds, every collective converged, nothing read in flight,
-    no race, every result within the family's tolerance."""
-    results = run_module("fusedops.testing.emulated", "--family", family,
-                         *_flags("--arch", TARGETS), *_flags("--kind", CI_KINDS))
+@pytest.mark.parametrize("info", TRITON_FAMILIES, ids=lambda info: info.name)
+def test_compiled_kernels_match_the_oracle(info):
+    """The family's ``emulated_cases`` (bf16), forward, backward and decode, on the code
+    compiled for each target: every access in bounds, every collective converged, nothing read
+    in flight, no race, every result within the family's tolerance."""
+    results = run_module("fusedops.testing.emulated", "--family", info.name,
+                         *_flags("--arch", TARGETS), *_flags("--case", info.emulated_cases))
     assert {r["arch"] for r in results} == set(TARGETS)
     assert not _failures(results), "\n".join(_failures(results))
 
 
-def test_every_kernel_runs_on_every_target():
-    """The selection above runs every kernel of the production plans on every target."""
-    run_check("--coverage", "--names", *_flags("--kind", CI_KINDS))
+@pytest.mark.parametrize("info", TRITON_FAMILIES, ids=lambda info: info.name)
+def test_every_kernel_runs_on_every_target(info):
+    """The family's ``emulated_cases`` launch every kernel of its production plans on every
+    target."""
+    run_check("--coverage", "--names", "--family", info.name,
+              *_flags("--case", info.emulated_cases))
 
 
 def test_tiles_reach_every_production_configuration():

@@ -45,4 +45,5 @@ INFO = OpInfo(
     run=samples.run, oracle=oracle, tolerance=tolerance,
     demo_limit=2.5e-2,   # tensor-core products with bf16 operands (P rounded to bf16)
     bench=("attention",), index_fuzz=samples.index_fuzz,
-    sample_kinds=("small", "edge", "decode"))
+    sample_kinds=("small", "edge", "decode"),
+    emulated_cases=("small:3",))

@@ -37,4 +37,5 @@ INFO = OpInfo(
     cases=samples.cases, production=samples.production, plan_calls=samples.plan_calls,
     run=samples.run, oracle=oracle, tolerance=tolerance,
     demo_limit=8e-3,   # fp32 math, each bf16 output rounded once
-    bench=("engram_gate",))
+    bench=("engram_gate",),
+    emulated_cases=("small:1",))

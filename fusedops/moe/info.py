@@ -42,4 +42,5 @@ INFO = OpInfo(
     cases=samples.cases, production=samples.production, plan_calls=samples.plan_calls,
     run=samples.run, oracle=oracle, tolerance=tolerance, index_fuzz=samples.index_fuzz,
     demo_limit=8e-3,   # fp32 math, each bf16 output rounded once
-    bench=("moe",))
+    bench=("moe",),
+    emulated_cases=("small:1", "edge:3"))

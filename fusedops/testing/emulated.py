@@ -127,9 +127,8 @@ def execute_contract(name: str, arch: str, backend: str = "triton") -> list[str]
     return problems
 
 
-TILE_CONSTEXPR = re.compile(
-    r"^(B[A-Z]|BLOCK_\w+|DX_BN|TMA|SWAP|QUARTERS|FEATURES_M|HELD|" r"TRANSPOSED\w*|WITH_DX)$"
-)
+TILE_CONSTEXPR = re.compile(r"^(B[A-Z]|BLOCK_\w+|DX_BN|TMA|SWAP|QUARTERS|FEATURES_M|HELD|"
+                            r"TRANSPOSED\w*|WITH_DX)$")
 """The constexprs that are a kernel's tiles or choose its code path (block sizes, TMA,
 transposed products, held rows...), as opposed to problem sizes and options."""
 
@@ -141,7 +140,7 @@ def tile_signature(spec) -> tuple:
     return (spec.name, spec.num_warps, spec.num_stages, spec.maxnreg, tiles)
 
 
-def _kernels(calls, backend: str, arch: str | None = None):
+def _kernels(calls, backend: str, arch: str):
     """The kernels ``backend`` runs for ``calls`` (those it can compile for ``arch``)."""
     for call in calls:
         if backend not in call.plan.backends:
@@ -149,7 +148,7 @@ def _kernels(calls, backend: str, arch: str | None = None):
         plan = call.build("torch")
         module = importlib.import_module(f"fusedops.backends.{backend}.{plan.backend_module}")
         refuse = getattr(module, "unsupported_arch_reason", None)
-        if arch is not None and refuse is not None and refuse(plan.problem, normalise_arch(arch)):
+        if refuse is not None and refuse(plan.problem, normalise_arch(arch)):
             continue
         yield from plan.kernel_program(backend).kernels
 
@@ -158,23 +157,19 @@ def production_signatures(name: str, arch: str, backend: str = "triton") -> set[
     """The tile signatures of every kernel of the family's production plans on ``arch``."""
     info = family(name)
     with compiling_for(arch):
-        return {
-            tile_signature(k) for _, calls in info.production() for k in _kernels(calls, backend)
-        }
+        return {tile_signature(k) for _, calls in info.production()
+                for k in _kernels(calls, backend, arch)}
 
 
-def case_signatures(
-    name: str, arch: str, kinds, dtype=torch.bfloat16, backend: str = "triton"
-) -> set[tuple]:
-    """The tile signatures of every kernel the family's cases of ``kinds`` run on ``arch``."""
+def case_signatures(name: str, arch: str, kinds, dtype=torch.bfloat16, backend: str = "triton",
+                    only: set[int] | None = None) -> set[tuple]:
+    """The tile signatures of every kernel the family's cases of ``kinds`` (those at the
+    indexes ``only``) run on ``arch``."""
     info = family(name)
     with compiling_for(arch):
         cases = [c for kind in kinds for c in info.cases(kind, dtype=dtype)]
-        return {
-            tile_signature(k)
-            for case in cases
-            for k in _kernels(info.plan_calls(case, "torch"), backend)
-        }
+        return {tile_signature(k) for i, case in enumerate(cases) if only is None or i in only
+                for k in _kernels(info.plan_calls(case, "torch"), backend, arch)}
 
 
 def verification_table() -> str:
@@ -201,6 +196,21 @@ def verification_table() -> str:
     return "".join(rows)
 
 
+def _selection(families, cases) -> tuple[list[str], list[int]]:
+    """(kinds, indexes into their concatenated cases) of ``KIND:INDEX`` selections (of one
+    family's cases)."""
+    if not families or len(families) != 1:
+        raise SystemExit("--case selects cases of one --family")
+    info = family(families[0])
+    wanted = [(c.split(":")[0], int(c.split(":")[1])) for c in cases]
+    kinds = list(dict.fromkeys(kind for kind, _ in wanted))
+    offsets, start = {}, 0
+    for kind in kinds:
+        offsets[kind] = start
+        start += len(info.cases(kind, dtype=torch.bfloat16))
+    return kinds, [offsets[kind] + index for kind, index in wanted]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m fusedops.testing.emulated", description=__doc__)
     p.add_argument("--family", action="append", choices=[i.name for i in FAMILIES])
@@ -209,6 +219,8 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", action="append", choices=list(DTYPES))
     p.add_argument("--backend", default="triton", choices=["triton", "cute"])
     p.add_argument("--only", type=int, action="append", help="case indexes")
+    p.add_argument("--case", action="append", metavar="KIND:INDEX",
+                   help="run only these cases (instead of --kind/--only)")
     p.add_argument("--json", action="store_true", help="one JSON object per case")
     p.add_argument(
         "--coverage",
@@ -226,6 +238,8 @@ def main(argv=None) -> int:
         help="execute() of each plan on the emulator dispatches no torch operator",
     )
     args = p.parse_args(argv)
+    if args.case:
+        args.kind, args.only = _selection(args.family, args.case)
     status = 0
     if args.contract:
         for name in args.family or [i.name for i in FAMILIES if "triton" in i.backends]:
@@ -235,16 +249,14 @@ def main(argv=None) -> int:
                     status = 1
         return status
     if args.coverage:
+        only = set(args.only) if args.only else None
         for name in args.family or [i.name for i in FAMILIES if "triton" in i.backends]:
             for arch in args.arch or ["sm_80", "sm_90a", "sm_100a"]:
-                missing = production_signatures(name, arch) - case_signatures(
-                    name, arch, tuple(args.kind or ["small"])
-                )
+                run = case_signatures(name, arch, tuple(args.kind or ["small"]), only=only)
+                missing = production_signatures(name, arch) - run
                 if args.names:
-                    run = {
-                        sig[0] for sig in case_signatures(name, arch, tuple(args.kind or ["small"]))
-                    }
-                    missing = {sig[:1] for sig in missing if sig[0] not in run}
+                    names = {sig[0] for sig in run}
+                    missing = {sig[:1] for sig in missing if sig[0] not in names}
                 for sig in sorted(missing, key=str):
                     print(f"{arch} {name} not run: {sig}")
                 status |= bool(missing)

@@ -256,14 +256,18 @@ EDGE_CASES = [
 
 
 @pytest.mark.parametrize("backend", KERNELS)
-def test_descriptor_scratch_needs_a_128_byte_aligned_workspace(backend):
+def test_descriptor_scratch_needs_a_128_byte_aligned_workspace(backend, monkeypatch):
     """The TMA kernels keep their tensor descriptors in the workspace (``global_scratch``), which
-    Triton aligns to 128 bytes: on a GPU a workspace 16 bytes off is refused, naming the
-    alignment (the CPU interpreter keeps descriptors in host memory: 16 bytes, as any buffer)."""
+    Triton aligns to 128 bytes: on a GPU (or the PTX emulator) a workspace 16 bytes off is
+    refused, naming the alignment; without the emulator the CPU interpreter keeps descriptors in
+    host memory: 16 bytes, as any buffer."""
     q, k, v, _ = qkv(1, 40, 40, 2, 1, 32, seed=3)
     plan = GQAAttentionForward(q, k, v, causal=True, backend=backend).compile()
     assert plan.workspace_size > 0
     assert plan._program.workspace_alignment(torch.device("cuda")) == 128
+    monkeypatch.setenv("FUSEDOPS_EMULATE", "1")
+    assert plan._program.workspace_alignment(torch.device("cpu")) == 128
+    monkeypatch.delenv("FUSEDOPS_EMULATE")
     assert plan._program.workspace_alignment(torch.device("cpu")) == 16
     if q.device.type != "cuda":
         return

@@ -18,8 +18,7 @@ from fusedops.errors import UnsupportedError, ValidationError
 from fusedops.opinfo import FP32_REDUCTION, ROUNDED_ONCE, Case
 from fusedops.testing import assert_close
 
-from helpers import (BACKENDS, DEVICE, GPU_BACKENDS, HAS_CUDA, KERNEL_BACKENDS, dtype_id,
-                     requires_cuda)
+from helpers import BACKENDS, DEVICE, GPU_BACKENDS, HAS_CUDA, requires_cuda
 
 EPS = 1e-20
 

@@ -12,7 +12,8 @@ import numpy as np
 from .collector import collector_paused
 from .decode import decode_program
 from .faults import MAX_LANES_PER_BATCH, PtxFault
-from .machine import Machine, Options, RaceCheck
+from .machine import Machine, Options
+from .races import RaceCheck
 from .memory import PARAMETER_PREFIX, Memory
 from .parser import PtxProgram
 

@@ -22,9 +22,9 @@ from torch import nn
 
 from . import ops
 from .core.dtypes import accumulator_dtype
-from .engram import DEFAULT_EPS
+from .engram_gate import DEFAULT_EPS
 from .errors import UnsupportedError, ValidationError
-from .mamba2 import CHUNK_SIZES
+from .mamba2_scan import CHUNK_SIZES
 
 
 def _no_cache(layer: str, cache) -> None:
@@ -238,7 +238,7 @@ class GQAAttention(nn.Module):
         if state is None:
             o = ops.gqa_attention(q, k, v, causal=True, backend=self.backend)
         else:
-            from .attention import gqa_attention_decode
+            from .gqa_attention import gqa_attention_decode
             o = gqa_attention_decode(q, k, v, state.k, state.v, state.lengths,
                                      backend=self.backend)["o"]              # views go in as they are
             state.lengths += s

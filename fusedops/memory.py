@@ -140,7 +140,7 @@ def _desc(*shape, dtype=torch.bfloat16) -> TensorDesc:
 
 def _scan_bytes(config, tokens: int, sequences: int, dtype) -> tuple[int, int]:
     """(saved, workspace) of the Triton scan plans for one step, from the plans' programs."""
-    from .mamba2 import CHUNK_SIZES, Mamba2ChunkScanBackward, Mamba2ChunkScanForward
+    from .mamba2_scan import CHUNK_SIZES, Mamba2ChunkScanBackward, Mamba2ChunkScanForward
     h, p, n, g = config.mamba_num_heads, config.mamba_head_dim, config.ssm_state_size, config.n_groups
     if config.chunk_size not in CHUNK_SIZES:
         raise ValueError(f"chunk_size: expected one of {CHUNK_SIZES}, got {config.chunk_size!r}")
@@ -157,7 +157,7 @@ def _scan_bytes(config, tokens: int, sequences: int, dtype) -> tuple[int, int]:
 
 def _moe_bytes(config, tokens: int, dtype) -> tuple[int, int]:
     """(saved, workspace) of the Triton expert plans for one step."""
-    from .moe import ReLU2MoEBackward, ReLU2MoEForward
+    from .relu2_moe import ReLU2MoEBackward, ReLU2MoEForward
     dim = getattr(config, "moe_latent_size", None) or config.hidden_size
     E, I, k = config.n_routed_experts, config.moe_intermediate_size, config.num_experts_per_tok
     S = 0 if getattr(config, "moe_latent_size", None) else config.moe_shared_expert_intermediate_size

@@ -12,10 +12,10 @@ included) and are made contiguous otherwise; gradients come back in the inputs' 
     o.sum().backward()
 """
 
-from .engram.ops import engram_gate
-from .mamba2.ops import mamba2_chunk_scan
-from .attention.ops import gqa_attention
-from .moe.ops import moe_router, relu2_moe
+from .engram_gate.ops import engram_gate
+from .mamba2_scan.ops import mamba2_chunk_scan
+from .gqa_attention.ops import gqa_attention
+from .relu2_moe.ops import moe_router, relu2_moe
 
 __all__ = ["engram_gate"]
 __all__ += ["mamba2_chunk_scan"]

@@ -6,11 +6,11 @@ reference and the benchmarks iterate ``FAMILIES``; adding an operator family add
 
 from __future__ import annotations
 
-from .engram.info import INFO as ENGRAM_GATE
-from .mamba2.info import INFO as MAMBA2_SCAN
+from .engram_gate.info import INFO as ENGRAM_GATE
+from .mamba2_scan.info import INFO as MAMBA2_SCAN
 from .mamba2_inference.info import INFO as MAMBA2_INFERENCE
-from .attention.info import INFO as GQA_ATTENTION
-from .moe.info import INFO as RELU2_MOE
+from .gqa_attention.info import INFO as GQA_ATTENTION
+from .relu2_moe.info import INFO as RELU2_MOE
 from .opinfo import OpInfo
 
 FAMILIES: tuple[OpInfo, ...] = (

@@ -123,19 +123,19 @@ def test_the_rule_checker_sees_violations():
     anything of the project outside itself are each caught."""
     probes = [
         ("probe1", "fusedops.backends.cute.probe", False,
-         "from fusedops.engram.plans import EngramGateSavedForward\n"
+         "from fusedops.engram_gate.plans import EngramGateSavedForward\n"
          "from ..triton import runtime\nfrom fusedops.core import desc\nfrom . import compiler\n"),
-        ("probe2", "fusedops.core.probe", False, "from ..engram.contract import DOT_CLAMP\n"),
-        ("probe3", "fusedops.moe.contract", False, "from .plans import MoERouter\n"),
-        ("probe4", "fusedops.memory", False, "from .backends.triton.mamba2 import tiles\n"
+        ("probe2", "fusedops.core.probe", False, "from ..engram_gate.contract import DOT_CLAMP\n"),
+        ("probe3", "fusedops.relu2_moe.contract", False, "from .plans import MoERouter\n"),
+        ("probe4", "fusedops.memory", False, "from .backends.triton.mamba2_scan import tiles\n"
          "from .backends.triton import interpreter_active\nfrom .backends.cute.aot import ptxas_usage\n"),
         ("probe5", "fusedops.backends.ptx_emulator.probe", False,
          "from fusedops.core.target import compiling_for\nfrom . import machine\n"),
     ]
     found = violations(probes)
     assert [v.split(" imports ")[1].split(":")[0] for v in found] == [
-        "fusedops.engram.plans", "fusedops.backends.triton.runtime", "fusedops.engram.contract",
-        "fusedops.moe.plans", "fusedops.backends.triton.mamba2", "fusedops.core.target"], found
+        "fusedops.engram_gate.plans", "fusedops.backends.triton.runtime", "fusedops.engram_gate.contract",
+        "fusedops.relu2_moe.plans", "fusedops.backends.triton.mamba2_scan.tiles", "fusedops.core.target"], found
 
 
 def _is_kernel_file(text: str) -> bool:

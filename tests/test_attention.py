@@ -1,4 +1,4 @@
-"""GQA attention (docs/attention.md): the reference against SDPA and the float64 oracle, gradcheck,
+"""GQA attention (docs/gqa_attention.md): the reference against SDPA and the float64 oracle, gradcheck,
 every backend against the oracle, kernels against the reference (masks, varlen with empty and
 one-token sequences, head dims), decode against the full causal forward, paged == contiguous, FP8
 caches, option and shape validation, GPU. The plan contract (execute checks, no torch op in
@@ -12,9 +12,9 @@ import torch.nn.functional as F
 
 import fusedops
 from fusedops import GQAAttentionBackward, GQAAttentionDecode, GQAAttentionForward
-from fusedops.attention import AttentionProblem, DecodeAttentionProblem
-from fusedops.attention.info import INFO, KERNEL_TOLERANCE
-from fusedops.attention.samples import make, make_decode, make_packed, quantize, to_pages
+from fusedops.gqa_attention import AttentionProblem, DecodeAttentionProblem
+from fusedops.gqa_attention.info import INFO, KERNEL_TOLERANCE
+from fusedops.gqa_attention.samples import make, make_decode, make_packed, quantize, to_pages
 from fusedops.core.status import Status, read_status
 from fusedops.errors import UnsupportedError, ValidationError
 from fusedops.opinfo import Case, Tolerance
@@ -197,7 +197,7 @@ def test_kernels_match_reference(backend, case, arch):
 def test_head_dim_256_on_every_table(backend, arch):
     """d = 256 through each architecture's tiles: on sm_90 and sm_100 the dk/dv kernel
     accumulates dkᵀ and dvᵀ (the head dim as every accumulating product's M), packed and dense."""
-    from fusedops.backends.triton import attention as kernels
+    from fusedops.backends.triton.gqa_attention import program as kernels
     from fusedops.core.target import compiling_for
     q, k, v, do = qkv(1, 70, 70, 2, 1, 256, seed=17)
     (pq, pk, pv, pdo), opts = packed([37, 1, 45], [40, 3, 45], 2, 1, 256, seed=18)
@@ -287,7 +287,7 @@ def test_dkdv_kernel_masks_exactly_the_edge_blocks(backend, case, features_m):
     key block (``unmasked_queries``) and walks the blocks from the last one down: with small
     tiles each mask shape has such blocks between masked ones, and every gradient matches the
     reference, with dk and dv held either way round."""
-    from fusedops.backends.triton import attention as kernels
+    from fusedops.backends.triton.gqa_attention import program as kernels
     opts = {k_: v_ for k_, v_ in case.items() if k_ not in ("sq", "sk")}
     q, k, v, do = qkv(2, case["sq"], case["sk"], 4, 2, 32, seed=13)
     expected = run("torch", q, k, v, do, **opts)
@@ -313,7 +313,7 @@ def test_kernel_specialisation_ignores_batch_and_compiles_out_absent_operands():
     """Compile-cache keys hold plan-time values: another batch reuses the kernels. Without
     packing, paging or an FP8 cache the optional pointers are constexpr None."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton import attention as kernels
+    from fusedops.backends.triton.gqa_attention import program as kernels
     a = AttentionProblem(torch.bfloat16, 2, 512, 512, 8, 2, 64, True, (-1, -1), 0.125, False, 1024, 1024, CPU)
     b = AttentionProblem(torch.bfloat16, 7, 512, 512, 8, 2, 64, True, (-1, -1), 0.125, False, 3584, 3584, CPU)
     assert kernels.forward_spec(a) == kernels.forward_spec(b)
@@ -436,7 +436,7 @@ def test_default_num_splits_follow_the_sm_count_batch_heads_and_capacity():
     """The fewest key ranges (each at least 512 positions, at most 32) whose b·h_kv·splits
     programs fill their waves to within 90% of the best count's; the plan takes the SM count of
     its target family when built on the CPU."""
-    from fusedops.attention.contract import default_num_splits, wave_efficiency
+    from fusedops.gqa_attention.contract import default_num_splits, wave_efficiency
     from fusedops.core.target import compiling_for, multiprocessors
     assert [default_num_splits(8192, p, 132)
             for p in (1, 8, 32, 64, 128, 512)] == [15, 15, 4, 2, 1, 1]
@@ -828,8 +828,8 @@ def _problem(b=1, s=128, hq=4, hkv=2, d=64, causal=True, packed=False, dtype=tor
 
 
 def test_floors_read_inputs_once_and_count_the_math():
-    from fusedops.attention.contract import (backward_floor, decode_floor, forward_floor,
-                                             visible_pairs)
+    from fusedops.gqa_attention.contract import (backward_floor, decode_floor, forward_floor,
+                                                 visible_pairs)
     assert visible_pairs(128, 128, True, (-1, -1)) == 128 * 129 // 2
     assert visible_pairs(1, 50, True, (-1, -1)) == 50              # bottom-right: sees every key
     assert visible_pairs(10, 10, False, (2, 0)) == 3 * 10 - 1 - 2
@@ -853,8 +853,8 @@ def test_forward_cost_counts_every_programs_loads_and_the_duplicated_work():
     its o and lse (16,640 B): 82,176 bytes, so G = 0.5 · 40 MB / 82,176 = 243 programs on
     sm_80, more than the 8 programs: each KV head's k and v count once. At 64 rows on 8 warps,
     sm_90's two warpgroups both compute S (1.5x the products), sm_80 and sm_100 do not."""
-    from fusedops.backends.triton.attention_cost import forward_cost
-    from fusedops.backends.triton.attention_tiles import Tiles
+    from fusedops.backends.triton.gqa_attention.cost import forward_cost
+    from fusedops.backends.triton.gqa_attention.tiles import Tiles
     p = _problem(b=1, s=128, hq=4, hkv=2, d=128)
     tiles = Tiles(64, 64, 8)
     cost = forward_cost(p, tiles, 128, "sm_80")
@@ -885,8 +885,8 @@ def test_attention_costs_count_kv_and_q_rereads_by_reuse_distance():
     and delta for the 16 heads (16 · 4096 · 520 bytes) and its own k, v and dk, dv (32 KiB
     each): G = 0.59 on sm_80, so every program's rows count; on sm_100 (126 MB) G = 1.8 and the
     next key block, 1 program later, hits: the rows count once."""
-    from fusedops.backends.triton.attention_cost import dkdv_cost, forward_cost
-    from fusedops.backends.triton.attention_tiles import Tiles
+    from fusedops.backends.triton.gqa_attention.cost import dkdv_cost, forward_cost
+    from fusedops.backends.triton.gqa_attention.tiles import Tiles
     s, d, e, block = 4096, 128, 2, 64
     kv_block = 2 * block * d * e
     fwd = forward_cost(_problem(s=s, hq=2, hkv=1, d=d), Tiles(block, block, 8), d, "sm_80")
@@ -904,9 +904,9 @@ def test_attention_costs_count_kv_and_q_rereads_by_reuse_distance():
 
 def test_duplication_factors_are_those_of_the_compiled_kernels():
     """The factors ``fusedops kernels --dump`` shows (MMA FLOPs of each kernel's inner loop in its
-    PTX against the tile's), per table entry: see attention_cost.duplication. The dk/dv kernel's
+    PTX against the tile's), per table entry: see gqa_attention.cost.duplication. The dk/dv kernel's
     products all have the key block as M (Sᵀ, dPᵀ: bn x bm; dv, dk: bn x BD)."""
-    from fusedops.backends.triton.attention_cost import duplication
+    from fusedops.backends.triton.gqa_attention.cost import duplication
 
     def fwd(arch, bm, bn, bd, warps):
         return duplication(arch, warps, [(bm, bn, True), (bm, bd, False)], 1)
@@ -933,8 +933,8 @@ def test_duplication_factors_are_those_of_the_compiled_kernels():
 
 
 def test_tile_tables_follow_the_target_arch_and_offer_candidates():
-    from fusedops.backends.triton import attention as kernels
-    from fusedops.backends.triton import attention_tiles as T
+    from fusedops.backends.triton.gqa_attention import program as kernels
+    from fusedops.backends.triton.gqa_attention import tiles as T
     from fusedops.core.target import compiling_for
     for d in (64, 128, 256):
         p = _problem(s=4096, d=d, causal=False)
@@ -968,8 +968,8 @@ def test_tuning_tensors_are_valid_index_data_at_the_modelled_lengths():
     """Autotune times candidates on the index data the cost models assume: packed offsets of the
     longest sequences the plan allows, every decode row at the fullest context, a block table
     within the pool; the host checks accept them."""
-    from fusedops.attention.contract import sequence_lengths
-    from fusedops.attention.samples import production
+    from fusedops.gqa_attention.contract import sequence_lengths
+    from fusedops.gqa_attention.samples import production
     from fusedops.core.desc import TensorDesc
     plans = {label: [c.build("torch") for c in calls] for label, calls in production()}
     fwd = plans["attn packed hkv8 d128 causal status"][0]
@@ -989,7 +989,7 @@ def test_tuning_tensors_are_valid_index_data_at_the_modelled_lengths():
 
 @pytest.mark.skipif(not KERNELS, reason="needs the triton backend")
 def test_every_backward_candidate_computes_the_same_gradients():
-    from fusedops.backends.triton import attention as kernels
+    from fusedops.backends.triton.gqa_attention import program as kernels
     q, k, v, do = qkv(1, 70, 70, 4, 2, 32, seed=41)
     expected = run("triton", q, k, v, do, causal=True)
     plan = GQAAttentionBackward(q, k, v, expected["o"], expected["lse"], do, causal=True,

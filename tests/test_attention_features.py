@@ -1,4 +1,4 @@
-"""GQA attention's plan features beyond the Nemotron shapes (docs/attention.md): softcap (training
+"""GQA attention's plan features beyond the Nemotron shapes (docs/gqa_attention.md): softcap (training
 forward and backward, decode), paged varlen prefill, the decode step's attend-only, non-causal
 multi-query, window, cache_batch_idx, cache_leftpad and rotary (interleaved and not) paths, and
 strided operands (views of wider buffers in and out, bitwise equal to contiguous runs). Every
@@ -14,11 +14,11 @@ import torch
 
 import fusedops
 from fusedops import GQAAttentionBackward, GQAAttentionDecode, GQAAttentionForward
-from fusedops.attention.info import KERNEL_TOLERANCE
+from fusedops.gqa_attention.info import KERNEL_TOLERANCE
 from fusedops.core.status import Status, read_status
 from fusedops.errors import ValidationError
 from fusedops.testing import assert_close
-from fusedops.attention.oracle import visible as oracle_visible
+from fusedops.gqa_attention.oracle import visible as oracle_visible
 
 from helpers import BACKENDS as RUNNABLE, DEVICE
 
@@ -129,8 +129,8 @@ def test_softcap_kernels_compile_the_tanh_in_and_take_the_wide_register_budget()
     the 64-row entry takes ptxas's own choice, and the kernel report checks that nothing
     spills)."""
     pytest.importorskip("triton")
-    from fusedops.attention import AttentionProblem
-    from fusedops.backends.triton import attention as kernels
+    from fusedops.gqa_attention import AttentionProblem
+    from fusedops.backends.triton.gqa_attention import program as kernels
     base = dict(dtype=torch.bfloat16, batch=2, seqlen_q=512, seqlen_k=512, heads_q=8, heads_kv=2,
                 head_dim=128, causal=True, window=NO_WINDOW, scale=0.125, packed=False,
                 total_q=1024, total_k=1024, device=torch.device("cpu"))

@@ -11,7 +11,7 @@ import torch
 
 import fusedops
 from fusedops.core.target import compiling_for, target_arch
-from fusedops.engram.samples import make
+from fusedops.engram_gate.samples import make
 from fusedops.errors import UnsupportedError, ValidationError
 from fusedops.plan.autotune import tune
 
@@ -27,7 +27,7 @@ def _backward_plan(backend):
 
 
 def test_tile_table_follows_the_target_arch(monkeypatch):
-    from fusedops.backends.triton import engram as kernels
+    from fusedops.backends.triton.engram_gate import program as kernels
     plan, _, _ = _backward_plan("torch")
     assert target_arch(torch.device("cpu")) == "sm_90"
     for arch, (entry, why) in kernels.TILES.items():
@@ -44,7 +44,7 @@ def test_tile_table_follows_the_target_arch(monkeypatch):
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the triton backend")
 def test_autotune_picks_the_fastest_candidate_and_remembers_it(tmp_path, monkeypatch):
     monkeypatch.setenv("FUSEDOPS_CACHE_DIR", str(tmp_path))
-    from fusedops.backends.triton import engram as kernels
+    from fusedops.backends.triton.engram_gate import program as kernels
     plan, t, saved = _backward_plan("triton")
     candidates = kernels.backward_candidates(plan.problem)
     assert len(candidates) >= 3 and candidates[0] == kernels.tiles_for(plan.problem)

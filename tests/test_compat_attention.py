@@ -13,14 +13,14 @@ import pytest
 import torch
 
 from fusedops import GQAAttentionForward, compat
-from fusedops.attention import ops as attention_ops
-from fusedops.attention.info import KERNEL_TOLERANCE
+from fusedops.gqa_attention import ops as attention_ops
+from fusedops.gqa_attention.info import KERNEL_TOLERANCE
 from fusedops.compat import flash_attn as fa
 from fusedops.errors import UnsupportedError, ValidationError
 from fusedops.plan import selection
 from fusedops.plan.cache import EAGER_PLANS
 from fusedops.testing import assert_close
-from fusedops.attention.oracle import visible as oracle_visible
+from fusedops.gqa_attention.oracle import visible as oracle_visible
 
 from helpers import BACKENDS as RUNNABLE, DEVICE
 

@@ -12,7 +12,7 @@ mixes) through the torch and Triton backends against float64 reference formulas 
 Sequence ids (``seq_idx``) follow mamba_ssm's state passing, which starts from id 0 and zeroes
 the carried state wherever the id changes: the state of a row restarts from zero at every
 change of id, and ``initial_states`` enters only the row's leading run of id 0 (a row whose
-first id is not 0 never sees it). That is what docs/mamba2.md documents for fusedops (and
+first id is not 0 never sees it). That is what docs/mamba2_scan.md documents for fusedops (and
 ``fusedops.compat.mamba_ssm`` states); the reference below implements exactly that rule.
 ``cu_seqlens`` resets nothing: it only selects the varlen states (mamba_ssm's rule).
 """
@@ -77,7 +77,7 @@ def rel_l2(value, ref) -> float:
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 3e-3, torch.bfloat16: 2.5e-2}
 """Relative L2 error against float64 from the same (rounded) inputs: fp32 kernels accumulate in
 fp32 (~1e-6); 16-bit runs round the products' operands and the outputs to the input dtype, as
-mamba_ssm does (docs/mamba2.md, Numerics)."""
+mamba_ssm does (docs/mamba2_scan.md, Numerics)."""
 
 
 # -- the float64 reference formulas ------------------------------------------------------------

@@ -232,7 +232,7 @@ def test_triton_descriptor_scratch_comes_from_the_workspace():
     request, and a compiled kernel using more scratch than its spec declares is refused."""
     pytest.importorskip("triton")
     from types import SimpleNamespace
-    from fusedops.backends.triton import attention as kernels
+    from fusedops.backends.triton.gqa_attention import program as kernels
     from fusedops.backends.triton.runtime import _ScratchRegion, _scratch, check_scratch
     from fusedops.core.program import SCRATCH
     from fusedops.core.target import compiling_for
@@ -273,10 +273,10 @@ def test_triton_descriptor_scratch_comes_from_the_workspace():
 
 def test_backend_selection_reasons(monkeypatch):
     cpu = torch.device("cpu")
-    assert select_backend("op", "auto", cpu, None, "engram", ("torch",), ("triton", "torch"))[0] == "torch"
+    assert select_backend("op", "auto", cpu, None, "engram_gate.program", ("torch",), ("triton", "torch"))[0] == "torch"
     with pytest.raises(UnsupportedError, match=r"backend='triton' cannot serve op on cpu: triton: op has no "
                                                r"triton implementation \(implemented by: torch\)"):
-        select_backend("op", "triton", cpu, None, "engram", ("torch",), ("triton", "torch"))
+        select_backend("op", "triton", cpu, None, "engram_gate.program", ("torch",), ("triton", "torch"))
     monkeypatch.setenv("FUSEDOPS_EMULATE", "0")
     reason = backend_unavailable_reason("cute", cpu)
     assert "CuTe DSL kernels run on CUDA devices" in reason or "nvidia-cutlass-dsl" in reason
@@ -287,7 +287,7 @@ def test_backend_selection_reasons(monkeypatch):
     with pytest.raises(ValidationError, match=r"backend: expected one of auto, torch, triton, cute, got 'x'"):
         backend_unavailable_reason("x", cpu)
     with pytest.raises(ValidationError, match=r"backend: expected a string, got int"):
-        select_backend("op", 3, cpu, None, "engram", ("torch",), ("torch",))
+        select_backend("op", 3, cpu, None, "engram_gate.program", ("torch",), ("torch",))
     if not HAS_CUDA:
         assert backend_unavailable_reason("torch", cpu) is None
 

@@ -137,7 +137,7 @@ def test_gpu_check_summary_lists_the_autotune_record(tmp_path, monkeypatch):
     script points FUSEDOPS_CACHE_DIR there): every tuned plan's candidates with their times,
     the winner marked, so one GPU run says which tile-table entries to change."""
     from dataclasses import replace
-    from fusedops.backends.triton.mamba2_tiles import ScanTiles
+    from fusedops.backends.triton.mamba2_scan.tiles import ScanTiles
     from fusedops.plan import autotune
     assert 'FUSEDOPS_CACHE_DIR="$OUT/fusedops_cache"' in (ROOT / "bench/gpu_check.sh").read_text()
     monkeypatch.setenv("FUSEDOPS_CACHE_DIR", str(tmp_path / "fusedops_cache"))

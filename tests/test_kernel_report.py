@@ -77,7 +77,7 @@ TARGETS = {"triton": ARCHS, "cute": ("sm_90a", "sm_100a")}
 # The rules on what the kernels compute and move (no duplicated tensor-core work, traffic within
 # its bound of the floor) hold for the sm_90 and sm_100 tables; sm_80's kernels are held to
 # compiling without spills: its d = 256 attention forward lays its mma.sync warps along P·V's
-# 256 columns (S computed 1.5 times) and its 40 MB L2 models more re-reads (docs/attention.md)
+# 256 columns (S computed 1.5 times) and its 40 MB L2 models more re-reads (docs/gqa_attention.md)
 DESIGN_ARCHS = ("sm_90a", "sm_100a")
 
 # (rule, family) pairs today's kernels break, and why.

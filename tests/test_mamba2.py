@@ -1,4 +1,4 @@
-"""Mamba2 chunked scan (docs/mamba2.md): the reference against the float64 recurrence, gradcheck
+"""Mamba2 chunked scan (docs/mamba2_scan.md): the reference against the float64 recurrence, gradcheck
 and transformers; every backend against the reference and the oracle; conventions at the kinks;
 validation; GPU checks. The plan contract (execute checks, no torch op in execute, descs, repr,
 graph capture) is tested for every plan in test_plan_contract.py."""
@@ -18,9 +18,9 @@ from fusedops import Mamba2ChunkScanBackward, Mamba2ChunkScanForward, TensorDesc
 from fusedops.core.status import Status
 from fusedops.errors import ValidationError
 from fusedops.plan import EAGER_PLANS
-from fusedops.mamba2 import samples
-from fusedops.mamba2.info import INFO
-from fusedops.mamba2.oracle import mamba2_sequential, scan_with_gradients
+from fusedops.mamba2_scan import samples
+from fusedops.mamba2_scan.info import INFO
+from fusedops.mamba2_scan.oracle import mamba2_sequential, scan_with_gradients
 from fusedops.opinfo import Case, Tolerance
 from fusedops.testing import assert_close
 
@@ -667,12 +667,12 @@ def test_torch_op_hands_views_to_the_plans(monkeypatch):
     t = case.tensors
     views = _projection_views(t)
     seen = {}
-    original = fusedops.mamba2.ops.mamba2_chunk_scan_forward
+    original = fusedops.mamba2_scan.ops.mamba2_chunk_scan_forward
 
     def spy(x, dt, A, B, C, *args, **kwargs):
         seen.update(x=x, dt=dt, B=B, C=C, z=kwargs["z"])
         return original(x, dt, A, B, C, *args, **kwargs)
-    monkeypatch.setattr(fusedops.mamba2.ops, "mamba2_chunk_scan_forward", spy)
+    monkeypatch.setattr(fusedops.mamba2_scan.ops, "mamba2_chunk_scan_forward", spy)
     leaves = {k: views[k].detach().requires_grad_() if k in views else t[k]
               for k in ("x", "dt", "B", "C", "z")}
     args = dict(chunk_size=16, D=t["D"], dt_bias=t["dt_bias"], dt_softplus=True, backend="torch")
@@ -850,8 +850,8 @@ def test_tile_table_follows_the_target_arch():
     """One entry per architecture, each with its reason; the programs take the target's entry
     (or ``config=``), and the autotune candidates start with it."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton import mamba2 as kernels
-    from fusedops.backends.triton import mamba2_tiles as kernels_tiles
+    from fusedops.backends.triton.mamba2_scan import program as kernels
+    from fusedops.backends.triton.mamba2_scan import tiles as kernels_tiles
     from fusedops.core.target import compiling_for
     fwd, bwd = _production("scan h128 p64 n128 Q256")
     assert set(kernels.TILES) == {"sm_80", "sm_90", "sm_100"}
@@ -897,10 +897,10 @@ def test_tile_table_follows_the_target_arch():
 SPLIT_COMPILE = """
 import json
 from dataclasses import replace
-from fusedops.backends.triton import mamba2 as kernels
+from fusedops.backends.triton.mamba2_scan import program as kernels
 from fusedops.core.target import compiling_for
 from fusedops.kernel_report.compiled import compile_triton
-from fusedops.mamba2 import samples
+from fusedops.mamba2_scan import samples
 (calls,) = [c for label, c in samples.production() if label == "scan h128 p64 n128 Q256"]
 fwd = calls[0].build("torch")
 for arch in ("sm_90a", "sm_100a"):
@@ -936,7 +936,7 @@ def test_split_forward_kernels_compile_without_spills():
 def test_segment_row_blocks_of_the_model():
     """The loop counts the model sums: a full segment of 4 row blocks, and one of 100 tokens."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton.mamba2_model import _Segment
+    from fusedops.backends.triton.mamba2_scan.cost import _Segment
     full = _Segment(256, 1, (64, 64, 64, 64))
     assert (full.rb, full.tri, full.below(), full.above(), full.pair_rows(4)) == \
         (4, 10, 640, 640, 1280)
@@ -991,8 +991,8 @@ def test_segment_tokens_follow_the_segment_lengths():
     pytest.importorskip("triton")
     from collections import Counter
 
-    from fusedops.backends.triton.mamba2_model import segment_tokens
-    from fusedops.mamba2.contract import segment_lengths
+    from fusedops.backends.triton.mamba2_scan.cost import segment_tokens
+    from fusedops.mamba2_scan.contract import segment_lengths
     for label in ("scan h128 p64 n128 Q256", "scan varlen Q256", "scan p80 Q128"):
         problem = _production(label)[0].problem
         tokens = segment_tokens(problem)
@@ -1055,7 +1055,7 @@ def test_forward_model_and_floor_at_the_production_shape():
     assert floor.bytes_written == xb + seq_state
     assert floor.mma_flops == 4 * T * h * p * n + S * Q * (Q + 1) // 2 * (2 * h * p + 2 * g * n)
     modelled = total(k.cost for k in kernels)
-    assert 1.71 < modelled.bytes / floor.bytes < 1.73         # docs/mamba2.md, Performance model
+    assert 1.71 < modelled.bytes / floor.bytes < 1.73         # docs/mamba2_scan.md, Performance model
 
 
 def test_split_forward_model_at_the_production_shape():
@@ -1074,7 +1074,7 @@ def test_split_forward_model_at_the_production_shape():
     by the 16 heads of the group (4 apart), the state, x, acum and dts by the row blocks of the
     (segment, head) (at most 3 apart): all once."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton import mamba2 as kernels_module
+    from fusedops.backends.triton.mamba2_scan import program as kernels_module
     from fusedops.core.cost import total
     from fusedops.core.target import compiling_for
     with compiling_for("sm_90"):
@@ -1122,7 +1122,7 @@ def test_backward_dbc_kernel_at_the_production_shape():
     read once, the tiles written) and D (h·4 bytes) count; dx's rows and partials are
     written."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton import mamba2 as scan_kernels
+    from fusedops.backends.triton.mamba2_scan import program as scan_kernels
     from fusedops.core.target import compiling_for
     T, S, BQ, Q, h, p, g, n, e, xb, state, seq_state, acum, bc, cb = _production_bytes()
     assert 0.5 * 50e6 / 851_056 > 7
@@ -1184,7 +1184,7 @@ def test_every_autotune_candidate_computes_the_scan(backend):
     (1e-4 at other seeds; the torch path's fp32 error is 0.7-10e-6), so dA gets DA_FP32. So does
     ddt_bias, the sum of ddt over the tokens: its terms cancel too, magnifying ddt's 1.5e-6 to
     1.2-1.7e-5 here (2.1e-5 on another CPU)."""
-    from fusedops.backends.triton import mamba2 as kernels
+    from fusedops.backends.triton.mamba2_scan import program as kernels
     case = samples.make(1, 70, 2, 64, 1, 128, torch.float32, seed=3, device=DEVICE, chunk=64,
                         D="h", z=True, dt_bias=True, initial_states=True, dfinal=True)
     wide = {k: v.double() if torch.is_tensor(v) and v.is_floating_point() else v
@@ -1228,7 +1228,7 @@ def test_dbc_kernel_over_several_state_tiles(backend, packed, dx_in_dbc):
     while dx's write their zero partials). With DX_IN_DBC the launch's dx programs (each
     looping the group's 2 heads; p = 32 in 16-wide head-dim tiles, two programs a row block)
     read the C·B the prologue wrote."""
-    from fusedops.backends.triton import mamba2 as kernels
+    from fusedops.backends.triton.mamba2_scan import program as kernels
     case = samples.make(1, 70, 2, 32, 1, 32, torch.float32, seed=5, device=DEVICE, chunk=32,
                         D="h", z=True, dt_bias=True, initial_states=not packed,
                         dfinal=not packed, lengths=[21, 0, 49] if packed else None)
@@ -1262,7 +1262,7 @@ def test_dbc_kernel_over_several_state_tiles(backend, packed, dx_in_dbc):
 def _forward_with(case, config, extra=()):
     """y, final_states, the saved buffer and (without cu_seqlens) segment_states of the Triton
     forward program built with tile-table entry ``config``; ``extra``: more tensor names."""
-    from fusedops.backends.triton import mamba2 as kernels
+    from fusedops.backends.triton.mamba2_scan import program as kernels
     t = case.tensors
     fwd_t = {k: t[k] for k in (*samples._FORWARD_TENSORS, *extra)}
     descs = {}
@@ -1296,7 +1296,7 @@ def test_fused_and_split_forwards_agree(name):
     both match the torch backend. The fused walk rounds its register state to x's dtype for the
     state term as the split output kernel reads the stored copy, and sums the state term in one
     product over n (the split kernel in BN-wide steps): fp32 results agree to ~1e-6."""
-    from fusedops.backends.triton import mamba2 as kernels
+    from fusedops.backends.triton.mamba2_scan import program as kernels
     case = SPLIT_CASES[name]()
     extra = ("seq_idx",) if "seq_idx" in case.tensors else ()
     base = kernels.TILES["sm_90"][0]

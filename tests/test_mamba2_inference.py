@@ -491,7 +491,7 @@ def test_block_table_follows_the_target_arch():
     """One entry per architecture, each with its reason; the programs take the target's entry
     (or ``config=``); the candidates start with it."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton import mamba2_inference as kernels
+    from fusedops.backends.triton.mamba2_inference.program import program as kernels
     from fusedops.core.target import compiling_for
     plan = _production("decode T=4 float16 stochastic snapshots")
     assert set(kernels.TILES) == {"sm_80", "sm_90", "sm_100"}
@@ -506,7 +506,7 @@ def test_block_table_follows_the_target_arch():
 
 
 def test_update_model_against_its_floor():
-    """The update's model (backends/triton/mamba2_decode_model.py) on sm_90 is its floor plus
+    """The update's model (backends/triton/mamba2_inference/cost.py) on sm_90 is its floor plus
     what reuse distance re-reads. The grid (b, h, p/BP) runs the row fastest: a (row, group)'s
     B and C rows are re-read by the group's next head b = 256 programs later, a (row, head)'s dt
     and B, C by the next head-dim block h·b = 32768 programs later, a row's slot index and seeds
@@ -519,7 +519,7 @@ def test_update_model_against_its_floor():
     row's accepted count and slot are re-read b programs apart, and a program moves 2 x 4096
     fp16 values and 8 bytes: G = 1,525 >= b, so its read is the floor's."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton import mamba2_decode_model as model
+    from fusedops.backends.triton.mamba2_inference.program import cost as model
     from fusedops.core.target import compiling_for
     h, p, g, n, e = 128, 64, 8, 128, 2
     for label, b, T, bp, s in (("decode T=1 float32", 256, 1, 16, 4),
@@ -545,10 +545,10 @@ def test_update_model_against_its_floor():
 
 
 def test_update_kernels_carry_the_model():
-    """The update's and the rollback's kernels carry mamba2_decode_model's cost."""
+    """The update's and the rollback's kernels carry mamba2_inference.cost's cost."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton import mamba2_inference as kernels
-    from fusedops.backends.triton import mamba2_decode_model as model
+    from fusedops.backends.triton.mamba2_inference.program import program as kernels
+    from fusedops.backends.triton.mamba2_inference.program import cost as model
     plan = _production("decode T=1 float16")
     (kernel,) = plan.kernel_program("triton").kernels
     assert kernel.cost == model.update_cost(plan.problem, kernels._p_tile(plan.problem))
@@ -578,7 +578,7 @@ def test_tuning_tensors_are_valid_index_data():
 def test_every_autotune_candidate_gives_the_same_bits(backend, rounding):
     """Each candidate's update (another head-dim block) and rollback (another tile) write the
     same bits as the table's entry: the blocks change no reduction or random draw."""
-    from fusedops.backends.triton import mamba2_inference as kernels
+    from fusedops.backends.triton.mamba2_inference.program import program as kernels
     case = samples.make(3, 3, 2, 32, 1, 16, torch.float32, state_dtype=torch.bfloat16, slots=5,
                         indices=[4, -1, 1], D="h", z=True, dt_bias=True, rounding=rounding,
                         accepted=[2, 0, 3], seed=4, device=DEVICE)

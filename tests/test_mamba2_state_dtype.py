@@ -1,7 +1,7 @@
 """The passed states' dtype (``state_dtype``): x's dtype by default, fp32 on request. Every
 backend carries a sequence's state in fp32 and rounds only the copies the output and the backward
 read, so the rounding does not compound along the sequence: y's error against the float64 scan
-stays one bf16 rounding at 8K and 64K tokens (the table in docs/mamba2.md, Numerics, comes from
+stays one bf16 rounding at 8K and 64K tokens (the table in docs/mamba2_scan.md, Numerics, comes from
 ``accuracy``)."""
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def test_passed_states_are_rounded_where_the_output_reads_them():
 def test_kernels_pass_states_like_the_reference(backend, state_dtype):
     """The kernels' y and gradients with either state dtype match the torch backend's with the
     same option (bf16 inputs, 3 segments, initial and final states)."""
-    from fusedops.mamba2 import samples
+    from fusedops.mamba2_scan import samples
     from test_mamba2 import KERNEL_TOLERANCE, compare, run, with_options
     case = with_options(samples.small("all-options", torch.bfloat16, seed=9, device=DEVICE),
                         state_dtype=state_dtype)
@@ -85,7 +85,7 @@ def test_kernels_pass_states_like_the_reference(backend, state_dtype):
 def test_saved_states_take_the_state_dtype():
     """Triton plans save the entering states in state_dtype: half the bytes in bf16."""
     from fusedops.core.desc import TensorDesc
-    from fusedops.mamba2 import Mamba2ChunkScanForward
+    from fusedops.mamba2_scan import Mamba2ChunkScanForward
     def desc(*shape, dtype=torch.bfloat16):
         return TensorDesc(shape, dtype, device="cpu")
     d = dict(x=desc(1, 512, 4, 16), dt=desc(1, 512, 4), A=desc(4, dtype=torch.float32),

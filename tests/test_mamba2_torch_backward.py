@@ -1,4 +1,4 @@
-"""The torch backend's hand-written Mamba2 backward (backends/torch/mamba2_backward.py) against
+"""The torch backend's hand-written Mamba2 backward (backends/torch/mamba2_scan/backward.py) against
 autograd through its own forward, in float64, over every option and their combinations (packed
 and sanitised sequences, sequence ids, initial and final states, state_dtype, dt_limit at and
 past its bounds, positive log-decays, the softplus threshold); gradcheck of the pair; the
@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fusedops.backends.torch.mamba2 import chunk_scan_backward, chunk_scan_forward
+from fusedops.backends.torch.mamba2_scan.program import chunk_scan_backward, chunk_scan_forward
 from fusedops.core.status import Status
-from fusedops.mamba2 import samples
-from fusedops.mamba2.oracle import scan_with_gradients
+from fusedops.mamba2_scan import samples
+from fusedops.mamba2_scan.oracle import scan_with_gradients
 
 F64 = torch.float64
 CHUNK = 16

@@ -1,4 +1,4 @@
-"""Routed ReLU2 MoE (docs/moe.md): the registry's cases through router + experts against the
+"""Routed ReLU2 MoE (docs/relu2_moe.md): the registry's cases through router + experts against the
 float64 oracle; the router and the experts against the oracle and transformers' NemotronHMoE,
 gradcheck, routing edge cases (ties, empty experts, one expert for every token, t = 1, k = 1,
 E not a power of two, dropped ids, u exactly 0), the device dispatch layout, absent operands
@@ -16,9 +16,9 @@ import fusedops
 from fusedops import MoERouter, MoERouterBackward, ReLU2MoEBackward, ReLU2MoEForward, TensorDesc
 from fusedops.core.status import Status, read_status
 from fusedops.errors import UnsupportedError, ValidationError
-from fusedops.moe import oracle
-from fusedops.moe.info import EXPERT_TOLERANCE, INFO
-from fusedops.moe.samples import expert_inputs, fuzz_cases, router_logits
+from fusedops.relu2_moe import oracle
+from fusedops.relu2_moe.info import EXPERT_TOLERANCE, INFO
+from fusedops.relu2_moe.samples import expert_inputs, fuzz_cases, router_logits
 from fusedops.opinfo import Tolerance
 from fusedops.testing import assert_close, errors
 from fusedops.testing.fuzz import run_guarded
@@ -425,9 +425,9 @@ def test_tile_tables_follow_the_arch_and_candidates_keep_the_saved_layout():
     """Every arch has an entry with its reason; the candidates start with it, never change the
     routed row tile (the dispatch padding the forward saves) and split it evenly."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton import moe as kernels
-    from fusedops.backends.triton import moe_router as router_kernels
-    from fusedops.backends.triton import moe_tiles as tiles
+    from fusedops.backends.triton.relu2_moe import program as kernels
+    from fusedops.backends.triton.relu2_moe import router as router_kernels
+    from fusedops.backends.triton.relu2_moe import tiles as tiles
     from fusedops.core.target import compiling_for
     for t, k in ((200, 2), (16, 1)):                   # row tile 128, then decode-sized (16)
         case = experts_case(t, 16, 4, 24, k, shared=8, device="cpu")
@@ -450,7 +450,7 @@ def test_tile_tables_follow_the_arch_and_candidates_keep_the_saved_layout():
 
 
 def _moe_problem(t, H, E, I, k, *, shared=0, accumulate=False):
-    from fusedops.moe.contract import MoEProblem
+    from fusedops.relu2_moe.contract import MoEProblem
     return MoEProblem(torch.bfloat16, t, H, E, I, k, shared, False, accumulate, torch.float32,
                       torch.device("cpu"))
 
@@ -484,7 +484,7 @@ def test_cost_model_follows_the_grid_order():
     programs, counts once per column tile while W's column tile, re-read by the next row tile,
     counts once per group; a grid ordered row tile by row tile (GROUP_M = 1) turns that round."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton import moe_cost as C
+    from fusedops.backends.triton.relu2_moe import cost as C
     N, BM = 2048, 128
     cases = ((1024, 256, 8, lambda x, w: x + w), (2048, 256, 8, lambda x, w: x + w),
              (1024, 16384, 8, lambda x, w: 16 * x + w), (1024, 16384, 1, lambda x, w: x + 8 * w))
@@ -508,7 +508,7 @@ def test_cost_model_at_nano_shapes():
     padding."""
     pytest.importorskip("triton")
     from fusedops.core.cost import total
-    from fusedops.moe.samples import production
+    from fusedops.relu2_moe.samples import production
     plans = {(label, call.plan.__name__, tuple(call.options)): call.build("torch")
              for label, calls in production() for call in calls}
     fwd = plans[("moe nano t8192", "ReLU2MoEForward", ())]
@@ -568,7 +568,7 @@ def test_tuning_tensors_are_a_valid_routing_and_a_real_dispatch(backend):
 def test_every_candidate_computes_the_same_results(backend):
     """Each autotune candidate's forward and backward programs (other column tiles, split row
     tiles, weight-gradient steps) give the table entry's results."""
-    from fusedops.backends.triton import moe as kernels
+    from fusedops.backends.triton.relu2_moe import program as kernels
     case = experts_case(200, 16, 4, 24, 2, shared=8, dtype=torch.float16, seed=22)
     fwd = _experts_plan(ReLU2MoEForward, case, backend=backend).compile()
     bwd = _experts_plan(ReLU2MoEBackward, case, backend=backend).compile()
@@ -609,13 +609,13 @@ def _skewed_case(dtype):
 
 
 def test_wgrad_split_items_cover_every_row_within_the_slots():
-    """moe_cost.wgrad_items, the model of the split-K work table: the three launches together
+    """relu2_moe.cost.wgrad_items, the model of the split-K work table: the three launches together
     take every row of every expert exactly once, no program more than ``chunk`` rows, and the
     chunks past a split expert's first fit the slots, whatever the counts; chunk = t·k / slots
     rounded up to the K step, off where it reaches t."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton.moe_cost import wgrad_items
-    from fusedops.backends.triton.moe_tiles import HOPPER, wgrad_split
+    from fusedops.backends.triton.relu2_moe.cost import wgrad_items
+    from fusedops.backends.triton.relu2_moe.tiles import HOPPER, wgrad_split
     generator = torch.Generator().manual_seed(0)
     for trial in range(50):
         E, slots, chunk = 1 + trial % 9, 1 + trial % 8, 16 * (1 + trial % 4)
@@ -643,8 +643,8 @@ def test_skewed_routing_splits_the_weight_gradients_deterministically(backend, d
     """A hot expert's rows go to split-K chunks (fp32 slots, added in chunk order): the results
     match the torch backend, repeat bit for bit, add to accumulated gradients once, and agree
     with the unsplit kernels (another order of fp32 sums)."""
-    from fusedops.backends.triton import moe as kernels
-    from fusedops.backends.triton.moe_tiles import tiles_for
+    from fusedops.backends.triton.relu2_moe import program as kernels
+    from fusedops.backends.triton.relu2_moe.tiles import tiles_for
     case = _skewed_case(dtype)
     bwd = _experts_plan(ReLU2MoEBackward, case, backend=backend)
     slots, chunk = kernels._wgrad_split(bwd.problem, tiles_for(bwd.problem))
@@ -681,8 +681,8 @@ def test_shared_weight_gradients_in_one_launch_are_the_two_launches_bits(backend
     gradients in one launch, the first's tiles then the second's; with it off (sm_80) they run
     as two. Same tiles, same order of sums: the same bits, accumulated onto the buffers or not,
     in fp32 or in x's dtype."""
-    from fusedops.backends.triton import moe as kernels
-    from fusedops.backends.triton.moe_tiles import tiles_for
+    from fusedops.backends.triton.relu2_moe import program as kernels
+    from fusedops.backends.triton.relu2_moe.tiles import tiles_for
     case = experts_case(70, 48, 4, 40, 2, shared=160, dtype=torch.float16, seed=21)
     names = ("x", "w_up", "w_down", "topk_ids", "topk_weights")
     shared = {n: case[n] for n in ("shared_w_up", "shared_w_down")}

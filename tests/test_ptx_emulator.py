@@ -194,8 +194,8 @@ def test_real_gate_kernel_writing_past_a_short_output_faults():
     last token's store and names the buffer."""
     pytest.importorskip("cutlass")
     from fusedops.backends.cute import compiler
-    from fusedops.backends.cute.engram import forward_kernel
-    from fusedops.engram import GateProblem
+    from fusedops.backends.cute.engram_gate.program import forward_kernel
+    from fusedops.engram_gate import GateProblem
     n, s, d = 3, 1, 64
     problem = GateProblem(torch.float32, n, s, d, 1e-6, False, False, torch.device("cpu"))
     launch = compiler._emulated_launcher(forward_kernel(problem), "sm_90a")

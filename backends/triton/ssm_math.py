@@ -1,5 +1,5 @@
-"""Element-wise math the Mamba2 scan and state-update kernels share (mamba2_fwd.py,
-mamba2_bwd.py, mamba2_inference.py), written once so training and decode round alike."""
+"""Element-wise math the Mamba2 scan and state-update kernels share (mamba2_scan/kernels_forward.py,
+mamba2_scan/kernels_backward.py, mamba2_inference.py), written once so training and decode round alike."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from fusedops import engram
+from fusedops import engram_gate as engram
 
 __all__ = ["EngramGateSavedBackward", "EngramGateSavedForward", "TensorDesc",
            "engram_gate_saved_backward", "engram_gate_saved_forward"]

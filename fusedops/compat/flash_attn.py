@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from fusedops import ops
-from fusedops.attention import gqa_attention_decode, gqa_attention_forward
+from fusedops.gqa_attention import gqa_attention_decode, gqa_attention_forward
 from fusedops.errors import UnsupportedError, ValidationError
 
 __all__ = ["flash_attn_func", "flash_attn_kvpacked_func", "flash_attn_qkvpacked_func",

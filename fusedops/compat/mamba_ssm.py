@@ -21,9 +21,9 @@ import torch.nn.functional as F
 from fusedops import ops
 from fusedops.core.dtypes import accumulator_dtype
 from fusedops.errors import UnsupportedError, ValidationError
-from fusedops.mamba2.contract import SOFTPLUS_THRESHOLD
+from fusedops.mamba2_scan.contract import SOFTPLUS_THRESHOLD
 from fusedops.plan.torch_ops import as_planned
-from fusedops.mamba2.plans import mamba2_chunk_scan_forward
+from fusedops.mamba2_scan.plans import mamba2_chunk_scan_forward
 from fusedops.mamba2_inference import mamba2_state_update
 
 STATE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)

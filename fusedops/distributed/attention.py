@@ -21,8 +21,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..attention import gqa_attention_backward, gqa_attention_forward
-from ..attention.contract import softmax_scale as expect_softmax_scale
+from ..gqa_attention import gqa_attention_backward, gqa_attention_forward
+from ..gqa_attention.contract import softmax_scale as expect_softmax_scale
 from ..core.dtypes import accumulator_dtype
 from ..core.options import expect_bool
 from ..errors import ValidationError

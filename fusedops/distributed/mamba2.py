@@ -18,8 +18,8 @@ import torch.nn.functional as F
 
 from ..core.dtypes import accumulator_dtype
 from ..errors import ValidationError
-from ..mamba2 import Mamba2ChunkScanForward
-from ..mamba2.contract import DEFAULT_CHUNK_SIZE, DEFAULT_DT_LIMIT
+from ..mamba2_scan import Mamba2ChunkScanForward
+from ..mamba2_scan.contract import DEFAULT_CHUNK_SIZE, DEFAULT_DT_LIMIT
 from ..ops import mamba2_chunk_scan
 from .collectives import (all_gather, check_same_on_every_rank, expect_group_device,
                           group_rank_world, tie)

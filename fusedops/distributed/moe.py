@@ -23,8 +23,8 @@ from ..core.options import expect_int, optional
 from ..core.tupledict import TupleDict
 from ..core.workspace import Layout
 from ..errors import PlanStateError, ValidationError
-from ..moe import ReLU2MoEBackward, ReLU2MoEForward
-from ..moe.contract import DTYPES
+from ..relu2_moe import ReLU2MoEBackward, ReLU2MoEForward
+from ..relu2_moe.contract import DTYPES
 from .collectives import check_same_on_every_rank, fingerprint, group_rank_world
 from .moe_routing import combine, route, send_metadata
 

@@ -1,6 +1,6 @@
 """Mamba2 inference's contract: the state update, its storage policies and the rollback
 (docs/mamba2_inference.md). The dt transform, its dt_limit check and the checks of the per-token
-and per-head operands are the scan's (fusedops.mamba2.contract), so a scan over l tokens and l
+and per-head operands are the scan's (fusedops.mamba2_scan.contract), so a scan over l tokens and l
 one-token updates agree.
 
 Per row (a request, whose state lives in ``state[slot]``) and head, for tokens t = 1..T:
@@ -44,8 +44,8 @@ from ..core.dtypes import element_size
 from ..core.desc import TensorDesc
 from ..core.index_checks import check_range
 from ..errors import ValidationError
-from ..mamba2.contract import (DEFAULT_DT_LIMIT, SOFTPLUS_THRESHOLD, check_dt, check_gate,
-                               check_heads, check_status, expect_dt_limit, row_vector)
+from ..mamba2_scan.contract import (DEFAULT_DT_LIMIT, SOFTPLUS_THRESHOLD, check_dt, check_gate,
+                                    check_heads, check_status, expect_dt_limit, row_vector)
 
 __all__ = ["ACTIVATION_DTYPES", "DEFAULT_DT_LIMIT", "DecodeProblem", "ROUNDINGS",
            "RollbackProblem", "SOFTPLUS_THRESHOLD", "STATE_DTYPES", "UPDATE_FLOPS_PER_ELEMENT",

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from ..mamba2.contract import DEFAULT_DT_LIMIT
-from ..mamba2.oracle import transformed_dt
+from ..mamba2_scan.contract import DEFAULT_DT_LIMIT
+from ..mamba2_scan.oracle import transformed_dt
 
 
 def decode_sequential(state, x, dt, A, B, C, D=None, z=None, dt_bias=None, dt_softplus=False,

@@ -57,7 +57,7 @@ class Mamba2StateUpdate(Plan):
     """
 
     op_name = "mamba2_state_update"
-    backend_module = "mamba2_inference"
+    backend_module = "mamba2_inference.program"
     program_name = "update"
     backends = ("torch", "triton")
     operands = (*updated("state"), *inputs("x", "dt", strided=True), *inputs("A"),
@@ -173,7 +173,7 @@ class Mamba2StateRollback(Plan):
     """
 
     op_name = "mamba2_state_rollback"
-    backend_module = "mamba2_inference"
+    backend_module = "mamba2_inference.program"
     program_name = "rollback"
     backends = ("torch", "triton")
     operands = (*updated("state"), *inputs("snapshots"), *indices("accepted"),

@@ -1,0 +1,1 @@
+"""The engram_gate family in the cute backend: ``program`` serves its plans."""

@@ -1,0 +1,1 @@
+"""The engram_gate family in the torch backend: ``program`` serves its plans."""

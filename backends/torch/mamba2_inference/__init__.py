@@ -1,0 +1,1 @@
+"""The mamba2_inference family in the torch backend: ``program`` serves its plans."""

@@ -1,0 +1,1 @@
+"""The gqa_attention family in the triton backend: ``program`` serves its plans."""

@@ -50,7 +50,8 @@ QUICK=()
 DRY_LIMIT=240   # the dry run's tiny shapes run on CPU (the Triton interpreter), not against the clock
 # seconds per benchmark on one H200, Triton compiles and the peers' autotuning included; the
 # check's steps add up to about 7.5 minutes
-declare -A LIMIT=([engram_gate]=30 [mamba2_scan]=110 [mamba2_inference]=30 [mamba2_state_storage]=15
+declare -A LIMIT=([engram_gate]=30 [mamba2_scan]=110 [mamba2_inference]=30
+                  [mamba2_inference_state_storage]=15
                   [gqa_attention]=70 [relu2_moe]=90)
 for name in $($PY -c "from fusedops.__main__ import benchmarks; print(' '.join(benchmarks()))"); do
     limit=${LIMIT[$name]:-60}

@@ -84,7 +84,7 @@ def run_benchmarks(names, out: Path, quick: bool) -> int:
     for i, name in enumerate(names, 1):
         print(f"[{i}/{len(names)}] bench/{name}.py", flush=True)
         cmd = [sys.executable, str(directory / f"{name}.py"), "--json", str(out / f"{name}.json")]
-        if name != "mamba2_state_storage":
+        if name != "mamba2_inference_state_storage":
             cmd += ["--png", str(out / f"{name}.png")]
         if quick:
             cmd.append("--quick")

@@ -16,7 +16,7 @@ import torch.distributed as dist
 from fusedops import layers, ops
 from fusedops.distributed import (ExpertParallelMoE, SequenceLayout, context_parallel_gqa_attention,
                                   context_parallel_mamba2_scan, expert_parallel_relu2_moe)
-from fusedops.distributed.layers import (ContextParallelGQAAttention, ContextParallelMamba2Mixer,
+from fusedops.layers.parallel import (ContextParallelGQAAttention, ContextParallelMamba2Mixer,
                                          ExpertParallelReLU2MoE)
 from fusedops.errors import ValidationError
 from fusedops.registry import family

@@ -167,3 +167,169 @@ def test_every_package_is_installed():
     packages = {module_name(p) for p in sources() if p.name == "__init__.py"}
     assert packages - listed == set(), f"missing from pyproject.toml packages: {sorted(packages - listed)}"
     assert listed - packages == set(), f"listed but not packages: {sorted(listed - packages)}"
+
+
+# -- one room per operator (docs/contributing.md, "Where things live") ---------------------------
+FAMILY_MODULES = ("contract", "plans", "oracle", "samples", "info")      # fusedops/<family>/
+KERNEL_PACKAGE = ("program", "kernels*", "tiles", "cost*")              # backends/<b>/<family>/
+OPTIONAL_KERNEL_MODULES = ("buffers", "strides")
+SHARED_MACHINERY = {
+    "torch": {"__init__", "common", "_autograd"},
+    "triton": {"__init__", "aot", "runtime", "primitives", "rounding", "ssm_math", "l2_reuse"},
+    "cute": {"__init__", "aot", "compiler", "device"},
+}
+
+
+def _matches(stem: str, pattern: str) -> bool:
+    return stem == pattern or (pattern.endswith("*") and stem.startswith(pattern[:-1]))
+
+
+def layout_problems(root: pathlib.Path, families) -> list[str]:
+    """What the layout is missing or has out of place under ``root``, for registry entries
+    ``families``: each family's package, doc, benchmarks and, per backend of its plans, its
+    kernel package with the files every family's has; no family module at a backend's top
+    level."""
+    problems = []
+    names = [info.name for info in families]
+    for info in families:
+        package = root / "fusedops" / info.name
+        problems += [f"fusedops/{info.name}/{m}.py is missing" for m in FAMILY_MODULES
+                     if not (package / f"{m}.py").exists()]
+        if info.doc != f"docs/{info.name}.md" or not (root / info.doc).exists():
+            problems.append(f"{info.name}: its page must be docs/{info.name}.md (has {info.doc})")
+        problems += [f"{info.name}: bench/{b}.py must be named after the family and exist"
+                     for b in info.bench if not b.startswith(info.name) or not
+                     (root / "bench" / f"{b}.py").exists()]
+        parts = {}
+        for plan in info.plans:
+            family, _, module = plan.backend_module.partition(".")
+            if family != info.name or not module:
+                problems.append(f"{plan.__name__}.backend_module: expected '{info.name}.<module>', "
+                                f"got {plan.backend_module!r}")
+                continue
+            for backend in plan.backends:
+                parts.setdefault(backend, set()).add(module)
+        for backend, modules in parts.items():
+            room = root / "backends" / backend / info.name
+            stems = {p.stem for p in room.glob("*.py")}
+            problems += [f"backends/{backend}/{info.name}/{m}.py is missing (a plan's "
+                         f"backend_module)"
+                         for m in sorted(modules) if m not in stems]
+            if backend != "torch":
+                problems += [f"backends/{backend}/{info.name}/ has no {pattern}.py"
+                             for pattern in KERNEL_PACKAGE
+                             if not any(_matches(s, pattern) for s in stems)]
+                allowed = (*KERNEL_PACKAGE, *OPTIONAL_KERNEL_MODULES, "__init__", *modules)
+                problems += [f"backends/{backend}/{info.name}/{s}.py: not a kernel-package name "
+                             f"({', '.join(allowed)})" for s in sorted(stems)
+                             if not any(_matches(s, pattern) for pattern in allowed)]
+    for backend, shared in SHARED_MACHINERY.items():
+        for path in sorted((root / "backends" / backend).glob("*.py")):
+            if path.stem not in shared:
+                problems.append(f"backends/{backend}/{path.name}: a backend's top level holds only "
+                                f"shared machinery ({', '.join(sorted(shared))}); a family's "
+                                f"modules go in backends/{backend}/<family>/")
+        for path in sorted((root / "backends" / backend).iterdir()):
+            if path.is_dir() and path.name != "__pycache__" and path.name not in names:
+                problems.append(f"backends/{backend}/{path.name}/: not a registry family")
+    return problems
+
+
+def test_every_family_lives_in_its_own_room():
+    from fusedops.registry import FAMILIES
+    assert layout_problems(ROOT, FAMILIES) == []
+
+
+def test_the_layout_check_says_what_is_missing(tmp_path):
+    """A family whose kernel package lacks its tile table, with a stray module at the Triton
+    backend's top level and a doc under another name, is reported for each."""
+    import shutil
+    from dataclasses import replace
+    from fusedops.registry import family
+    for top in ("fusedops/engram_gate", "backends/triton/engram_gate", "backends/torch/engram_gate",
+                "backends/cute/engram_gate"):
+        shutil.copytree(ROOT / top, tmp_path / top)
+    for backend, shared in SHARED_MACHINERY.items():
+        for stem in shared:
+            source = ROOT / "backends" / backend / f"{stem}.py"
+            if source.exists():
+                shutil.copy(source, tmp_path / "backends" / backend / f"{stem}.py")
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "engram_gate.md").write_text("")
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "bench" / "engram_gate.py").write_text("")
+    (tmp_path / "backends/triton/engram_gate/tiles.py").unlink()
+    (tmp_path / "backends/triton/engram_gate/notes.py").write_text("")
+    (tmp_path / "backends/triton/engram_kernels.py").write_text("")
+    info = replace(family("engram_gate"), doc="docs/gate.md")
+    assert layout_problems(tmp_path, [info]) == [
+        "engram_gate: its page must be docs/engram_gate.md (has docs/gate.md)",
+        "backends/triton/engram_gate/ has no tiles.py",
+        "backends/triton/engram_gate/notes.py: not a kernel-package name (program, kernels*, "
+        "tiles, cost*, buffers, strides, __init__, program)",
+        "backends/triton/engram_kernels.py: a backend's top level holds only shared machinery "
+        "(__init__, aot, l2_reuse, primitives, rounding, runtime, ssm_math); a family's modules "
+        "go in backends/triton/<family>/"]
+
+
+def module_level_imports(name: str, is_package: bool, text: str) -> set[str]:
+    """The fusedops modules that module ``name`` imports when it is imported (not those its
+    functions import when called)."""
+    tree = ast.parse(text, name)
+    kinds = (ast.Import, ast.ImportFrom, ast.If, ast.Try)
+    top = ast.Module(body=[node for node in tree.body if isinstance(node, kinds)], type_ignores=[])
+    return {target for _, target in imports(name, is_package, ast.unparse(top))} & MODULES
+
+
+def import_cycles(files) -> list[list[str]]:
+    """The strongly connected components (more than one module) of the module-level import
+    graph."""
+    graph = {me: module_level_imports(me, is_package, text) - {me}
+             for _, me, is_package, text in files}
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or around a loop, when they are imported."""
+    assert import_cycles(repository_files()) == []
+
+
+def test_the_circle_check_sees_a_circle():
+    probes = [("a", "fusedops.probe_a", False, "from .probe_b import x\n"),
+              ("b", "fusedops.probe_b", False, "from . import probe_c\n"),
+              ("c", "fusedops.probe_c", False, "import fusedops.probe_a\n"),
+              ("d", "fusedops.probe_d", False, "def f():\n    from .probe_a import y\n")]
+    global MODULES
+    saved, MODULES = MODULES, MODULES | {"fusedops.probe_a", "fusedops.probe_b", "fusedops.probe_c",
+                                         "fusedops.probe_d"}
+    try:
+        assert import_cycles(probes) == [
+            ["fusedops.probe_a", "fusedops.probe_b", "fusedops.probe_c"]]
+    finally:
+        MODULES = saved

@@ -27,18 +27,18 @@ def _backward_plan(backend):
 
 
 def test_tile_table_follows_the_target_arch(monkeypatch):
-    from fusedops.backends.triton.engram_gate import program as kernels
+    from fusedops.backends.triton.engram_gate import tiles
     plan, _, _ = _backward_plan("torch")
     assert target_arch(torch.device("cpu")) == "sm_90"
-    for arch, (entry, why) in kernels.TILES.items():
+    for arch, (entry, why) in tiles.TILES.items():
         assert why
         with compiling_for(arch + "a"):
-            assert kernels.tiles_for(plan.problem) == entry
+            assert tiles.tiles_for(plan.problem) == entry
     monkeypatch.setenv("FUSEDOPS_TARGET_ARCH", "sm_100a")
-    assert kernels.tiles_for(plan.problem) == kernels.TILES["sm_100"][0]
+    assert tiles.tiles_for(plan.problem) == tiles.TILES["sm_100"][0]
     monkeypatch.setenv("FUSEDOPS_TARGET_ARCH", "sm_75")
     with pytest.raises(ValidationError, match=r"arch: expected one of sm_80, sm_90, sm_100"):
-        kernels.tiles_for(plan.problem)
+        tiles.tiles_for(plan.problem)
 
 
 @pytest.mark.skipif("triton" not in BACKENDS, reason="needs the triton backend")

@@ -108,10 +108,10 @@ def test_memory_reads_what_transformers_writes(tmp_path):
 
 
 def test_bench_command_runs_a_benchmark(tmp_path):
-    proc = _run("-m", "fusedops", "bench", "mamba2_state_storage", "--quick", "--out", str(tmp_path))
+    proc = _run("-m", "fusedops", "bench", "mamba2_inference_state_storage", "--quick", "--out", str(tmp_path))
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "[1/1] bench/mamba2_state_storage.py" in proc.stdout
-    assert (tmp_path / "mamba2_state_storage.json").exists()
+    assert "[1/1] bench/mamba2_inference_state_storage.py" in proc.stdout
+    assert (tmp_path / "mamba2_inference_state_storage.json").exists()
     proc = _run("-m", "fusedops", "bench", "nonsense")
     assert proc.returncode != 0 and "names: expected some of" in proc.stderr
 

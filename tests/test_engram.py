@@ -95,7 +95,7 @@ def test_rows_wider_than_one_block(backend, d, held):
     backward (6 chunks of 2048); D = 24580 is wider than either holds, so both stream it (the
     backward over D-chunk programs)."""
     if backend == "triton":
-        from fusedops.backends.triton.engram_gate.program import row_layout, tiles_for
+        from fusedops.backends.triton.engram_gate.tiles import row_layout, tiles_for
         problem = GateProblem(torch.float32, 2, 2, d, EPS, True, False, DEVICE)
         layouts = [row_layout(problem, tiles_for(problem), k) for k in ("fwd", "bwd")]
         assert [lay.held for lay in layouts] == [held, held] and layouts[0].chunks > 1, layouts
@@ -111,7 +111,7 @@ def test_cute_ptx_of_each_architecture(monkeypatch, arch, s, d, held):
     """The PTX compiled for each target: the production row (4 warps of 5 vectors per thread,
     x re-read for the output), five streams, and a row narrow enough for the forward to hold
     every stream's x in registers (S * vectors per thread <= 8)."""
-    from fusedops.backends.cute.engram_gate.program import MAX_HELD_VECTORS, row_geometry
+    from fusedops.backends.cute.engram_gate.tiles import MAX_HELD_VECTORS, row_geometry
     geo = row_geometry(d, torch.bfloat16)
     assert (s * geo.iters <= MAX_HELD_VECTORS) == held, geo
     monkeypatch.setenv("FUSEDOPS_TARGET_ARCH", arch)
@@ -126,7 +126,7 @@ def test_cute_ptx_of_each_architecture(monkeypatch, arch, s, d, held):
 def test_cute_row_geometry_divides_the_row(d, dtype, warps, vectors):
     """The CTA covers the row's 16-byte vectors with the least padding (no power of two), at
     most MAX_VECTORS per thread, and, on a tie, in MIN_WARPS warps or more, then the fewest."""
-    from fusedops.backends.cute.engram_gate.program import MAX_VECTORS, row_geometry
+    from fusedops.backends.cute.engram_gate.tiles import MAX_VECTORS, row_geometry
     geo = row_geometry(d, dtype)
     assert (geo.warps, geo.iters) == (warps, vectors) and geo.iters <= MAX_VECTORS
 
@@ -135,7 +135,7 @@ def test_cute_row_geometry_divides_the_row(d, dtype, warps, vectors):
 def test_cute_backward_rows_too_wide_for_shared_memory():
     """A row whose weight and partial rows do not fit a CTA's shared memory keeps them in
     registers (32 warps of 9 vectors here, the last pass mostly clamped)."""
-    from fusedops.backends.cute.engram_gate.program import private_rows_shared, row_geometry
+    from fusedops.backends.cute.engram_gate.tiles import private_rows_shared, row_geometry
     d = 4 * 8193
     geo = row_geometry(d, torch.float32)
     assert (geo.warps, geo.iters) == (32, 9) and not private_rows_shared(geo)
@@ -408,7 +408,8 @@ def test_workspace_formula():
     """Backward workspace = 4 * S * D * blocks bytes, blocks = ceil(N / tokens_per_block) with
     at least 4 tokens per block and at most 640 // ((S + 1) * chunks) blocks."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton.engram_gate.program import backward_blocks, backward_workspace
+    from fusedops.backends.triton.engram_gate.program import backward_workspace
+    from fusedops.backends.triton.engram_gate.tiles import backward_blocks
     for n, expected_blocks in ((1, 1), (64, 16), (512, 128), (8192, 128), (100_000, 128)):
         problem = GateProblem(torch.bfloat16, n, 4, 5120, EPS, False, False, DEVICE)
         per_block, blocks = backward_blocks(problem)

@@ -491,16 +491,16 @@ def test_block_table_follows_the_target_arch():
     """One entry per architecture, each with its reason; the programs take the target's entry
     (or ``config=``); the candidates start with it."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton.mamba2_inference.program import program as kernels
+    from fusedops.backends.triton.mamba2_inference import program as kernels, tiles
     from fusedops.core.target import compiling_for
     plan = _production("decode T=4 float16 stochastic snapshots")
-    assert set(kernels.TILES) == {"sm_80", "sm_90", "sm_100"}
-    for arch, (entry, why) in kernels.TILES.items():
+    assert set(tiles.TILES) == {"sm_80", "sm_90", "sm_100"}
+    for arch, (entry, why) in tiles.TILES.items():
         assert why
         with compiling_for(arch):
-            assert kernels.tiles_for(plan.problem) == entry
+            assert tiles.tiles_for(plan.problem) == entry
             assert kernels.update_candidates(plan.problem)[0] == entry
-    other = kernels.DecodeTiles(BP=32, BP_STOCHASTIC=4, MAX_WARPS=2)
+    other = tiles.DecodeTiles(BP=32, BP_STOCHASTIC=4, MAX_WARPS=2)
     (spec,) = kernels.update_program(plan.problem, config=other).kernels
     assert spec.grid == (256, 128, 16) and spec.num_warps == 2     # 64 / 4 rows, 4·128/256 warps
 
@@ -519,7 +519,7 @@ def test_update_model_against_its_floor():
     row's accepted count and slot are re-read b programs apart, and a program moves 2 x 4096
     fp16 values and 8 bytes: G = 1,525 >= b, so its read is the floor's."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton.mamba2_inference.program import cost as model
+    from fusedops.backends.triton.mamba2_inference import cost as model
     from fusedops.core.target import compiling_for
     h, p, g, n, e = 128, 64, 8, 128, 2
     for label, b, T, bp, s in (("decode T=1 float32", 256, 1, 16, 4),
@@ -547,11 +547,10 @@ def test_update_model_against_its_floor():
 def test_update_kernels_carry_the_model():
     """The update's and the rollback's kernels carry mamba2_inference.cost's cost."""
     pytest.importorskip("triton")
-    from fusedops.backends.triton.mamba2_inference.program import program as kernels
-    from fusedops.backends.triton.mamba2_inference.program import cost as model
+    from fusedops.backends.triton.mamba2_inference import cost as model, tiles
     plan = _production("decode T=1 float16")
     (kernel,) = plan.kernel_program("triton").kernels
-    assert kernel.cost == model.update_cost(plan.problem, kernels._p_tile(plan.problem))
+    assert kernel.cost == model.update_cost(plan.problem, tiles.head_dim_rows(plan.problem))
     rollback = _production("rollback fp16")
     (kernel,) = rollback.kernel_program("triton").kernels
     assert kernel.cost == model.rollback_cost(rollback.problem, 4096)
@@ -578,7 +577,7 @@ def test_tuning_tensors_are_valid_index_data():
 def test_every_autotune_candidate_gives_the_same_bits(backend, rounding):
     """Each candidate's update (another head-dim block) and rollback (another tile) write the
     same bits as the table's entry: the blocks change no reduction or random draw."""
-    from fusedops.backends.triton.mamba2_inference.program import program as kernels
+    from fusedops.backends.triton.mamba2_inference import program as kernels
     case = samples.make(3, 3, 2, 32, 1, 16, torch.float32, state_dtype=torch.bfloat16, slots=5,
                         indices=[4, -1, 1], D="h", z=True, dt_bias=True, rounding=rounding,
                         accepted=[2, 0, 3], seed=4, device=DEVICE)

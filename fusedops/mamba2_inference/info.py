@@ -31,6 +31,6 @@ INFO = OpInfo(
     cases=samples.cases, production=samples.production, plan_calls=samples.plan_calls,
     run=samples.run, oracle=oracle, tolerance=tolerance,
     demo_limit=8e-3,   # fp32 recurrence, fp16 states, each bf16 y rounded once
-    bench=("mamba2_inference", "mamba2_state_storage"),
+    bench=("mamba2_inference", "mamba2_inference_state_storage"),
     demo_reference="oracle",   # the inference plans take no float64
     index_fuzz=samples.index_fuzz)

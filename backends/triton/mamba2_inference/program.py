@@ -1,241 +1,34 @@
-"""Mamba2 inference: Triton kernels for the state update over T tokens (snapshots, nearest or
-stochastic storage) and the rollback to a snapshot (fusedops.mamba2_inference.contract).
-
-One program per (row, head, block of p): the [BP, N] state tile stays in fp32 registers across
-the T tokens and is rounded only where it is written (every checkpoint_period tokens, the last
-token, and every snapshot). Stochastic rounding draws from Philox-4x32-10 keyed by the row's seed
-and countered by (element index, offset + t); the torch backend mirrors it bit for bit. Kernel
-arguments carry the plan's tensor names; absent optional operands (D, z, dt_bias, the slot
-indices, the seeds and offsets, the snapshots, the status word) are compiled out. x, dt, B, C, z
-and y are addressed through their strides (row·stride_b + token·stride_t + head·stride_h +
-column), taken in units of a constexpr (VX, VB, VDT: a 16-byte vector when the rows are whole
-vectors, so the loads stay vectorised; else 1); B and C may be fp32 with 16-bit x.
-
-Index data (any values): a row whose slot is negative (padding) or past the cache
-(Status.SLOT_INDEX) is skipped: its programs write zeros to its y rows and snapshots and touch
-no slot; the rollback skips a row whose accepted count is outside [0, T]
-(Status.ACCEPTED_COUNT) or whose slot is invalid.
+"""Mamba2 inference: the Triton kernels' specialisations and programs for the state update and the
+rollback (the math: fusedops.mamba2_inference.contract; the kernels: kernels.py; their tiles:
+tiles.py; their traffic: cost.py).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
-
 import torch
 import triton
-import triton.language as tl
 
 from fusedops.core.dtypes import kernel_dtype_reason
 from fusedops.core.program import Program, Stage, Stride
-from fusedops.core.status import Status
-from fusedops.core.target import target_arch
 from fusedops.mamba2_inference.contract import SOFTPLUS_THRESHOLD, DecodeProblem
 
 from .. import interpreter_active
-from .cost import rollback_cost, update_cost
-from ..rounding import nearest_even, stochastic
-from ..ssm_math import softplus
 from ..runtime import KernelSpec, pointer_type
-from ..primitives import report_if
-
-SLOT_INDEX_BIT: tl.constexpr = tl.constexpr(int(Status.SLOT_INDEX))
-ACCEPTED_COUNT_BIT: tl.constexpr = tl.constexpr(int(Status.ACCEPTED_COUNT))
-
-__all__ = ["TILES", "DecodeTiles", "candidates", "rollback_candidates", "rollback_program",
-           "rollback_spec", "tiles_for", "unsupported_reason", "update_candidates",
-           "update_program", "update_spec"]
-
-
-@triton.jit
-def stored(S, elements, seed, counter, DTYPE: tl.constexpr, STOCHASTIC: tl.constexpr,
-           EXACT_NEAREST: tl.constexpr):
-    """The state as written to a DTYPE cache after the counter-th token of the row."""
-    if STOCHASTIC:
-        c1 = (counter & 0xFFFFFFFF).to(tl.uint32).to(tl.int32, bitcast=True)
-        c2 = (counter >> 32).to(tl.int32)
-        r0, _, _, _ = tl.philox(seed, elements, c1, c2, 0)
-        return stochastic(S, tl.uint_to_uniform_float(r0), DTYPE, tl.int16)
-    elif EXACT_NEAREST:
-        return nearest_even(S, DTYPE, tl.int16)
-    else:
-        return S.to(DTYPE)
-
-
-@triton.jit
-def ssd_state_update_kernel(state_ptr, x_ptr, dt_ptr, A_ptr, B_ptr, C_ptr, D_ptr, z_ptr,
-                            dt_bias_ptr, state_batch_indices_ptr, rng_seed_ptr, rng_offset_ptr,
-                            y_ptr, snapshots_ptr, status_ptr, stride_x_b, stride_x_t, stride_x_h,
-                            stride_dt_b, stride_dt_t, stride_B_b, stride_B_t, stride_B_g,
-                            stride_C_b, stride_C_t, stride_C_g, stride_z_b, stride_z_t,
-                            stride_z_h, stride_y_b, stride_y_t, stride_y_h, SLOTS, T, dt_min,
-                            dt_max, H: tl.constexpr, G: tl.constexpr, P: tl.constexpr,
-                            N: tl.constexpr, BP: tl.constexpr, BN: tl.constexpr,
-                            PERIOD: tl.constexpr, HAS_D: tl.constexpr, D_PER_CHANNEL: tl.constexpr,
-                            HAS_Z: tl.constexpr, HAS_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-                            HAS_INDICES: tl.constexpr, STOCHASTIC: tl.constexpr,
-                            HAS_SNAPSHOTS: tl.constexpr, EXACT_NEAREST: tl.constexpr,
-                            SOFTPLUS_THRESHOLD: tl.constexpr, HAS_STATUS: tl.constexpr,
-                            VX: tl.constexpr, VB: tl.constexpr, VDT: tl.constexpr):
-    i_b, i_h, i_p = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    o_p = i_p * BP + tl.arange(0, BP)
-    o_n = tl.arange(0, BN)
-    m_p, m_n = o_p < P, o_n < N
-    m_pn = m_p[:, None] & m_n[None, :]
-    DTYPE = state_ptr.dtype.element_ty
-    o_snap = (i_b.to(tl.int64) * (T + 1) * H + i_h) * (P * N) + o_p[:, None] * N + o_n[None, :]
-    row = i_b.to(tl.int64)
-    p_y = y_ptr + row * (stride_y_b * VX) + i_h * (stride_y_h * VX) + o_p
-    if HAS_INDICES:
-        slot = tl.load(state_batch_indices_ptr + i_b).to(tl.int64)
-    else:
-        slot = i_b.to(tl.int64)
-    if (slot < 0) | (slot >= SLOTS):
-        # padding, or past the cache (reported once per row): no slot is touched, y and the
-        # snapshots of the row are 0
-        report_if(status_ptr, (slot >= SLOTS) & (i_h == 0) & (i_p == 0), SLOT_INDEX_BIT, HAS_STATUS)
-        for t in range(T):
-            tl.store(p_y + t * (stride_y_t * VX), tl.zeros([BP], dtype=y_ptr.dtype.element_ty),
-                     mask=m_p)
-        if HAS_SNAPSHOTS:
-            for t in range(T + 1):
-                tl.store(snapshots_ptr + o_snap + t * (H * P * N),
-                         tl.zeros([BP, BN], dtype=DTYPE), mask=m_pn)
-        return
-    i_g = i_h // (H // G)
-    elements = (i_h * P + o_p[:, None]) * N + o_n[None, :]
-    p_state = state_ptr + (slot * H + i_h) * (P * N) + o_p[:, None] * N + o_n[None, :]
-    b_raw = tl.load(p_state, mask=m_pn, other=0.0)
-    b_S = b_raw.to(tl.float32)
-    if STOCHASTIC:
-        seed = tl.load(rng_seed_ptr + i_b)
-        offset = tl.load(rng_offset_ptr + i_b)
-    else:
-        seed = 0
-        offset = 0
-    if HAS_SNAPSHOTS:
-        tl.store(snapshots_ptr + o_snap, b_raw, mask=m_pn)
-    b_A = tl.load(A_ptr + i_h)
-    if HAS_BIAS:
-        bias = tl.load(dt_bias_ptr + i_h)
-    if HAS_D:
-        if D_PER_CHANNEL:
-            b_D = tl.load(D_ptr + i_h * P + o_p, mask=m_p, other=0.0)
-        else:
-            b_D = tl.load(D_ptr + i_h)
-    p_x = x_ptr + row * (stride_x_b * VX) + i_h * (stride_x_h * VX) + o_p
-    p_dt = dt_ptr + row * (stride_dt_b * VDT) + i_h
-    p_B = B_ptr + row * (stride_B_b * VB) + i_g * (stride_B_g * VB) + o_n
-    p_C = C_ptr + row * (stride_C_b * VB) + i_g * (stride_C_g * VB) + o_n
-    if HAS_Z:
-        p_z = z_ptr + row * (stride_z_b * VX) + i_h * (stride_z_h * VX) + o_p
-    for t in range(T):
-        dt = tl.load(p_dt + t * (stride_dt_t * VDT)).to(tl.float32)
-        if HAS_BIAS:
-            dt += bias
-        if SOFTPLUS:
-            dt = softplus(dt, SOFTPLUS_THRESHOLD)
-        dt = tl.minimum(tl.maximum(dt, dt_min), dt_max)
-        decay = tl.exp(dt * b_A)
-        b_x = tl.load(p_x + t * (stride_x_t * VX), mask=m_p, other=0.0).to(tl.float32)
-        b_B = tl.load(p_B + t * (stride_B_t * VB), mask=m_n, other=0.0).to(tl.float32)
-        b_C = tl.load(p_C + t * (stride_C_t * VB), mask=m_n, other=0.0).to(tl.float32)
-        b_S = decay * b_S + (dt * b_x)[:, None] * b_B[None, :]
-        b_y = tl.sum(b_S * b_C[None, :], axis=1)
-        if HAS_D:
-            b_y += b_D * b_x
-        if HAS_Z:
-            b_z = tl.load(p_z + t * (stride_z_t * VX), mask=m_p, other=0.0).to(tl.float32)
-            b_y *= b_z * tl.sigmoid(b_z)
-        tl.store(p_y + t * (stride_y_t * VX), b_y.to(y_ptr.dtype.element_ty), mask=m_p)
-        b_written = stored(b_S, elements, seed, offset + t + 1, DTYPE, STOCHASTIC, EXACT_NEAREST)
-        if ((t + 1) % PERIOD == 0) | (t == T - 1):
-            b_S = b_written.to(tl.float32)
-        if HAS_SNAPSHOTS:
-            tl.store(snapshots_ptr + o_snap + (t + 1) * (H * P * N), b_written, mask=m_pn)
-    tl.store(p_state, b_S.to(DTYPE), mask=m_pn)
-
-
-@triton.jit
-def ssd_rollback_kernel(state_ptr, snapshots_ptr, accepted_ptr, state_batch_indices_ptr,
-                        status_ptr, SLOTS, T: tl.constexpr, NUMEL: tl.constexpr,
-                        BLOCK: tl.constexpr, HAS_INDICES: tl.constexpr, HAS_STATUS: tl.constexpr):
-    i_b, i_t = tl.program_id(0), tl.program_id(1)
-    if HAS_INDICES:
-        slot = tl.load(state_batch_indices_ptr + i_b).to(tl.int64)
-    else:
-        slot = i_b.to(tl.int64)
-    acc = tl.load(accepted_ptr + i_b).to(tl.int64)
-    bad_acc = (acc < 0) | (acc > T)
-    report_if(status_ptr, bad_acc & (i_t == 0), ACCEPTED_COUNT_BIT, HAS_STATUS)
-    report_if(status_ptr, (slot >= SLOTS) & (i_t == 0), SLOT_INDEX_BIT, HAS_STATUS)
-    if (slot < 0) | (slot >= SLOTS) | bad_acc:      # skipped: the slot keeps its state
-        return
-    o = i_t * BLOCK + tl.arange(0, BLOCK)
-    m = o < NUMEL
-    b = tl.load(snapshots_ptr + (i_b.to(tl.int64) * (T + 1) + acc) * NUMEL + o, mask=m)
-    tl.store(state_ptr + slot * NUMEL + o, b, mask=m)
-
-
-# -- tiles -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class DecodeTiles:
-    """One entry of the block table. BP: head-dim rows per update program (nearest rounding);
-    BP_STOCHASTIC: the same with stochastic rounding (Philox keeps four 32-bit words per element
-    live); ELEMENTS_PER_WARP: state elements per warp (warps = BP·n / it, at most MAX_WARPS);
-    ROLLBACK_BLOCK: state elements per rollback program."""
-
-    BP: int = 16
-    BP_STOCHASTIC: int = 8
-    ELEMENTS_PER_WARP: int = 256
-    MAX_WARPS: int = 8
-    ROLLBACK_BLOCK: int = 4096
-
-
-TILES = {
-    "sm_80": (DecodeTiles(16, 8, 256, 8, 4096),
-              "A100 (108 SMs, 64K registers per SM): today's blocks, 8 state elements per "
-              "thread at n = 128 (16 x 128 over 8 warps); b·h·p/16 programs (32768 at b = 256) "
-              "fill the SMs many times over; no measurement yet"),
-    "sm_90": (DecodeTiles(16, 8, 256, 8, 4096),
-              "H100/H200 (132 SMs): today's blocks, the state tile in fp32 registers, 8 elements "
-              "per thread (stochastic: 8 rows, 4 warps, Philox within 128 registers); no "
-              "measurement yet"),
-    "sm_100": (DecodeTiles(16, 8, 256, 8, 4096),
-               "B200 (148 SMs): today's blocks; no measurement yet"),
-}
-
-
-def tiles_for(problem) -> DecodeTiles:
-    """The block table's entry for the plan's architecture."""
-    return TILES[target_arch(problem.device)][0]
-
-
-def candidates(problem) -> list[DecodeTiles]:
-    """Autotune candidates: the table's entry first, then 32 and 8 head-dim rows per update
-    program (fewer B/C re-reads per head, or more programs) and 2048 / 8192 elements per
-    rollback program."""
-    base = tiles_for(problem)
-    out = [base, replace(base, BP=32, BP_STOCHASTIC=16), replace(base, BP=8, BP_STOCHASTIC=4),
-           replace(base, ROLLBACK_BLOCK=2048), replace(base, ROLLBACK_BLOCK=8192)]
-    return list(dict.fromkeys(out))
+from .cost import rollback_cost, update_cost
+from .kernels import ssd_rollback_kernel, ssd_state_update_kernel
+from .tiles import DecodeTiles, head_dim_rows, candidates, tiles_for
 
 
 update_candidates = candidates
+
+
 rollback_candidates = candidates
-
-
-def _p_tile(problem, tiles: DecodeTiles | None = None) -> int:
-    """Head-dim rows per program: the table's BP (BP_STOCHASTIC with stochastic rounding), at
-    most p rounded up to a power of two."""
-    tiles = tiles or tiles_for(problem)
-    rows = tiles.BP_STOCHASTIC if problem.stochastic else tiles.BP
-    return max(1, min(rows, triton.next_power_of_2(problem.head_dim)))
 
 
 def update_spec(problem, tiles: DecodeTiles | None = None) -> KernelSpec:
     """The state update over the T tokens: one program per (row, head, head-dim tile)."""
     tiles = tiles or tiles_for(problem)
-    bp = _p_tile(problem, tiles)
+    bp = head_dim_rows(problem, tiles)
     xt, st = pointer_type(problem.dtype), pointer_type(problem.state_dtype)
 
     def present(flag, triton_type):
@@ -299,6 +92,8 @@ UPDATE_STRIDES = {"stride_x_b": ("x", 0), "stride_x_t": ("x", 1), "stride_x_h": 
                   "stride_C_b": ("C", 0), "stride_C_t": ("C", 1), "stride_C_g": ("C", 2),
                   "stride_z_b": ("z", 0), "stride_z_t": ("z", 1), "stride_z_h": ("z", 2),
                   "stride_y_b": ("y", 0), "stride_y_t": ("y", 1), "stride_y_h": ("y", 2)}
+
+
 """The update kernel's stride arguments: (tensor, dim)."""
 
 

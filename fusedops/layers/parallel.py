@@ -1,7 +1,7 @@
 """torch.nn layers that take a process group: the expert-parallel MoE block and the
 context-parallel Mamba2 mixer and attention of a Nemotron-H / Nemotron 3 model.
 
-Each subclasses its single-process layer in ``fusedops.layers``, so parameter names are the
+Each subclasses its single-process layer in ``fusedops.layers.modules``, so parameter names are the
 same: the context-parallel layers hold every parameter (replicated: sum their gradients over
 the group), and ``load_state_dict`` of a single-process layer's state moves the weights; the
 expert-parallel layer holds only this rank's experts (``experts.up_proj`` [E / world, I, H]),
@@ -15,13 +15,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..errors import UnsupportedError, ValidationError
-from ..layers import GQAAttention, Mamba2Mixer, ReLU2MoE
+from .modules import GQAAttention, Mamba2Mixer, ReLU2MoE
 from ..ops import moe_router
-from .attention import context_parallel_gqa_attention
-from .collectives import group_rank_world
-from .conv_halo import causal_conv1d
-from .mamba2 import check_layout, context_parallel_mamba2_scan
-from .moe_op import expert_parallel_relu2_moe
+from ..distributed.attention import context_parallel_gqa_attention
+from ..distributed.collectives import group_rank_world
+from ..distributed.conv_halo import causal_conv1d
+from ..distributed.mamba2 import check_layout, context_parallel_mamba2_scan
+from ..distributed.moe_op import expert_parallel_relu2_moe
 
 
 class _ShardedExperts(nn.Module):

@@ -1,4 +1,4 @@
-"""torch.nn layers built on fusedops.ops: drop-in mixers of a Nemotron-H / Nemotron 3 model.
+"""Single-process torch.nn layers built on fusedops.ops: drop-in mixers of a Nemotron-H / Nemotron 3 model.
 
 Parameter names and shapes follow transformers' NemotronH modules, so ``layer.load_state_dict(
 hf_module.state_dict())`` moves weights either way, and each mixer's ``forward`` takes what
@@ -20,11 +20,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from . import ops
-from .core.dtypes import accumulator_dtype
-from .engram_gate import DEFAULT_EPS
-from .errors import UnsupportedError, ValidationError
-from .mamba2_scan import CHUNK_SIZES
+from .. import ops
+from ..core.dtypes import accumulator_dtype
+from ..engram_gate import DEFAULT_EPS
+from ..errors import UnsupportedError, ValidationError
+from ..mamba2_scan import CHUNK_SIZES
 
 
 def _no_cache(layer: str, cache) -> None:
@@ -164,8 +164,8 @@ class Mamba2Mixer(nn.Module):
         options = dict(D=self.D.to(param), dt_bias=self.dt_bias.to(param), dt_softplus=True,
                        dt_limit=self.time_step_limit, backend=self.backend)
         if state is not None and state.tokens > 0:
-            from .plan.torch_ops import as_planned
-            from .mamba2_inference import mamba2_state_update
+            from ..plan.torch_ops import as_planned
+            from ..mamba2_inference import mamba2_state_update
             y = mamba2_state_update(state.ssm, as_planned(x), as_planned(dt), A,
                                     as_planned(B), as_planned(C), **options)["y"]
         else:
@@ -238,7 +238,7 @@ class GQAAttention(nn.Module):
         if state is None:
             o = ops.gqa_attention(q, k, v, causal=True, backend=self.backend)
         else:
-            from .gqa_attention import gqa_attention_decode
+            from ..gqa_attention import gqa_attention_decode
             o = gqa_attention_decode(q, k, v, state.k, state.v, state.lengths,
                                      backend=self.backend)["o"]              # views go in as they are
             state.lengths += s
@@ -330,11 +330,6 @@ class ReLU2MoE(nn.Module):
                 f"{self.topk_group}, scaling={self.routed_scaling_factor:g}")
 
 
-# layers that take a process group (expert and context parallelism); imported last because they
-# subclass the layers above
-from .distributed.layers import (ContextParallelGQAAttention, ContextParallelMamba2Mixer,  # noqa: E402
-                                 ExpertParallelReLU2MoE)
 
-__all__ = ["ContextParallelGQAAttention", "ContextParallelMamba2Mixer", "EngramGate",
-           "ExpertParallelReLU2MoE", "GQAAttention", "GatedRMSNorm", "KVState", "Mamba2Mixer",
-           "Mamba2State", "ReLU2MoE"]
+__all__ = ["EngramGate", "GQAAttention", "GatedRMSNorm", "KVState", "Mamba2Mixer", "Mamba2State",
+           "ReLU2MoE"]

@@ -3,7 +3,7 @@ every token or every k tokens) against the fp32 state, over a long decode. Numer
 any device (the torch backend on CPU), with Mamba2-like parameters (A = -exp(U[0, log 16]), dt
 around softplus^-1 of [1e-3, 1e-1]).
 
-    python bench/mamba2_state_storage.py [--tokens 4096] [--json out.json]
+    python bench/mamba2_inference_state_storage.py [--tokens 4096] [--json out.json]
 """
 
 from __future__ import annotations

@@ -195,6 +195,10 @@ def layout_problems(root: pathlib.Path, families) -> list[str]:
         package = root / "fusedops" / info.name
         problems += [f"fusedops/{info.name}/{m}.py is missing" for m in FAMILY_MODULES
                      if not (package / f"{m}.py").exists()]
+        tests = ["test_math", "test_plans"] + (["test_kernels"] if set(info.backends) - {"torch"}
+                                               else [])
+        problems += [f"tests/{info.name}/{m}.py is missing" for m in tests
+                     if not (root / "tests" / info.name / f"{m}.py").exists()]
         if info.doc != f"docs/{info.name}.md" or not (root / info.doc).exists():
             problems.append(f"{info.name}: its page must be docs/{info.name}.md (has {info.doc})")
         problems += [f"{info.name}: bench/{b}.py must be named after the family and exist"
@@ -241,13 +245,14 @@ def test_every_family_lives_in_its_own_room():
 
 
 def test_the_layout_check_says_what_is_missing(tmp_path):
-    """A family whose kernel package lacks its tile table, with a stray module at the Triton
-    backend's top level and a doc under another name, is reported for each."""
+    """A family without its plans tests, whose kernel package lacks its tile table, with a stray
+    module at the Triton backend's top level and a doc under another name, is reported for
+    each."""
     import shutil
     from dataclasses import replace
     from fusedops.registry import family
     for top in ("fusedops/engram_gate", "backends/triton/engram_gate", "backends/torch/engram_gate",
-                "backends/cute/engram_gate"):
+                "backends/cute/engram_gate", "tests/engram_gate"):
         shutil.copytree(ROOT / top, tmp_path / top)
     for backend, shared in SHARED_MACHINERY.items():
         for stem in shared:
@@ -259,10 +264,12 @@ def test_the_layout_check_says_what_is_missing(tmp_path):
     (tmp_path / "bench").mkdir()
     (tmp_path / "bench" / "engram_gate.py").write_text("")
     (tmp_path / "backends/triton/engram_gate/tiles.py").unlink()
+    (tmp_path / "tests/engram_gate/test_plans.py").unlink()
     (tmp_path / "backends/triton/engram_gate/notes.py").write_text("")
     (tmp_path / "backends/triton/engram_kernels.py").write_text("")
     info = replace(family("engram_gate"), doc="docs/gate.md")
     assert layout_problems(tmp_path, [info]) == [
+        "tests/engram_gate/test_plans.py is missing",
         "engram_gate: its page must be docs/engram_gate.md (has docs/gate.md)",
         "backends/triton/engram_gate/ has no tiles.py",
         "backends/triton/engram_gate/notes.py: not a kernel-package name (program, kernels*, "

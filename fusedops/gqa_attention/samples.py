@@ -382,7 +382,7 @@ def _decode_fuzz(gen: torch.Generator, device, draw: int) -> object:
     """A decode FuzzCase: valid rows, or rows with a cache length out of range (negative, no room
     for the T new tokens, int32 extremes) or (paged) a needed page out of the pool; pages a row
     does not need may hold anything. fp32 caches (the harness compares outputs with isfinite,
-    which float8 lacks; FP8 caches' invalid rows are tested in tests/test_attention.py)."""
+    which float8 lacks; FP8 caches' invalid rows are tested in tests/gqa_attention/test_math.py)."""
     from ..testing.fuzz import FuzzCase
     b, hq, hkv, d, page = 3, 4, 2, 16, 16
     combos = [(k, False) for k in DECODE_KINDS] + [(k, True) for k in PAGED_KINDS]

@@ -371,7 +371,7 @@ def index_fuzz(seed: int, backend: str, device) -> list:
     router's backward on every backend, and on the torch backend also the experts' training
     forward and backward. A kernel backend's training forward writes, and its backward reads,
     an opaque ``saved`` buffer of its own layout, which the fuzz test would compare with (or
-    hand to) the torch backend's empty one: tests/test_moe.py fuzzes those two per backend
+    hand to) the torch backend's empty one: tests/relu2_moe/test_math.py fuzzes those two per backend
     (``fuzz_cases``) under the same guard bands."""
     extra = ("forward", "backward") if backend == "torch" else ()
     return fuzz_cases(seed, backend, device, plans=("inference", "router_backward") + extra)

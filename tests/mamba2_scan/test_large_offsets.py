@@ -16,7 +16,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 RUN = r"""
 import torch

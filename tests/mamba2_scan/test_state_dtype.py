@@ -76,7 +76,7 @@ def test_kernels_pass_states_like_the_reference(backend, state_dtype):
     """The kernels' y and gradients with either state dtype match the torch backend's with the
     same option (bf16 inputs, 3 segments, initial and final states)."""
     from fusedops.mamba2_scan import samples
-    from test_mamba2 import KERNEL_TOLERANCE, compare, run, with_options
+    from .support import KERNEL_TOLERANCE, compare, run, with_options
     case = with_options(samples.small("all-options", torch.bfloat16, seed=9, device=DEVICE),
                         state_dtype=state_dtype)
     compare(run(case, backend), run(case, "torch"), KERNEL_TOLERANCE[torch.bfloat16])

@@ -43,3 +43,4 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
 def aot_figures(request):
     """Rows appended here are printed in the test summary."""
     return request.config.stash[AOT_FIGURES_KEY]
+collect_ignore = ["add_a_family"]   # a throwaway family's files, run by test_add_a_family.py

@@ -228,6 +228,8 @@ def layout_problems(root: pathlib.Path, families) -> list[str]:
                              f"({', '.join(allowed)})" for s in sorted(stems)
                              if not any(_matches(s, pattern) for pattern in allowed)]
     for backend, shared in SHARED_MACHINERY.items():
+        if not (root / "backends" / backend).is_dir():
+            continue
         for path in sorted((root / "backends" / backend).glob("*.py")):
             if path.stem not in shared:
                 problems.append(f"backends/{backend}/{path.name}: a backend's top level holds only "

@@ -1,0 +1,1 @@
+"""The row scale in the torch backend: ``program`` serves its plans."""

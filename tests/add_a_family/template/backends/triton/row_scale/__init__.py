@@ -1,0 +1,1 @@
+"""The row scale in the triton backend: ``program`` serves its plans."""

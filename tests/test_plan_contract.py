@@ -53,13 +53,58 @@ def _unchanged(args, snapshot) -> list[str]:
                                v.view(torch.uint8) if v.numel() else v)]
 
 
+def signature_problems(plan_cls) -> list[str]:
+    """Where a plan's constructor or execute() disagrees with its declarations (``operands``,
+    ``options``), which are written once: execute() takes every operand in declared order (the
+    workspace among them or after them), then the stream; the constructor takes its tensors in
+    declared order and every option, keyword-only, with the declared default (none for a
+    required option, declared None)."""
+    name, problems = plan_cls.__name__, []
+    declared = [o.name for o in plan_cls.operands]
+    execute = [p for p in inspect.signature(plan_cls.execute).parameters if p != "self"]
+    if [p for p in execute if p != "workspace"] != declared + ["current_stream"] or \
+            "workspace" not in execute:
+        problems.append(f"{name}.execute{tuple(execute)}: expected the operands in declared order "
+                        f"(and workspace), then current_stream: {tuple(declared)}")
+    init = inspect.signature(plan_cls.__init__).parameters
+    tensors = [p for p in init if p in declared]
+    if tensors != [o for o in declared if o in tensors]:
+        problems.append(f"{name}.__init__ takes {tensors}: not in the declared order {declared}")
+    for option in plan_cls.options:
+        param = init.get(option.name)
+        if param is None or param.kind is not inspect.Parameter.KEYWORD_ONLY:
+            problems.append(f"{name}.__init__: option {option.name!r} is not keyword-only")
+        elif param.default is inspect.Parameter.empty and option.default is None:
+            continue
+        elif param.default != option.default:
+            problems.append(f"{name}.__init__: {option.name}={param.default!r}, declared default "
+                            f"{option.default!r}")
+    return problems
+
+
 @pytest.mark.parametrize("info,index,backend", _params(BACKENDS))
-def test_execute_signature_names_every_operand(info, index, backend):
-    plan_cls = info.plans[index]
-    params = inspect.signature(plan_cls.execute).parameters
-    missing = [o.name for o in plan_cls.operands if o.name not in params]
-    assert not missing, f"{plan_cls.__name__}.execute lacks {missing}"
-    assert "current_stream" in params
+def test_signatures_follow_the_declarations(info, index, backend):
+    assert signature_problems(info.plans[index]) == []
+
+
+def test_the_signature_check_sees_drift():
+    from fusedops.engram_gate import EngramGateSavedForward
+
+    class Drifted(EngramGateSavedForward):
+        def __init__(self, kv, x, weight, mask=None, eps: float = 1e-6, *, backend="auto"):
+            pass
+
+        def execute(self, x, kv, weight, out, mask, saved, *, workspace=None,
+                    current_stream=None):
+            pass
+
+    assert signature_problems(Drifted) == [
+        "Drifted.execute('x', 'kv', 'weight', 'out', 'mask', 'saved', 'workspace', "
+        "'current_stream'): expected the operands in declared order (and workspace), then "
+        "current_stream: ('x', 'kv', 'weight', 'mask', 'out', 'saved')",
+        "Drifted.__init__ takes ['kv', 'x', 'weight', 'mask']: not in the declared order "
+        "['x', 'kv', 'weight', 'mask', 'out', 'saved']",
+        "Drifted.__init__: option 'eps' is not keyword-only"]
 
 
 @pytest.mark.parametrize("info,index,backend", _params(BACKENDS))

@@ -326,3 +326,31 @@ def test_overlap_is_exact_for_strided_views():
             views.append(flat.as_strided(shape, strides, rng.randint(0, min(80, flat.numel() - 1 - extent))))
         a, b = views
         assert shares_bytes(a, b) == bool(_bytes_of(a) & _bytes_of(b)), (a.stride(), b.stride())
+
+
+def test_kernel_specs_take_their_arguments_from_the_jit_signature():
+    """KernelSpec.make reads the order and the compile-time parameters from the kernel's
+    signature: runtime arguments default to i32, None compiles an operand out, and a name the
+    kernel lacks, a constexpr without a value or a runtime argument given as one is refused."""
+    pytest.importorskip("triton")
+    import triton
+    import triton.language as tl
+    from fusedops.backends.triton.runtime import KernelSpec
+
+    @triton.jit
+    def probe(x_ptr, y_ptr, N, stride_x, scale, BLOCK: tl.constexpr, HAS_Y: tl.constexpr):
+        pass
+
+    spec = KernelSpec.make(probe, {"x_ptr": "*bf16", "y_ptr": None, "scale": "fp32"},
+                           dict(BLOCK=64, HAS_Y=False), (4,))
+    assert spec.signature == (("x_ptr", "*bf16"), ("y_ptr", "constexpr"), ("N", "i32"),
+                              ("stride_x", "i32"), ("scale", "fp32"), ("BLOCK", "constexpr"),
+                              ("HAS_Y", "constexpr"))
+    assert spec.runtime_arg_names() == ("x_ptr", "N", "stride_x", "scale")
+    assert spec.aligned == ("x_ptr",) and spec.grid == (4, 1, 1)
+    with pytest.raises(ValueError, match=r"KernelSpec of probe: unknown argument 'z_ptr'; "
+                                         r"no value for tl.constexpr 'HAS_Y'"):
+        KernelSpec.make(probe, {"z_ptr": "*fp32"}, dict(BLOCK=64), (1,))
+    with pytest.raises(ValueError, match=r"'BLOCK' is a tl.constexpr parameter, not a runtime "
+                                         r"argument; 'N' is a runtime parameter, not a tl.constexpr"):
+        KernelSpec.make(probe, {"BLOCK": "i32"}, dict(N=3, HAS_Y=True), (1,))

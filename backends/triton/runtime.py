@@ -19,6 +19,7 @@ nothing and a CUDA Graph captures the same addresses.
 from __future__ import annotations
 
 import contextlib
+import inspect
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -104,17 +105,35 @@ class KernelSpec:
         return self.descriptors * DESCRIPTOR_BYTES * self.grid[0] * self.grid[1] * self.grid[2]
 
     @classmethod
-    def make(cls, kernel, args: Sequence[tuple[str, str | None]], constexprs: Mapping[str, Any],
-             grid: Sequence[int], *, num_warps: int = 4, num_stages: int = 1,
-             maxnreg: int | None = None, descriptors: int = 0,
+    def make(cls, kernel, args: Mapping[str, str | None] | Sequence[tuple[str, str | None]],
+             constexprs: Mapping[str, Any], grid: Sequence[int], *, num_warps: int = 4,
+             num_stages: int = 1, maxnreg: int | None = None, descriptors: int = 0,
              cost: Cost | None = None) -> KernelSpec:
-        """A spec from runtime ``args`` (name, Triton type; type None: an absent optional operand,
-        compiled out as a constexpr None) and ``constexprs``. Floating-point pointers are
-        16-byte aligned (plans check it; workspace pieces are 128-byte aligned); integer and
-        bool pointers are not assumed aligned."""
-        present = tuple((n, t) for n, t in args if t is not None)
-        absent = tuple((n, None) for n, t in args if t is None)
-        values = tuple(constexprs.items()) + absent
+        """A spec of ``kernel``, whose ``@triton.jit`` signature gives the arguments' order and
+        which are compile-time (annotated ``tl.constexpr``). ``args`` says only what the
+        signature cannot: the Triton type of runtime arguments other than ``i32`` scalars (the
+        default: sizes and strides), ``None`` for an absent optional operand (compiled out as a
+        constexpr None); ``constexprs`` the value of every compile-time parameter. A name the
+        kernel does not have, a compile-time parameter without a value or a runtime one given a
+        value is refused. Floating-point pointers are 16-byte aligned (plans check it; workspace
+        pieces are 128-byte aligned); integer and bool pointers are not assumed aligned."""
+        types = dict(args)
+        params = kernel_parameters(kernel)
+        compile_time = {n for n, is_constexpr in params if is_constexpr}
+        names = [n for n, _ in params]
+        problems = [f"unknown argument {n!r}" for n in [*types, *constexprs] if n not in names]
+        problems += [f"{n!r} is a tl.constexpr parameter, not a runtime argument" for n in types
+                     if n in compile_time]
+        problems += [f"{n!r} is a runtime parameter, not a tl.constexpr" for n in constexprs
+                     if n in names and n not in compile_time]
+        problems += [f"no value for tl.constexpr {n!r}" for n in names
+                     if n in compile_time and n not in constexprs]
+        if problems:
+            name = getattr(getattr(kernel, "fn", kernel), "__name__", kernel)
+            raise ValueError(f"KernelSpec of {name}: " + "; ".join(problems))
+        runtime = [(n, types.get(n, "i32")) for n in names if n not in compile_time]
+        present = tuple((n, t) for n, t in runtime if t is not None)
+        values = tuple(constexprs.items()) + tuple((n, None) for n, t in runtime if t is None)
         return cls(kernel, present + tuple((n, "constexpr") for n, _ in values), values,
                    aligned=tuple(n for n, t in present if t in _FLOAT_POINTERS),
                    num_warps=num_warps, num_stages=num_stages, maxnreg=maxnreg,
@@ -143,6 +162,14 @@ class KernelSpec:
     def build_launcher(self, device: torch.device) -> Callable[..., None]:
         """``launch(*runtime_args, stream)`` on ``device`` (see ``make_launcher``)."""
         return make_launcher(self, device)
+
+
+def kernel_parameters(kernel) -> list[tuple[str, bool]]:
+    """(name, annotated ``tl.constexpr``) of each parameter of a ``@triton.jit`` kernel (or the
+    interpreter's wrapper of one), in order."""
+    fn = getattr(kernel, "fn", kernel)
+    return [(p.name, "constexpr" in str(p.annotation))
+            for p in inspect.signature(fn).parameters.values()]
 
 
 def compile_spec(spec: KernelSpec, target) -> Any:

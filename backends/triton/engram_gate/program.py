@@ -45,8 +45,7 @@ def forward_spec(problem, tiles: GateTiles | None = None) -> KernelSpec:
     tiles = tiles or tiles_for(problem)
     t = pointer_type(problem.dtype)
     args = (("x", t), ("kv", t), ("weight", "*fp32"), ("mask", "*i1" if problem.has_mask else None),
-            ("out", t), ("saved", "*fp32"), ("eps", "fp32"),
-            *((name, "i32") for name in FORWARD_STRIDES))
+            ("out", t), ("saved", "*fp32"), ("eps", "fp32"))
     layout = row_layout(problem, tiles)
     constexprs = dict(_row_constexprs(problem, layout.block), HELD=layout.held,
                       HAS_MASK=problem.has_mask)
@@ -58,8 +57,7 @@ def backward_spec(problem, tiles: GateTiles | None = None) -> KernelSpec:
     tiles = tiles or tiles_for(problem)
     t = pointer_type(problem.dtype)
     args = (("x", t), ("kv", t), ("weight", "*fp32"), ("saved", "*fp32"), ("grad_out", t),
-            ("grad_x", t), ("grad_kv", t), ("partials", "*fp32"), ("N", "i32"),
-            ("TOKENS_PER_BLOCK", "i32"), *((name, "i32") for name in BACKWARD_STRIDES))
+            ("grad_x", t), ("grad_kv", t), ("partials", "*fp32"))
     layout = row_layout(problem, tiles, "bwd")
     blocks = backward_blocks(problem, tiles)[1]
     if layout.held:
@@ -77,10 +75,11 @@ def reduce_spec(problem, tiles: GateTiles | None = None) -> KernelSpec:
     block_c = max(16, REDUCE_TILE // block_p)
     sd = problem.streams * problem.hidden
     return KernelSpec.make(engram_gate_weight_reduce_kernel,
-                           (("partials", "*fp32"), ("grad_weight", "*fp32"), ("NUM_PARTIALS", "i32")),
+                           (("partials", "*fp32"), ("grad_weight", "*fp32")),
                            dict(SD=sd, BLOCK_P=block_p, BLOCK_C=block_c,
                                 ACCUMULATE=problem.accumulate),
-                           (triton.cdiv(sd, block_c),), num_warps=8, cost=reduce_cost(problem, tiles))
+                           (triton.cdiv(sd, block_c),), num_warps=8,
+                           cost=reduce_cost(problem, tiles))
 
 
 # -- the backend surface -----------------------------------------------------------------------

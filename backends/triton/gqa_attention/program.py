@@ -80,11 +80,6 @@ def vector_elements(dtype) -> int:
     return 16 // element_size(dtype)
 
 
-def _stride_args(*tensors: str, prefix: str = "stride_", dims: str = "bsh") -> tuple:
-    """("stride_<t><dim>", "i32") signature entries of each tensor's batch, token, head strides."""
-    return tuple((f"{prefix}{t}{dim}", "i32") for t in tensors for dim in dims)
-
-
 def _strides(problem, *tensors: str, names: dict | None = None, dims: str = "bsh",
              packed: bool | None = None, dtype=None) -> dict:
     """The Stride binds of each [b, s, h, d] tensor (packed [total, h, d]: batch stride 0) in
@@ -121,8 +116,7 @@ def sanitise_spec(problem) -> KernelSpec:
     """The packed programs' first stage: cu_seqlens_q/k -> sanitised offsets (workspace)."""
     return KernelSpec.make(
         K.attn_sanitise_kernel,
-        (*_cu_seqlens(problem), ("cu_q_ptr", "*i32"), ("cu_k_ptr", "*i32"), _status(problem),
-         ("N", "i32"), ("TOTAL_Q", "i32"), ("TOTAL_K", "i32"), ("SEQ_Q", "i32"), ("SEQ_K", "i32")),
+        (*_cu_seqlens(problem), ("cu_q_ptr", "*i32"), ("cu_k_ptr", "*i32"), _status(problem)),
         dict(BLOCK=SANITISE_BLOCK, BIT=int(Status.CU_SEQLENS), HAS_STATUS=problem.has_status),
         (1,), num_warps=4, cost=C.sanitise_cost(problem))
 
@@ -183,8 +177,7 @@ def forward_spec(problem, config: Tiles | None = None) -> KernelSpec:
     args = (("q_ptr", t), ("k_ptr", t), ("v_ptr", t), ("o_ptr", t), ("lse_ptr", "*fp32"),
             *_cu_seqlens(problem), ("block_table_ptr", "*i32" if problem.paged else None),
             ("status_ptr", "*i32" if problem.has_status and problem.paged else None),
-            *_stride_args("q", "k", "v", "o"), ("SEQ_Q", "i32"), ("SEQ_K", "i32"),
-            ("TOTAL_Q", "i32"), ("PAGES", "i32"), ("scale", "fp32"), ("cap_in", "fp32"),
+            ("scale", "fp32"), ("cap_in", "fp32"),
             ("cap_out", "fp32"))
     tma = _descriptors(problem, 3)                  # q, k, v
     return KernelSpec.make(K.attn_fwd_kernel, args,
@@ -204,13 +197,11 @@ def backward_specs(problem, config: BackwardTiles | None = None) -> dict[str, Ke
     kv, qt = tiles.dkdv, tiles.dq
     t = pointer_type(problem.dtype)
     cu_q, cu_k = _cu_seqlens(problem)
-    seq = (("SEQ_Q", "i32"), ("SEQ_K", "i32"), ("TOTAL_Q", "i32"))
     scales = (("scale", "fp32"), ("cap_in", "fp32"), ("cap_out", "fp32"))
     tma_dkdv, tma_dq = _descriptors(problem, 2), _descriptors(problem, 4)   # q, do; q, do, k, v
     delta = KernelSpec.make(
         K.attn_bwd_delta_kernel,
-        (("o_ptr", t), ("do_ptr", t), ("delta_ptr", "*fp32"), cu_q, *_stride_args("o", "do"),
-         ("SEQ_Q", "i32"), ("TOTAL_Q", "i32")),
+        (("o_ptr", t), ("do_ptr", t), ("delta_ptr", "*fp32"), cu_q),
         dict(HQ=problem.heads_q, D=problem.head_dim, BM=DELTA_ROWS, BD=bd,
              CHUNK=min(bd, DELTA_CHUNK), PACKED=problem.packed, VEC=vector_elements(problem.dtype)),
         (_rows(problem, DELTA_ROWS), problem.batch * problem.heads_q), num_warps=4, num_stages=2,
@@ -218,8 +209,7 @@ def backward_specs(problem, config: BackwardTiles | None = None) -> dict[str, Ke
     dkdv = KernelSpec.make(
         K.attn_bwd_dkdv_kernel,
         (("q_ptr", t), ("k_ptr", t), ("v_ptr", t), ("do_ptr", t), ("lse_ptr", "*fp32"),
-         ("delta_ptr", "*fp32"), cu_q, cu_k, ("dk_ptr", t), ("dv_ptr", t),
-         *_stride_args("q", "k", "v", "do", "dk", "dv"), *seq, ("TOTAL_K", "i32"), *scales),
+         ("delta_ptr", "*fp32"), cu_q, cu_k, ("dk_ptr", t), ("dv_ptr", t), *scales),
         dict(_common(problem, kv.bm, kv.bn, bd), FEATURES_M=tiles.features_m,
              **tma_dkdv["constexpr"]),
         (triton.cdiv(max(problem.seqlen_k, 1), kv.bn), problem.batch * problem.heads_kv),
@@ -229,8 +219,7 @@ def backward_specs(problem, config: BackwardTiles | None = None) -> dict[str, Ke
     dq = KernelSpec.make(
         K.attn_bwd_dq_kernel,
         (("q_ptr", t), ("k_ptr", t), ("v_ptr", t), ("do_ptr", t), ("lse_ptr", "*fp32"),
-         ("delta_ptr", "*fp32"), cu_q, cu_k, ("dq_ptr", t),
-         *_stride_args("q", "k", "v", "do", "dq"), *seq, *scales),
+         ("delta_ptr", "*fp32"), cu_q, cu_k, ("dq_ptr", t), *scales),
         dict(_common(problem, qt.bm, qt.bn, bd), **tma_dq["constexpr"]),
         (_rows(problem, qt.bm), problem.batch * problem.heads_q), num_warps=qt.warps,
         num_stages=qt.stages, maxnreg=qt.budget(_wide(problem)), descriptors=tma_dq["descriptors"],
@@ -372,9 +361,7 @@ def decode_specs(problem, config: DecodeTiles | None = None) -> dict[str, Kernel
          ("v_new_ptr", t if append else None), ("k_cache_ptr", ct), ("v_cache_ptr", ct),
          ("cache_seqlens_ptr", "*i32"), *index, *scales, ("rotary_cos_ptr", rot),
          ("rotary_sin_ptr", rot), ("q_rot_ptr", t if rotary else None), ("row_ok_ptr", "*i32"),
-         _status(problem), *_stride_args("q", "kn", "vn", dims="bth"),
-         *_stride_args("kc", "vc", dims="bsh"), ("T", "i32"), ("N", "i32"), ("CAPACITY", "i32"),
-         ("PAGES", "i32"), ("ROOM", "i32")),
+         _status(problem)),
         dict(HQ=problem.heads_q, HKV=problem.heads_kv, D=problem.head_dim, BLOCK=block,
              KV_BLOCKS=kv_blocks, APPEND=append, ROTARY=rotary,
              HALF=max(1, problem.rotary_dim // 2), INTERLEAVED=problem.rotary_interleaved,
@@ -391,9 +378,7 @@ def decode_specs(problem, config: DecodeTiles | None = None) -> dict[str, Kernel
         DK.decode_split_kernel,
         (("q_ptr", t), ("k_cache_ptr", ct), ("v_cache_ptr", ct), ("cache_seqlens_ptr", "*i32"),
          *index, *scales, ("row_ok_ptr", "*i32"), ("o_part_ptr", "*fp32"),
-         ("lse_part_ptr", "*fp32"), *_stride_args("q", dims="bth"),
-         *_stride_args("kc", "vc", dims="bsh"), ("T", "i32"), ("N", "i32"), ("CAPACITY", "i32"),
-         ("scale", "fp32"), ("cap_in", "fp32"), ("cap_out", "fp32")),
+         ("lse_part_ptr", "*fp32"), ("scale", "fp32"), ("cap_in", "fp32"), ("cap_out", "fp32")),
         dict(HQ=problem.heads_q, HKV=problem.heads_kv, D=problem.head_dim, BM=bm, BN=bn, BD=bd,
              SPLITS=problem.num_splits, SPLIT_LEN=split_len, CAUSAL=problem.causal, LEFT=left,
              RIGHT=right, SOFTCAP=problem.softcap > 0, **_decode_flags(problem), **quant, **vec,
@@ -403,8 +388,7 @@ def decode_specs(problem, config: DecodeTiles | None = None) -> dict[str, Kernel
                                                       target_arch(problem.device)))
     combine = KernelSpec.make(
         DK.decode_combine_kernel,
-        (("o_part_ptr", "*fp32"), ("lse_part_ptr", "*fp32"), ("o_ptr", t), ("lse_ptr", "*fp32"),
-         *_stride_args("o", dims="bth"), ("T", "i32")),
+        (("o_part_ptr", "*fp32"), ("lse_part_ptr", "*fp32"), ("o_ptr", t), ("lse_ptr", "*fp32")),
         dict(HQ=problem.heads_q, HKV=problem.heads_kv, D=problem.head_dim, BM=bm, BD=bd,
              SPLITS=problem.num_splits, VEC=vector_elements(problem.dtype)),
         (bk,), cost=C.combine_cost(problem, bm, bd))

@@ -43,8 +43,8 @@ def update_spec(problem, tiles: DecodeTiles | None = None) -> KernelSpec:
             ("rng_offset_ptr", present(problem.stochastic, "*i64")), ("y_ptr", xt),
             ("snapshots_ptr", present(problem.has_snapshots, st)),
             ("status_ptr", present(problem.has_status, "*i32")),
-            *((name, "i64" if name.endswith("_b") else "i32") for name in UPDATE_STRIDES),
-            ("SLOTS", "i32"), ("T", "i32"), ("dt_min", "fp32"), ("dt_max", "fp32"))
+            *((name, "i64") for name in UPDATE_STRIDES if name.endswith("_b")),
+            ("dt_min", "fp32"), ("dt_max", "fp32"))
     bn = triton.next_power_of_2(problem.state)
     constexprs = dict(H=problem.heads, G=problem.groups, P=problem.head_dim,
                       N=problem.state, BP=bp, BN=bn,
@@ -73,7 +73,7 @@ def rollback_spec(problem, tiles: DecodeTiles | None = None) -> KernelSpec:
                       HAS_INDICES=problem.has_indices, HAS_STATUS=problem.has_status)
     args = (("state_ptr", st), ("snapshots_ptr", st), ("accepted_ptr", "*i32"),
             ("state_batch_indices_ptr", "*i32" if problem.has_indices else None),
-            ("status_ptr", "*i32" if problem.has_status else None), ("SLOTS", "i32"))
+            ("status_ptr", "*i32" if problem.has_status else None))
     return KernelSpec.make(ssd_rollback_kernel, args, constexprs,
                            (problem.batch, triton.cdiv(problem.state_numel, block)), num_warps=4,
                            num_stages=1, cost=rollback_cost(problem, block))

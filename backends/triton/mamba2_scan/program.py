@@ -86,7 +86,6 @@ class _Types:
         self.cu = _present(varlen, "*i32")
         self.runs = ("runs_ptr", _present(problem.has_seq_idx, "*i32"))
         self.seg = (("cu_ptr", self.cu), ("off_ptr", self.cu))
-        self.tail = (("L", "i32"), ("NSEQ", "i32"))
         t = tiles(problem)
         self.common = dict(VARLEN=varlen, SEARCH_STEPS=t.SEARCH)
         self.seq = dict(HAS_SEQ=problem.has_seq_idx)
@@ -109,7 +108,7 @@ def runs_spec(problem) -> KernelSpec:
     tokens = problem.batch * problem.length
     return _spec(fwd_kernels.ssd_seq_runs_kernel,
                  (("seq_idx_ptr", "*i32"), ("runs_ptr", "*i32"),
-                  ("status_ptr", _present(problem.has_status, "*i32")), ("L", "i32")),
+                  ("status_ptr", _present(problem.has_status, "*i32"))),
                  dict(BLOCK=min(RUNS_BLOCK, triton.next_power_of_2(problem.length)),
                       HAS_STATUS=problem.has_status),
                  (problem.batch,), cost=Cost(2 * tokens, 8 * tokens, 4 * tokens))
@@ -120,8 +119,7 @@ def table_spec(problem) -> KernelSpec:
     segment of every sequence (one program)."""
     return _spec(fwd_kernels.ssd_segment_table_kernel,
                  (("cu_ptr", "*i32"), ("cu_out_ptr", "*i32"), ("off_ptr", "*i32"),
-                  ("status_ptr", _present(problem.has_status, "*i32")), ("NSEQ", "i32"),
-                  ("TOTAL", "i32")),
+                  ("status_ptr", _present(problem.has_status, "*i32"))),
                  dict(Q=problem.chunk, BLOCK=min(1024, triton.next_power_of_2(problem.sequences + 1)),
                       HAS_STATUS=problem.has_status),
                  (1,), cost=model.table_cost(problem))
@@ -136,9 +134,7 @@ def zero_uncovered_spec(problem, outputs) -> KernelSpec:
     returns at once)."""
     outputs = list(outputs) + [(None, 0, 0, 1)] * (5 - len(outputs))
     widest = max(w for _, _, w, _ in outputs)
-    args = (("cu_ptr", "*i32"), *((f"out{i}_ptr", t) for i, (t, _, _, _) in enumerate(outputs)),
-            *((f"stride_{i}{d}", "i32") for i in range(5) for d in "lh"),
-            ("L", "i32"), ("NSEQ", "i32"))
+    args = (("cu_ptr", "*i32"), *((f"out{i}_ptr", t) for i, (t, _, _, _) in enumerate(outputs)))
     shapes = {}
     for i, (_, rows, width, unit) in enumerate(outputs):
         shapes.update({f"NH{i}": rows, f"W{i}": width, f"V{i}": unit})
@@ -176,7 +172,7 @@ def dt_cumsum_spec(problem, t: Tiles | None = None) -> KernelSpec:
     return _spec(fwd_kernels.ssd_dt_cumsum_kernel,
                  (("dt_ptr", ty.dt), ("A_ptr", "*fp32"), ("bias_ptr", _present(problem.has_dt_bias, "*fp32")),
                   *ty.seg, ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"), *stride_args("dt", "dt"),
-                  *ty.tail, ("dt_min", "fp32"), ("dt_max", "fp32")),
+                  ("dt_min", "fp32"), ("dt_max", "fp32")),
                  dict(H=problem.heads, Q=problem.chunk, BLOCK_H=t.BLOCK_H,
                       HAS_BIAS=problem.has_dt_bias, SOFTPLUS=problem.dt_softplus,
                       SOFTPLUS_THRESHOLD=SOFTPLUS_THRESHOLD, VDT=problem.dt_vector, **ty.common),
@@ -192,7 +188,7 @@ def cb_spec(problem, t: Tiles | None = None) -> KernelSpec:
     Q = problem.chunk
     return _spec(fwd_kernels.ssd_cb_kernel,
                  (("C_ptr", ty.x), ("B_ptr", ty.x), *ty.seg, ty.runs, ("cb_ptr", "*fp32"),
-                  *stride_args("C", "B"), *stride_args("B", "B"), *ty.tail),
+                  *stride_args("C", "B"), *stride_args("B", "B")),
                  dict(G=problem.groups, N=problem.state, Q=Q, BQ=t.BQ, BN=t.BN, **ty.common,
                       **numerics(problem.dtype), **ty.seq, VB=problem.bc_vector),
                  (_pairs(problem, t) * problem.max_segments * problem.groups,), warps=8,
@@ -209,7 +205,7 @@ def chunk_states_spec(problem, t: Tiles | None = None, entering: bool = False) -
                   ("h0_ptr", _present(problem.has_initial_states, "*fp32")), *ty.seg, ty.runs,
                   ("states_ptr", pointer_type(problem.state_dtype)),
                   ("entering_ptr", _present(entering, "*fp32")), ("final_ptr", "*fp32"),
-                  *stride_args("x", "x"), *stride_args("B", "B"), ("L", "i32")),
+                  *stride_args("x", "x"), *stride_args("B", "B")),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
                       Q=problem.chunk, BP=t.BP, BN=t.BN, BK=t.BQ,
                       HAS_H0=problem.has_initial_states, HAS_ENTERING=entering,
@@ -235,7 +231,7 @@ def fused_fwd_spec(problem, t: Tiles | None = None, entering: bool = False) -> K
                   ("entering_ptr", _present(entering, "*fp32")), ("final_ptr", "*fp32"),
                   ("y_ptr", ty.x), ("ypre_ptr", _present(problem.has_z, ty.x)),
                   *stride_args("x", "x"), *stride_args("z", "x"), *stride_args("B", "B"),
-                  *stride_args("C", "B"), *stride_args("y", "x"), ("L", "i32")),
+                  *stride_args("C", "B"), *stride_args("y", "x")),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
                       Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=fused_state_width(problem.state),
                       HAS_H0=problem.has_initial_states, HAS_ENTERING=entering,
@@ -258,7 +254,7 @@ def chunk_scan_spec(problem, t: Tiles | None = None) -> KernelSpec:
                   ("D_ptr", _present(problem.has_D, "*fp32")), *ty.seg,
                   ty.runs, ("y_ptr", ty.x), ("ypre_ptr", _present(problem.has_z, ty.x)),
                   *stride_args("x", "x"), *stride_args("z", "x"), *stride_args("C", "B"),
-                  *stride_args("y", "x"), *ty.tail),
+                  *stride_args("y", "x")),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
                       Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.BN, HAS_D=problem.has_D,
                       D_PER_CHANNEL=problem.D_per_channel, HAS_Z=problem.has_z, **ty.common,
@@ -296,7 +292,7 @@ def chunk_states_bwd_spec(problem, t: Tiles | None = None) -> KernelSpec:
                   ("dh0_ptr", _present(problem.has_initial_states, "*fp32")), *ty.seg, ty.runs,
                   ("dstates_ptr", ty.x), *stride_args("dy", "x"),
                   *stride_args("z", "x"), *stride_args("y", "x"), *stride_args("dz", "x"),
-                  *stride_args("C", "B"), ("L", "i32")),
+                  *stride_args("C", "B")),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
                       Q=problem.chunk, BP=t.BP, BN=t.BN, BK=_walk_step(problem, t),
                       HAS_DFINAL=problem.has_dfinal_states, HAS_DH0=problem.has_initial_states,
@@ -319,7 +315,7 @@ def dx_spec(problem, t: Tiles | None = None) -> KernelSpec:
                   ("D_ptr", _present(problem.has_D, "*fp32")), *ty.seg, ty.runs, ("dx_ptr", ty.x),
                   ("ddt_part_ptr", "*fp32"), ("dD_part_ptr", _present(problem.has_D, "*fp32")),
                   *stride_args("x", "x"), *stride_args("dy", "x"), *stride_args("B", "B"),
-                  *stride_args("dx", "x"), *ty.tail),
+                  *stride_args("dx", "x")),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
                       Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.BN, HAS_D=problem.has_D,
                       D_PER_CHANNEL=problem.D_per_channel, **ty.common, **numerics(problem.dtype),
@@ -347,7 +343,7 @@ def dbc_spec(problem, t: Tiles | None = None) -> KernelSpec:
                   ("dD_part_ptr", D), *stride_args("x", "x"),
                   *stride_args("dy", "x"), *stride_args("B", "B"), *stride_args("C", "B"),
                   *stride_args("dB", "B"), *stride_args("dC", "B"),
-                  *((n, _present(dx, k)) for n, k in stride_args("dx", "x")), *ty.tail),
+                  *stride_args("dx", "x", present=dx)),
                  dict(H=problem.heads, G=problem.groups, P=problem.head_dim, N=problem.state,
                       Q=problem.chunk, BQ=t.BQ, BP=t.BP, BN=t.DBC_BN, DX_BN=t.BN, WITH_DX=dx,
                       HAS_D=problem.has_D, D_PER_CHANNEL=problem.D_per_channel, **ty.common,
@@ -367,7 +363,7 @@ def dt_bwd_spec(problem, t: Tiles | None = None) -> KernelSpec:
                   ("acum_ptr", "*fp32"), ("intra_ptr", "*fp32"), ("ddt_part_ptr", "*fp32"),
                   ("u_part_ptr", "*fp32"), ("w_part_ptr", "*fp32"), ("v_ptr", "*fp32"), *ty.seg,
                   ("ddt_ptr", ty.dt), ("dA_part_ptr", "*fp32"), ("dbias_part_ptr", bias),
-                  *stride_args("dt", "dt"), *stride_args("ddt", "dt"), *ty.tail,
+                  *stride_args("dt", "dt"), *stride_args("ddt", "dt"),
                   ("dt_min", "fp32"), ("dt_max", "fp32")),
                  dict(H=problem.heads, Q=problem.chunk, BQ=t.BQ, NPB=c["NPB"], NNB=c["DBC_NNB"],
                       NNB_POW2=triton.next_power_of_2(c["DBC_NNB"]),
@@ -384,7 +380,7 @@ def param_reduce_spec(problem, t: Tiles | None = None) -> KernelSpec:
     D = _present(problem.has_D, "*fp32")
     return _spec(bwd_kernels.ssd_param_reduce_kernel,
                  (("dA_part_ptr", "*fp32"), ("dbias_part_ptr", bias), ("dD_part_ptr", D),
-                  ("dA_ptr", "*fp32"), ("dbias_ptr", bias), ("dD_ptr", D), ("NUM_SEGMENTS", "i32")),
+                  ("dA_ptr", "*fp32"), ("dbias_ptr", bias), ("dD_ptr", D)),
                  dict(H=problem.heads, P=problem.head_dim, NQB=_counts(problem, t)["NQB"],
                       BLOCK_H=block_h, BLOCK_P=triton.next_power_of_2(problem.head_dim),
                       HAS_BIAS=problem.has_dt_bias, HAS_D=problem.has_D,

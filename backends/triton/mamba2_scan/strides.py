@@ -13,23 +13,31 @@ from __future__ import annotations
 
 from fusedops.core.program import Stride
 
-__all__ = ["KINDS", "contiguous_x", "per_token_shape", "stride_args", "strides"]
+__all__ = ["KINDS", "contiguous_x", "per_token_shape", "stride_args", "stride_names", "strides"]
 
 _ROW_DIM = {"x": "h", "B": "g", "dt": None}
 
 
-def stride_args(prefix: str, kind: str) -> tuple[tuple[str, str], ...]:
-    """The stride arguments of one operand: b (i64), l and the head or group dim (i32; none for
-    dt-like [b, l, h] operands). ``kind``: "x" ([b, l, h, p]), "B" ([b, l, g, n]) or "dt"."""
+def stride_names(prefix: str, kind: str) -> tuple[str, ...]:
+    """The stride arguments of one operand: b, l and the head or group dim (none for dt-like
+    [b, l, h] operands). ``kind``: "x" ([b, l, h, p]), "B" ([b, l, g, n]) or "dt"."""
     dims = ("b", "l") + ((_ROW_DIM[kind],) if _ROW_DIM[kind] else ())
-    return tuple((f"stride_{prefix}_{d}", "i64" if d == "b" else "i32") for d in dims)
+    return tuple(f"stride_{prefix}_{d}" for d in dims)
+
+
+def stride_args(prefix: str, kind: str, present: bool = True) -> tuple[tuple[str, str | None], ...]:
+    """What a kernel spec says of the operand's stride arguments beyond their default i32: the
+    batch stride is i64; an absent operand's strides are all compiled out (None)."""
+    if not present:
+        return tuple((name, None) for name in stride_names(prefix, kind))
+    return ((f"stride_{prefix}_b", "i64"),)
 
 
 def strides(prefix: str, kind: str, source, unit: int, present: bool = True) -> dict:
     """Binds of ``prefix``'s stride arguments: the strides of the plan tensor ``source`` in
     units of ``unit`` elements, or (``source`` a tuple) the plan-time strides of a contiguous
     workspace or saved piece; 0 for an absent operand."""
-    names = [name for name, _ in stride_args(prefix, kind)]
+    names = stride_names(prefix, kind)
     if not present:
         return dict.fromkeys(names, 0)
     if isinstance(source, tuple):

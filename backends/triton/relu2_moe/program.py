@@ -208,7 +208,6 @@ def gemm_stage(problem, tiles: MoETiles, *, routed: bool, kdim: int, ndim: int, 
             ("act_ptr", None if act is None else t),
             ("part_ptr", None if part is None else "*fp32"),
             ("rows_ptr", t if combine else None), ("ids_ptr", "*i32" if combine else None),
-            ("T", "i32"), ("M_TILES", "i32"),
             ("stride_a", "i32" if a_source == BY_TOKEN else None),
             ("stride_out", "i32" if combine else None))
     be, bks, bns = strides
@@ -262,8 +261,7 @@ def wgrad_stages(problem, tiles: MoETiles, *, routed: bool, inter: int, a_source
     args = (("a_ptr", t), ("b_ptr", t), ("sorted_ptr", index), ("offsets_ptr", index),
             ("counts_ptr", index), ("weight_ptr", "*fp32" if a_weighted else None),
             ("grad_ptr", pointer_type(problem.weight_grad_dtype)),
-            ("table_ptr", "*i32" if slots else None), ("part_ptr", "*fp32" if slots else None),
-            ("T", "i32"), ("stride_b", "i32"))
+            ("table_ptr", "*i32" if slots else None), ("part_ptr", "*fp32" if slots else None))
     bm, bn, bk, warps = wgrad_blocks(problem, inter, H, tiles)
     group_m = tiles.wgrad_group_m if routed else tiles.dense_wgrad_group_m
     experts = problem.experts if routed else 1
@@ -307,9 +305,8 @@ def dense_wgrad_pair_stage(problem, tiles: MoETiles, u, d_u) -> Stage:
     H, inter = problem.hidden, problem.shared_intermediate
     bm, bn, bk, warps = wgrad_blocks(problem, inter, H, tiles)
     group_m = tiles.dense_wgrad_group_m
-    args = (("a0_ptr", t), ("b0_ptr", t), ("grad0_ptr", grad), ("stride_b0", "i32"),
-            ("a1_ptr", t), ("b1_ptr", t), ("grad1_ptr", grad), ("stride_b1", "i32"),
-            ("T", "i32"))
+    args = (("a0_ptr", t), ("b0_ptr", t), ("grad0_ptr", grad), ("a1_ptr", t), ("b1_ptr", t),
+            ("grad1_ptr", grad))
     const = dict(M=inter, N=H, SOURCE_0=BY_ROW, RELU2_0=False, TRANSPOSED_0=False,
                  SOURCE_1=BY_ASSIGNMENT, RELU2_1=True, TRANSPOSED_1=True,
                  ACCUMULATE=problem.accumulate, BM=bm, BN=bn, BK=bk, GROUP_M=group_m,
@@ -353,11 +350,10 @@ def dispatch_stages(problem, home) -> tuple[Stage, ...]:
     part, A = workspace_piece("part"), problem.assignments
     status = "*i32" if problem.has_status else None
     count = KernelSpec.make(K.moe_count_kernel, (("ids_ptr", "*i32"), ("part_ptr", "*i32"),
-                                                 ("status_ptr", status), ("A", "i32")),
+                                                 ("status_ptr", status)),
                             dict(block, HAS_STATUS=problem.has_status), blocks,
                             cost=C.count_cost(problem, blocks[0], e_pad))
-    scan = KernelSpec.make(K.moe_scan_kernel, (("part_ptr", "*i32"), ("counts_ptr", "*i32"),
-                                               ("NB", "i32")),
+    scan = KernelSpec.make(K.moe_scan_kernel, (("part_ptr", "*i32"), ("counts_ptr", "*i32")),
                            dict(E=E, E_PAD=e_pad, EC=chunk, BB=SCAN_BLOCKS), (e_pad // chunk,),
                            cost=C.scan_cost(problem, blocks[0], e_pad))
     offsets = KernelSpec.make(K.moe_offsets_kernel,
@@ -366,7 +362,7 @@ def dispatch_stages(problem, home) -> tuple[Stage, ...]:
                               cost=C.offsets_cost(problem))
     scatter = KernelSpec.make(K.moe_scatter_kernel,
                               (("ids_ptr", "*i32"), ("part_ptr", "*i32"), ("offsets_ptr", "*i32"),
-                               ("sorted_ptr", "*i32"), ("A", "i32")), block, blocks,
+                               ("sorted_ptr", "*i32")), block, blocks,
                               cost=C.scatter_cost(problem, blocks[0], e_pad))
     return (Stage(count, dict(ids_ptr="topk_ids", part_ptr=part, A=A)),
             Stage(scan, dict(part_ptr=part, counts_ptr=home("counts"), NB=blocks[0])),
@@ -380,7 +376,7 @@ def combine_stage(problem, rows, out: str) -> Stage:
     rounded once: the combine of a plan without a shared expert."""
     bh = min(256, max(16, triton.next_power_of_2(problem.hidden)))
     args = (("buf_ptr", pointer_type(problem.dtype)), ("ids_ptr", "*i32"),
-            ("out_ptr", pointer_type(problem.dtype)), ("T", "i32"), ("stride_out", "i32"))
+            ("out_ptr", pointer_type(problem.dtype)))
     const = dict(K_TOP=problem.top_k, E=problem.experts, H=problem.hidden, BT=COMBINE_ROWS,
                  BH=bh, EXACT=_numerics(problem)["EXACT"], VEC=problem.row_vector)
     grid = (triton.cdiv(problem.tokens, COMBINE_ROWS), triton.cdiv(problem.hidden, bh))
@@ -396,7 +392,7 @@ def weight_grad_reduce_stage(problem, tiles: MoETiles) -> Stage:
     parts = _column_tiles(problem, tiles)
     spec = KernelSpec.make(K.moe_weight_grad_reduce_kernel,
                            (("part_ptr", "*fp32"), ("ids_ptr", "*i32"), ("dw_ptr", "*fp32"),
-                            ("status_ptr", "*i32" if problem.has_status else None), ("A", "i32")),
+                            ("status_ptr", "*i32" if problem.has_status else None)),
                            dict(E=problem.experts, PARTS=parts,
                                 BLOCK=REDUCE_BLOCK, HAS_STATUS=problem.has_status),
                            (triton.cdiv(problem.assignments, REDUCE_BLOCK),),

@@ -40,8 +40,7 @@ def forward_spec(problem, tiles: RouterTiles | None = None) -> KernelSpec:
     tiles = tiles or router_tiles_for(problem)
     lt = pointer_type(problem.logits_dtype)
     args = (("logits_ptr", lt), ("correction_bias_ptr", "*fp32" if problem.has_bias else None),
-            ("topk_weights_ptr", "*fp32"), ("topk_ids_ptr", "*i32"), ("T", "i32"),
-            ("scale", "fp32"), ("stride_logits", "i32"))
+            ("topk_weights_ptr", "*fp32"), ("topk_ids_ptr", "*i32"), ("scale", "fp32"))
     const = dict(_constexprs(problem, tiles), N_GROUP=problem.n_group,
                  GP=triton.next_power_of_2(problem.n_group), TOPK_GROUP=problem.topk_group,
                  NORM=problem.norm_topk_prob, NORM_EPS=NORM_EPS, HAS_BIAS=problem.has_bias)
@@ -54,7 +53,7 @@ def backward_spec(problem, tiles: RouterTiles | None = None) -> KernelSpec:
     lt = pointer_type(problem.logits_dtype)
     args = (("logits_ptr", lt), ("topk_ids_ptr", "*i32"), ("d_topk_weights_ptr", "*fp32"),
             ("d_logits_ptr", lt), ("status_ptr", "*i32" if problem.has_status else None),
-            ("T", "i32"), ("scale", "fp32"), ("stride_logits", "i32"), ("stride_d_logits", "i32"))
+            ("scale", "fp32"))
     const = dict(_constexprs(problem, tiles), NORM=problem.norm_topk_prob, NORM_EPS=NORM_EPS,
                  HAS_STATUS=problem.has_status)
     return KernelSpec.make(moe_router_bwd_kernel, args, const, _grid(problem, tiles),

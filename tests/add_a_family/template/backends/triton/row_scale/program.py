@@ -20,8 +20,7 @@ def unsupported_reason(problem) -> str | None:
 
 def forward_program(problem) -> Program:
     t, block = pointer_type(problem.dtype), tiles_for(problem).BLOCK
-    spec = KernelSpec.make(row_scale_fwd_kernel, (("x", t), ("weight", "*fp32"), ("y", t),
-                                                  ("N", "i32")),
+    spec = KernelSpec.make(row_scale_fwd_kernel, (("x", t), ("weight", "*fp32"), ("y", t)),
                            dict(D=problem.width, BLOCK=block),
                            (problem.rows, triton.cdiv(problem.width, block)),
                            cost=forward_cost(problem))

@@ -1,4 +1,4 @@
-"""The machines the Triton cost models count on, and their one L2 rule (docs/performance.md,
+"""The one L2 rule of the Triton cost models (docs/performance.md,
 "How traffic is counted").
 
 Reuse distance (``reuse_traffic``): programs start in launch order as slots free up; a re-read
@@ -11,31 +11,10 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
 
 from fusedops.core.target import target_arch
-
-
-@dataclass(frozen=True)
-class Machine:
-    """The GPU an architecture family's kernels are counted on: the L2 its re-reads hit in."""
-
-    l2_bytes: int
-    name: str
-
-
-MACHINES = {
-    "sm_80": Machine(40 * 10**6, "A100: 40 MB L2"),
-    "sm_90": Machine(50 * 10**6, "H100/H200 SXM: 50 MB L2"),
-    "sm_100": Machine(126 * 10**6, "B200: 126 MB L2 (the two dies' halves together)"),
-}
-
-
-def machine(arch: str) -> Machine:
-    """The modelled GPU of ``arch`` (``sm_90a`` or ``sm_90``)."""
-    return MACHINES[arch.removesuffix("a")]
 
 
 def key(*parts) -> torch.Tensor:

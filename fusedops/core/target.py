@@ -23,11 +23,9 @@ import torch
 
 from ..errors import ValidationError
 from .device import device_capability, multiprocessor_count
+from .machines import machine
 
 ARCHS = ("sm_80", "sm_90", "sm_100")
-MULTIPROCESSORS = {"sm_80": 108, "sm_90": 132, "sm_100": 148}
-"""SMs of each family's data-centre part (A100, H100/H200, B200): what a plan assumes where no
-CUDA device answers (``multiprocessors``)."""
 TARGET_ENV = "FUSEDOPS_TARGET_ARCH"
 EMULATE_ENV = "FUSEDOPS_EMULATE"
 EMULATED_TARGETS = {"sm_80": "sm_80", "sm_90": "sm_90a", "sm_100": "sm_100a"}
@@ -75,11 +73,11 @@ def target_override() -> str | None:
 
 def multiprocessors(device: torch.device) -> int:
     """SMs a plan on ``device`` sizes its grids for: a CUDA device's own count, else that of
-    ``target_arch``'s data-centre part (``MULTIPROCESSORS``: plans built on the CPU, the kernel
-    report)."""
+    ``target_arch``'s data-centre part (``machines.MACHINES``: plans built on the CPU, the
+    kernel report)."""
     if device.type == "cuda":
         return multiprocessor_count(device.index)
-    return MULTIPROCESSORS[target_arch(device)]
+    return machine(target_arch(device)).sms
 
 
 @contextlib.contextmanager

@@ -61,6 +61,7 @@ import torch
 
 from ..core.cost import Cost
 from ..core.dtypes import accumulator_dtype, element_size
+from ..core.machines import wave_efficiency
 from ..core.options import expect_float
 from ..errors import ValidationError
 
@@ -182,13 +183,6 @@ def softcap(name: str, value) -> float:
 def resolve_scale(scale: float | None, head_dim: int) -> float:
     """The softmax scale a problem uses: ``scale``, or 1/sqrt(head_dim) when None."""
     return 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
-
-
-def wave_efficiency(programs: int, sms: int) -> float:
-    """How full a grid of ``programs`` keeps ``sms`` SMs over its waves: programs / sms over
-    its ceiling (1.0: the last wave is full)."""
-    waves = programs / sms
-    return waves / math.ceil(waves)
 
 
 def default_num_splits(capacity: int, programs: int, sms: int) -> int:

@@ -18,7 +18,7 @@ from ..core.cost import Cost, total
 from ..core.target import compiling_for, normalise_arch
 from ..registry import FAMILIES
 from .compiled import Compiled, compile_cute, compile_triton
-from .hardware import GPUS, gpus_for
+from ..core.machines import GPUS, gpus_for
 from .occupancy import Occupancy, occupancy
 
 KERNEL_BACKENDS = {"triton": ("sm_90a", "sm_100a", "sm_80"), "cute": ("sm_90a", "sm_100a")}

@@ -10,7 +10,7 @@ import re
 import sys
 
 from . import KERNEL_BACKENDS, kernel_rows, plan_totals, production_plans, unsupported
-from .hardware import GPUS
+from ..core.machines import GPUS
 from .markdown import mma_text
 
 

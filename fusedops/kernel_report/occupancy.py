@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .hardware import LIMITS
+from ..core.machines import machine, waves as wave_count
 
 
 @dataclass(frozen=True)
@@ -18,7 +18,7 @@ class Occupancy:
 def occupancy(arch: str, registers: int, threads: int, shared_bytes: int, grid_ctas: int) -> Occupancy:
     """CTAs per SM from registers (allocated per warp in units of 256), shared memory (plus the
     per-CTA reservation), threads and the CTA limit; waves over the arch's SM count."""
-    lim = LIMITS[arch]
+    lim = machine(arch)
     warps = max(1, math.ceil(threads / 32))
     per_warp = math.ceil(max(registers, 1) * 32 / lim.register_granularity) * lim.register_granularity
     by = {
@@ -30,5 +30,4 @@ def occupancy(arch: str, registers: int, threads: int, shared_bytes: int, grid_c
         by["shared memory"] = lim.shared_bytes // (shared_bytes + lim.shared_reserved_per_cta)
     limited_by = min(by, key=by.get)
     ctas = by[limited_by]
-    waves = grid_ctas / (ctas * lim.sms) if ctas else math.inf
-    return Occupancy(ctas, limited_by, waves)
+    return Occupancy(ctas, limited_by, wave_count(grid_ctas, lim.sms, ctas))

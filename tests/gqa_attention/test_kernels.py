@@ -176,7 +176,8 @@ def test_default_num_splits_follow_the_sm_count_batch_heads_and_capacity():
     """The fewest key ranges (each at least 512 positions, at most 32) whose b·h_kv·splits
     programs fill their waves to within 90% of the best count's; the plan takes the SM count of
     its target family when built on the CPU."""
-    from fusedops.gqa_attention.contract import default_num_splits, wave_efficiency
+    from fusedops.core.machines import wave_efficiency
+    from fusedops.gqa_attention.contract import default_num_splits
     from fusedops.core.target import compiling_for, multiprocessors
     assert [default_num_splits(8192, p, 132)
             for p in (1, 8, 32, 64, 128, 512)] == [15, 15, 4, 2, 1, 1]

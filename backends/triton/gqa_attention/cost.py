@@ -31,12 +31,13 @@ import functools
 
 import torch
 
-from fusedops.gqa_attention.contract import FP8, decode_context, sequence_lengths
 from fusedops.core.cost import Cost
 from fusedops.core.dtypes import element_size
+from fusedops.core.machines import machine
 from fusedops.core.target import target_arch
+from fusedops.gqa_attention.contract import FP8, decode_context, sequence_lengths
 
-from ..l2_reuse import Programs, every_program, key, machine
+from ..l2_reuse import Programs, every_program, key
 
 SCORE_FLOPS_FWD = 5     # per score: scale, running max, subtract, exp2, row sum
 SCORE_FLOPS_BWD = 5     # per score: scale, subtract lse, exp2, dP - delta, times P

@@ -8,10 +8,11 @@ import triton
 
 from fusedops.core.cost import Cost
 from fusedops.core.dtypes import element_size
+from fusedops.core.machines import machine
 from fusedops.core.target import target_arch
 from fusedops.mamba2_inference.contract import UPDATE_FLOPS_PER_ELEMENT
 
-from ..l2_reuse import Programs, every_program, key, machine, per_arch
+from ..l2_reuse import Programs, every_program, key, per_arch
 
 
 @per_arch

@@ -40,11 +40,12 @@ import torch
 
 from fusedops.core.cost import Cost
 from fusedops.core.dtypes import element_size
+from fusedops.core.machines import machine
 from fusedops.core.target import target_arch
 from fusedops.mamba2_scan.contract import segment_lengths
 
 from .tiles import Tiles, counts, fused_state_width
-from ..l2_reuse import Programs, every_program, key, machine, per_arch
+from ..l2_reuse import Programs, every_program, key, per_arch
 
 
 # -- the model -----------------------------------------------------------------------------------

@@ -40,9 +40,10 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from fusedops.core.cost import Cost
 from fusedops.core.dtypes import element_size
+from fusedops.core.machines import machine
 from fusedops.relu2_moe.contract import balanced_rows
 
-from ..l2_reuse import machine, reuse_traffic
+from ..l2_reuse import reuse_traffic
 
 INDEX = 4              # bytes of an int32 id, row or offset, and of an fp32 routing weight
 _F64 = torch.float64

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -162,6 +163,17 @@ def test_repository_is_self_contained():
             if any(marker in text for marker in CITATIONS):
                 cited.append(f"{path.relative_to(ROOT)}:{i}")
     assert not cited, f"citations of files outside the repository: {cited}"
+
+
+DATE = re.compile(r"20\d\d-\d\d-\d\d")
+
+
+def test_no_dated_history_in_the_code():
+    """Docstrings and comments state what a thing is and its contract; measurement history (a
+    dated figure, a design it replaced) lives in docs/notes/ and the commit log."""
+    dated = [f"{path.relative_to(ROOT)}:{i}" for path in sources()
+             for i, text in enumerate(path.read_text().splitlines(), 1) if DATE.search(text)]
+    assert not dated, f"dates in the code (move the history to docs/notes/): {dated}"
 
 
 def test_every_package_is_installed():

@@ -32,9 +32,7 @@ class GateTiles:
     held_elements: int = 48
 TILES = {
     "sm_80": (GateTiles(8192, 540, 16), "108 SMs (A100): about five backward programs per SM"),
-    "sm_90": (GateTiles(8192, 640, 16), "132 SMs (H100/H200): about five backward programs per SM; "
-              "a forward thread holds up to 48 elements of a row, a backward one 24 (D = 5120 "
-              "bf16: 4 warps x 5 chunks forward, 3-4 CTAs/SM; 8 warps x 5 chunks backward, 3)"),
+    "sm_90": (GateTiles(8192, 640, 16), "132 SMs (H100/H200): about five backward programs per SM"),
     "sm_100": (GateTiles(8192, 740, 16), "148 SMs (B200): about five backward programs per SM"),
 }
 

@@ -149,10 +149,9 @@ def duplication(arch: str, warps: int, products, decider: int) -> list[int]:
     * tcgen05 (sm_100): one thread issues each MMA once for the CTA: no duplication.
 
     Checked against the compiled kernels (``fusedops kernels --dump``: the MMA FLOPs in the PTX
-    of each kernel's inner loop against the tile's) for every entry of the tile tables: the
-    forward at 64 rows on 8 warps does 1.5x on sm_90 (the d = 128 and 256 entries before they
-    took 128 rows) and on sm_80 (d = 256); the d = 256 backward's former 16 x 32 tiles on 8 warps
-    1.5x (dk/dv) and 5/3 (dq) on every arch; the rest 1x."""
+    of each kernel's inner loop against the tile's): a forward at 64 rows on 8 warps does 1.5x
+    on sm_90 and on sm_80 (the d = 256 entry there); d = 256 backward tiles of 16 x 32 on 8
+    warps 1.5x (dk/dv) and 5/3 (dq) on every arch; every other entry of the tile tables 1x."""
     dm, dn, _ = products[decider]
     decider_engine = _engine(arch, dm, warps)
     out = []

@@ -1,7 +1,7 @@
 """Mamba2 chunked scan (Triton): the analytic cost (FLOPs, HBM bytes) of the scan kernels
-(kernels_forward.py, and kernels_backward.py's state walk; its per-chunk kernels' in cost_backward.py),
-counted from the kernels' tiles (tiles.py), loops and program order (docs/mamba2_scan.md,
-"Performance model"; docs/performance.md, "How traffic is counted").
+(kernels_forward.py, and kernels_backward.py's state walk; its per-chunk kernels' in
+cost_backward.py), counted from the kernels' tiles (tiles.py), loops and program order
+(docs/mamba2_scan.md, "Performance model"; docs/performance.md, "How traffic is counted").
 
 Counting rules, as docs/performance.md states them. Programs start in launch order, the grid's
 first dimension fastest; programs that return at once (row blocks past a segment's end) take
@@ -237,9 +237,9 @@ def chunk_states_cost(problem, t: Tiles, entering: bool, backward: bool = False)
     at the production shape, G = 10 (8.5 backward), so x, B, acum and dts are read once. Every
     step writes the entering [BP, BN] tile in the state dtype (and fp32 into segment_states
     with ``entering``); initial_states read and final_states written once. Backward: no dts;
-    every step writes the dH1 tile (input dtype; its <dH1, H0> partial is the dB/dC kernel's
-    since 2026-12-05, which reads H0 anyway, where the walk read every entering state a second
-    time); dfinal_states read and dinitial_states written once. MMA: [BP, BQ] @ [BQ, BN] per block;
+    every step writes the dH1 tile (input dtype; its <dH1, H0> partial is the dB/dC kernel's,
+    which reads H0 anyway, so the walk reads no entering state); dfinal_states read and
+    dinitial_states written once. MMA: [BP, BQ] @ [BQ, BN] per block;
     CUDA: the decay weights, the scaling of B (C), the decayed carry (and the partial). With z the
     backward forms dy·silu(z) from dy, z and y before the gate, read like dy (shared by the NNB
     state tiles), and the first state tile's programs write it and dz (2·e per element); the gate's

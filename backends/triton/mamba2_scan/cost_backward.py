@@ -136,10 +136,10 @@ def dbc_cost(problem, t: Tiles) -> Cost:
     loops the group's R heads (``_dx_rows`` per head). The programs of a (segment, group) share
     its heads' dy and x rows, dH1 and H0 tiles and B and C rows; a dB/dC program moves 830 KiB
     (a mean over dB and dC, row blocks 0..3) at the production shape: G = 30 (76 on sm_100), so
-    every tile is read once, where the d(C·B) kernel before 2026-12-05 and separate dB and dC
-    launches read dy and x three times between them (dcb, dB, dC) and passed d(C·B) through
-    the workspace; with DX_IN_DBC dx's dy, x, dH1 and B come from the L2 too (the dx launch
-    read them again). One BQ·4 partial per head and the rows of dB (dC) written. MMA: per pair,
+    every tile is read once (a d(C·B) kernel feeding separate dB and dC launches would read dy
+    and x three times between them and pass d(C·B) through the workspace); with DX_IN_DBC dx's
+    dy, x, dH1 and B come from the L2 too (dx's own launch reads them again). One BQ·4 partial
+    per head and the rows of dB (dC) written. MMA: per pair,
     R heads' [BQ, BP] @ [BP, BQ] over p in each of dB and dC (every d(C·B) tile formed twice)
     and [BQ, BQ] @ [BQ, BN]; [BQ, BP] @ [BP, BN] per head and row block; C·B's [BQ, BN] @
     [BN, BQ] over n once per pair; dx's (``dx_cost``)."""

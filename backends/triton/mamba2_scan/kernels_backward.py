@@ -63,8 +63,8 @@ def accumulate_gated_state(b_acc, p_dy, p_z, p_y, p_dyg, p_dz, p_c, acum_ptr, ru
         b_c = tl.load(p_c + tok[:, None] * (stride_C_l * VB) + o_n[None, :],
                       mask=m_k[:, None] & m_n[None, :], other=0.0)
         # both operands are formed in registers here, so the weights go with C (through shared
-        # memory: the product is waited for); weighting dy·silu(z) instead took the walk past
-        # its 128-register budget (8 bytes of spill: 3 CTAs per SM, 1.29 waves)
+        # memory: the product is waited for); weighting dy·silu(z) instead takes the walk past
+        # its 128-register budget
         b_wc = (b_c.to(tl.float32) * b_w[:, None]).to(b_g.dtype)
         b_acc = mm(b_g, b_wc, b_acc, UPCAST, IEEE)                  # [BP, BK] @ [BK, BN]
     return b_acc
@@ -144,8 +144,9 @@ def ssd_chunk_states_bwd_kernel(dy_ptr, z_ptr, ypre_ptr, dypre_ptr, dz_ptr, C_pt
 
 
 @triton.jit
-def ssd_chunk_scan_bwd_dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr, dstates_ptr, D_ptr,
-                                 cu_ptr, off_ptr, runs_ptr, dx_ptr, ddt_part_ptr, dD_part_ptr,
+def ssd_chunk_scan_bwd_dx_kernel(x_ptr, dy_ptr, B_ptr, cb_ptr, dts_ptr, acum_ptr, dstates_ptr,
+                                 D_ptr, cu_ptr, off_ptr, runs_ptr, dx_ptr, ddt_part_ptr,
+                                 dD_part_ptr,
                                  stride_x_b, stride_x_l, stride_x_h, stride_dy_b, stride_dy_l,
                                  stride_dy_h, stride_B_b, stride_B_l, stride_B_g, stride_dx_b,
                                  stride_dx_l, stride_dx_h, L, NSEQ,
@@ -404,7 +405,7 @@ def dbc_rows(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, dstates
              + tok_r[:, None] * (stride_out_l * VB) + o_n[None, :])
     tl.store(p_out, b_acc.to(out_ptr.dtype.element_ty), mask=m_rn)
     if not GRAD_B:
-        if i_m == 0:         # its own loop: inside the one above it spilled on sm_80
+        if i_m == 0:         # its own loop: inside the one above it spills on sm_80
             carries = 1.0
             if HAS_SEQ:
                 carries = tl.where(r_prev == r_last, 1.0, 0.0)
@@ -501,8 +502,9 @@ def ssd_dbc_kernel(x_ptr, dy_ptr, B_ptr, C_ptr, dts_ptr, acum_ptr, states_ptr, d
 
 
 @triton.jit
-def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt_part_ptr, u_part_ptr,
-                      w_part_ptr, v_ptr, cu_ptr, off_ptr, ddt_ptr, dA_part_ptr, dbias_part_ptr,
+def ssd_dt_bwd_kernel(dt_ptr, A_ptr, bias_ptr, dts_ptr, acum_ptr, intra_ptr, ddt_part_ptr,
+                      u_part_ptr, w_part_ptr, v_ptr, cu_ptr, off_ptr, ddt_ptr, dA_part_ptr,
+                      dbias_part_ptr,
                       stride_dt_b, stride_dt_l, stride_ddt_b, stride_ddt_l, L, NSEQ,
                       dt_min, dt_max,
                       H: tl.constexpr, Q: tl.constexpr, BQ: tl.constexpr, NPB: tl.constexpr,

@@ -120,7 +120,8 @@ def table_spec(problem) -> KernelSpec:
     return _spec(fwd_kernels.ssd_segment_table_kernel,
                  (("cu_ptr", "*i32"), ("cu_out_ptr", "*i32"), ("off_ptr", "*i32"),
                   ("status_ptr", _present(problem.has_status, "*i32"))),
-                 dict(Q=problem.chunk, BLOCK=min(1024, triton.next_power_of_2(problem.sequences + 1)),
+                 dict(Q=problem.chunk,
+                      BLOCK=min(1024, triton.next_power_of_2(problem.sequences + 1)),
                       HAS_STATUS=problem.has_status),
                  (1,), cost=model.table_cost(problem))
 
@@ -139,7 +140,8 @@ def zero_uncovered_spec(problem, outputs) -> KernelSpec:
     for i, (_, rows, width, unit) in enumerate(outputs):
         shapes.update({f"NH{i}": rows, f"W{i}": width, f"V{i}": unit})
     return _spec(fwd_kernels.ssd_zero_uncovered_kernel, args,
-                 dict(**shapes, BT=ZERO_TOKENS, BW=max(16, min(256, triton.next_power_of_2(widest)))),
+                 dict(**shapes, BT=ZERO_TOKENS,
+                      BW=max(16, min(256, triton.next_power_of_2(widest)))),
                  (triton.cdiv(problem.length, ZERO_TOKENS),),
                  cost=model.zero_uncovered_cost(problem))
 
@@ -170,7 +172,8 @@ def dt_cumsum_spec(problem, t: Tiles | None = None) -> KernelSpec:
     """The dt transform and its cumulative log-decay per segment and head."""
     ty, t = _Types(problem), t or tiles(problem)
     return _spec(fwd_kernels.ssd_dt_cumsum_kernel,
-                 (("dt_ptr", ty.dt), ("A_ptr", "*fp32"), ("bias_ptr", _present(problem.has_dt_bias, "*fp32")),
+                 (("dt_ptr", ty.dt), ("A_ptr", "*fp32"),
+                  ("bias_ptr", _present(problem.has_dt_bias, "*fp32")),
                   *ty.seg, ("dts_ptr", "*fp32"), ("acum_ptr", "*fp32"), *stride_args("dt", "dt"),
                   ("dt_min", "fp32"), ("dt_max", "fp32")),
                  dict(H=problem.heads, Q=problem.chunk, BLOCK_H=t.BLOCK_H,
@@ -182,8 +185,8 @@ def dt_cumsum_spec(problem, t: Tiles | None = None) -> KernelSpec:
 
 def cb_spec(problem, t: Tiles | None = None) -> KernelSpec:
     """C·B per segment and group (tiles on or below the diagonal, the diagonal ones' lower
-    halves; zero across runs of sequence ids). 8 warps: at 4, the diagonal's masked store took
-    ptxas on sm_100a to 72 registers and a 24-byte spill (46-48 registers at 8 on every arch)."""
+    halves; zero across runs of sequence ids). 8 warps: at 4 the diagonal's masked store spills
+    on sm_100a."""
     ty, t = _Types(problem), t or tiles(problem)
     Q = problem.chunk
     return _spec(fwd_kernels.ssd_cb_kernel,
@@ -267,9 +270,7 @@ def chunk_scan_spec(problem, t: Tiles | None = None) -> KernelSpec:
 GATED_WALK_REGISTERS = (128, 168)
 """The backward walk's register budgets with the gate fused in (16 tokens a step), head-dim tiles
 full or the last one masked: 4 and 3 CTAs of 4 warps per SM, as without the gate (ptxas's own
-choice: 188 and 201 registers, 2 CTAs; 128 with a masked tile spilled 8 bytes; at 64 tokens a
-step it took 255 registers and spilled 32-88 bytes, at 32 tokens 227, or 160 bytes of spill at
-128; sm_90a, 2026-12-02)."""
+choice leaves 2; 128 with a masked tile spills, and so do steps of 32 or 64 tokens)."""
 
 
 def _walk_step(problem, t: Tiles) -> int:

@@ -63,36 +63,17 @@ class Tiles:
 
 FUSED_MAX_STATE = 128
 """The widest state the fused forward walk holds in registers: at n = 128 its [64, n] fp32 tile
-takes 32 registers a thread of 8 warps and the kernel 244-255 on sm_90a; twice that would
-spill."""
+takes 32 registers a thread of 8 warps, in a kernel near the 255-register limit; twice that
+would spill."""
 
 
 TILES = {
     "sm_80": (ScanTiles(64, 64, 64, 16, WALK_STAGES=3),
-              "A100 (108 SMs, 164 KiB shared memory, mma.sync m16n8k16): today's tiles; the "
-              "output kernel's 40.5 KiB of shared memory at two stages allows 4 CTAs per SM; the "
-              "fused forward walk at one stage (206-222 registers; two spill 24 bytes at p = 64); "
-              "dB/dC over the whole state at n <= 128 with dx in their launch at one stage "
-              "(246-248 registers, 1 CTA per SM, no spill; 255 without dx; at two stages 8 "
-              "bytes spill at p = 80); the backward state walk at three stages, C two steps "
-              "ahead through cp.async: the gated walk fits its 128-register budget for 4 CTAs "
-              "per SM (two stages spill 32 bytes there); no measurement yet says better"),
+              "mma.sync; the walk's 3 cp.async stages fit its 128 registers: 4 CTAs/SM"),
     "sm_90": (ScanTiles(64, 64, 64, 16, DBC_STAGES=2),
-              "H100/H200 (132 SMs, 228 KiB, wgmma): BQ = BP = 64 rows is one m64 wgmma per "
-              "warpgroup, the smallest tile with no mma.sync; the fused forward walk with 8 "
-              "warps at one stage (244-255 registers, 1 CTA per SM; two spill 8 bytes at p = 80 "
-              "with D per channel); dB/dC over the whole state at n <= 128 (a 64-wide state "
-              "tile would form every d(C·B) tile twice more), with dx's programs in their launch "
-              "so that dx reads dy, x, dH1 and B from the L2, at two stages so that dx's block "
-              "loop keeps a product in flight (216-238 registers, 1 CTA per SM, no spill; 245-252 "
-              "and every product waited for at one stage; dB/dC alone 225-235, dx alone 118-125 "
-              "at 2 CTAs per SM: the modelled backward at Nemotron-H 8K moves 1.03 GB instead of "
-              "1.36); no measurement yet"),
+              "64 rows: one m64 wgmma a warpgroup; dB/dC+dx at 2 stages keeps dx in flight"),
     "sm_100": (ScanTiles(64, 64, 64, 16, DBC_STAGES=2),
-               "B200 (148 SMs, 228 KiB, tcgen05): today's tiles (Triton lowers the 64-row dots "
-               "to tcgen05 with a 64-row M); the fused forward walk at one stage (two spill 16-24 "
-               "bytes); dB/dC over the whole state at n <= 128 with dx in their launch at two "
-               "stages (228-245 registers, 1 CTA per SM); no measurement yet"),
+               "as sm_90, the 64-row dots on tcgen05"),
 }
 
 

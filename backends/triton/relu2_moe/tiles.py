@@ -87,46 +87,18 @@ class MoETiles:
 HOPPER = MoETiles()
 AMPERE = MoETiles(small=GemmTile(64, 64, 4, 3), fused=GemmTile(128, 64, 8, 3, wide=128 * 128),
                   wgrad_maxnreg=128, dense_wgrad_pair=False)
-"""sm_80: its fused GEMMs take ptxas's own count (at 128 they spill 56-112 bytes); the shared
-expert's weight gradients in two launches (in one, 24 bytes spill at 128 registers, and 2 × 2.82
-waves fill 6 either way on 108 SMs)."""
+"""sm_80: its fused GEMMs take ptxas's own register count (a 128 budget spills them); the shared
+expert's weight gradients in two launches (one spills at 128 registers and, on 108 SMs, fills
+as many waves as two)."""
 VLLM_LARGE = GemmTile(256, 64, 8, 4)
 """vLLM's published fused-MoE configuration for E = 128, N = 1856 at >= 3072 tokens on H100 (and
 >= 1536 on B200): 128 x 256 x 64, 8 warps, 4 stages."""
 
 TILES = {
-    "sm_80": (AMPERE, "A100 (108 SMs, 164 KiB shared memory per CTA, mma.sync, cp.async): "
-              "128x128x64 over 3 stages (96 KiB) for every large-tile GEMM; decode-sized row "
-              "tiles 64 columns wide with a K step of 64 over 3 stages; the weight gradients "
-              "held to 128 registers for two CTAs per SM since they add to the gradient a "
-              "quarter of the columns at a time (126-128, no spill; 141-168 and one CTA "
-              "without the budget; they used the whole register file, 154, before) "
-              "(2026-12-04)"),
-    "sm_90": (HOPPER, "H100/H200 (132 SMs, 227 KiB shared memory, wgmma on 64-row warpgroup "
-              "tiles): 128x128x64 over 8 warps (two warpgroups of 64 rows) and 3 stages (96 "
-              "KiB: two CTAs per SM fit where the registers allow); vLLM's published H100 "
-              "configuration for E=128, N=1856 at >= 3072 tokens (128x256x64, 8 warps, 4 "
-              "stages) is the first autotune candidate, not the default: 256 columns pad "
-              "N = 1856 to 2048 and 2688 to 2816 (10.3% and 4.8% more tensor-core work; 128 "
-              "columns pad 3.4% and 0%), and the GEMMs whose epilogue holds a second tile spill "
-              "at 256; decode-sized row tiles on vLLM's small-batch shape (64 columns, K step "
-              "128, 4 warps), their products transposed (the column tile as wgmma's M); L2 "
-              "groups of 6 row tiles, a whole number of the production experts' 3 (384 rows at "
-              "t = 8192), so a group reads each expert's weights once under balanced routing "
-              "(the shared expert's groups of 8: 10 models 1% less traffic, 12 and 16 re-read "
-              "x, 1.8x); the GEMMs whose epilogue reads a second tile and the weight gradients "
-              "held to 128 registers for two CTAs per SM, their epilogues a quarter of the "
-              "columns at a time (2026-12-04: 96-126 registers, no spill; the dgrad-down took "
-              "243 and the combining GEMMs 170 with whole-tile epilogues, one CTA per SM); the "
-              "shared expert's two weight gradients in one launch: at Nano's t = 8192 each has 609 "
-              "tiles, 2.31 waves of two CTAs per SM, so two launches take 6 waves and one "
-              "4.61, 5 (2026-12-05: 121 registers, no spill)"),
-    "sm_100": (HOPPER, "B200 (148 SMs, 227 KiB shared memory, tcgen05 MMA accumulating in "
-               "tensor memory): as sm_90 (its GEMMs 56-126 registers and weight gradients "
-               "62-78 under the same budgets, no spill); vLLM's published B200 configuration "
-               "for E=128, N=1856 at >= 1536 tokens (the same 128x256x64, 8 warps, 4 stages) "
-               "is the first autotune candidate; the shared expert's weight gradients in one "
-               "launch, 2 x 2.06 waves -> 4.12 (66 registers)"),
+    "sm_80": (AMPERE,
+              "mma.sync, 128x128x64 over 3 stages; wgrads held to 128 registers: 2 CTAs per SM"),
+    "sm_90": (HOPPER, "two 64-row wgmma warpgroups; 128 columns pad N = 1856 least; 2 CTAs per SM"),
+    "sm_100": (HOPPER, "as sm_90 on tcgen05: the same tiles and budgets, no spill"),
 }
 
 
@@ -237,11 +209,9 @@ class RouterTiles:
 
 
 ROUTER_TILES = {
-    "sm_80": (RouterTiles(), "today's: 1024 scores (8 tokens at E = 128) per 4-warp program, "
-              "8 fp32 per thread; the router is bound by its logits read on every architecture"),
-    "sm_90": (RouterTiles(), "today's, as sm_80: 1024 tokens x E = 128 make 1024 programs, "
-              "about 8 per SM on 132 SMs"),
-    "sm_100": (RouterTiles(), "today's, as sm_80 (148 SMs)"),
+    "sm_80": (RouterTiles(), "1024 scores per 4-warp program; bound by reading the logits"),
+    "sm_90": (RouterTiles(), "as sm_80: 1024 programs at 8192 tokens and E = 128, about 8 per SM"),
+    "sm_100": (RouterTiles(), "as sm_80 (148 SMs)"),
 }
 
 

@@ -96,12 +96,14 @@ class Programs:
 
 def per_arch(fn):
     """``fn`` cached per (problem, tiles, arguments) and the target architecture whose L2 the
-    traffic is counted in."""
+    traffic is counted in; ``cache_clear()`` empties the cache (a test that changes
+    ``MACHINES`` calls it)."""
     cached = functools.lru_cache(maxsize=128)(lambda arch, *args: fn(*args))
 
     @functools.wraps(fn)
     def wrapper(*args):
         return cached(target_arch(args[0].device), *args)
+    wrapper.cache_clear = cached.cache_clear
     return wrapper
 
 

@@ -31,6 +31,7 @@ and never touches it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import sys
 from dataclasses import dataclass
@@ -165,19 +166,20 @@ def _cost_caches():
 
 @contextlib.contextmanager
 def modelled_l2(l2_bytes: float):
-    """Within the block every machine of ``l2_reuse.MACHINES`` has ``l2_bytes`` of L2 and the
-    cost models' caches start empty; both restored (caches emptied again) on exit."""
-    from fusedops.backends.triton import l2_reuse
-    saved = dict(l2_reuse.MACHINES)
+    """Within the block every machine of ``fusedops.core.machines.MACHINES`` has ``l2_bytes``
+    of L2 and the cost models' caches start empty; both restored (caches emptied again) on
+    exit."""
+    from fusedops.core import machines
+    saved = dict(machines.MACHINES)
     try:
         for arch, box in saved.items():
-            l2_reuse.MACHINES[arch] = l2_reuse.Machine(l2_bytes, box.name)
+            machines.MACHINES[arch] = dataclasses.replace(box, l2_bytes=l2_bytes)
         for cached in _cost_caches():
             cached.cache_clear()
         yield
     finally:
-        l2_reuse.MACHINES.clear()
-        l2_reuse.MACHINES.update(saved)
+        machines.MACHINES.clear()
+        machines.MACHINES.update(saved)
         for cached in _cost_caches():
             cached.cache_clear()
 

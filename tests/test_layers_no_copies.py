@@ -25,6 +25,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from fusedops import layers
+from fusedops.layers import modules as layer_modules
 from fusedops.plan import Plan
 
 from helpers import BACKENDS, DEVICE
@@ -132,11 +133,11 @@ def test_the_check_sees_a_copy_added_back(monkeypatch, where):
     output laid out channels-first again (what the layer did before: x, B and C then need a
     copy each to reach the plans), is caught."""
     if where == "scan-inputs":
-        scan = layers.ops.mamba2_chunk_scan
+        scan = layer_modules.ops.mamba2_chunk_scan
 
         def copying(x, dt, A, B, C, *args, **kwargs):
             return scan(x.contiguous(), dt, A, B.contiguous(), C.contiguous(), *args, **kwargs)
-        monkeypatch.setattr(layers.ops, "mamba2_chunk_scan", copying)
+        monkeypatch.setattr(layer_modules.ops, "mamba2_chunk_scan", copying)
     else:
         conv = layers.Mamba2Mixer._conv_channels_last
 

@@ -97,7 +97,7 @@ class Programs:
 def per_arch(fn):
     """``fn`` cached per (problem, tiles, arguments) and the target architecture whose L2 the
     traffic is counted in; ``cache_clear()`` empties the cache (a test that changes
-    ``MACHINES`` calls it)."""
+    ``fusedops.core.machines.MACHINES`` calls it)."""
     cached = functools.lru_cache(maxsize=128)(lambda arch, *args: fn(*args))
 
     @functools.wraps(fn)

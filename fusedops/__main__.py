@@ -6,10 +6,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+CROSS_CUTTING_BENCHMARKS = ("host_overhead",)
+"""bench/ scripts that measure every family at once (no registry entry lists them)."""
+
+
 def benchmarks() -> list[str]:
-    """The bench/ scripts of every registry family, in registry order."""
+    """The bench/ scripts of every registry family, in registry order, then the cross-cutting
+    ones (``CROSS_CUTTING_BENCHMARKS``)."""
     from .registry import FAMILIES
-    return [name for info in FAMILIES for name in info.bench]
+    return [name for info in FAMILIES for name in info.bench] + list(CROSS_CUTTING_BENCHMARKS)
 
 
 def _parser() -> argparse.ArgumentParser:

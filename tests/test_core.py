@@ -328,6 +328,57 @@ def test_overlap_is_exact_for_strided_views():
         assert shares_bytes(a, b) == bool(_bytes_of(a) & _bytes_of(b)), (a.stride(), b.stride())
 
 
+def test_extents_meet_only_where_a_written_range_meets_another():
+    from fusedops.core.overlap import extents_meet
+    assert not extents_meet([(0, 8, False), (4, 12, False), (12, 16, True)])    # reads may meet
+    assert extents_meet([(0, 8, False), (4, 12, True)])
+    assert extents_meet([(4, 12, False), (0, 8, True)])
+    assert extents_meet([(0, 4, True), (0, 4, True)])
+    assert not extents_meet([(0, 4, True), (4, 8, True), (8, 12, False)])      # adjacent
+    assert extents_meet([(0, 100, True), (10, 20, False), (30, 40, False)])
+
+
+def test_execute_checks_decide_once_per_signature_and_overlap_every_call(monkeypatch):
+    """ExecuteChecks runs the per-tensor checks on a signature's first call only (fresh tensors
+    of the same layouts skip them) and checks overlap on every call, exactly: slices of one
+    fused buffer that never meet pass, ones that meet are refused with check_no_overlap's
+    message; anything else that changes runs the full checks again."""
+    import fusedops.core.checks as checks
+    cpu = torch.device("cpu")
+    view = TensorDesc((2, 5, 64), torch.float32, (5 * 192, 192, 1), cpu)
+    run = checks.ExecuteChecks([(n, view, 16, True, n.startswith("d")) for n in
+                                ("q", "k", "dq", "dk")] + [("mask", None, 1, False, False)],
+                               (0, cpu, 16))
+
+    def fused():
+        qkv, grads = torch.zeros(2, 5, 192), torch.zeros(2, 5, 192)
+        return qkv, grads, dict(q=qkv[..., :64], k=qkv[..., 64:128], dq=grads[..., :64],
+                                dk=grads[..., 64:128], workspace=None)
+    qkv, grads, args = fused()
+    run(args)
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the per-tensor checks ran again")
+    with monkeypatch.context() as patched:
+        patched.setattr(checks, "check_execute_tensor", refuse)
+        run(fused()[2])                                  # fresh buffers, the same signature
+        for change in (dict(dk=grads[..., 32:96]), dict(dq=qkv[..., :64], dk=qkv[..., 64:128])):
+            bad = {**args, **change}
+            with pytest.raises(ValidationError, match="must not overlap") as hit:
+                run(bad)
+            with pytest.raises(ValidationError) as full:
+                check_no_overlap({n: bad[n] for n in ("q", "k")},
+                                 {n: bad[n] for n in ("dq", "dk")})
+            assert str(hit.value) == str(full.value)
+    for change, match in ((dict(q=torch.zeros(2, 5, 128)[..., ::2]), r"^q: expected the last"),
+                          (dict(k=qkv[..., 1:65]), r"^k: expected a data pointer aligned"),
+                          (dict(mask=torch.ones(2)), r"^mask: this plan was built without"),
+                          (dict(workspace=torch.zeros(1)), r"^workspace: expected a contiguous")):
+        with pytest.raises(ValidationError, match=match):
+            run({**args, **change})
+    run(args)
+
+
 def test_kernel_specs_take_their_arguments_from_the_jit_signature():
     """KernelSpec.make reads the order and the compile-time parameters from the kernel's
     signature: runtime arguments default to i32, None compiles an operand out, and a name the

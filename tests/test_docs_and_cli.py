@@ -116,6 +116,24 @@ def test_bench_command_runs_a_benchmark(tmp_path):
     assert proc.returncode != 0 and "names: expected some of" in proc.stderr
 
 
+def test_bench_host_overhead_lists_every_plan_wrapper_and_op(tmp_path):
+    """``fusedops bench host_overhead --quick``: a row per registry plan's execute(), eager
+    wrapper and torch op, beside torch's op-call floor measured in the same run. Times are not
+    checked (shared machines run many times slower at times): only that each row has one."""
+    from fusedops.registry import FAMILIES
+    proc = _run("-m", "fusedops", "bench", "host_overhead", "--quick", "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rows = json.loads((tmp_path / "host_overhead.json").read_text())["rows"]
+    listed = {(row["kind"], row["case"]) for row in rows}
+    expected = {("floor", "torch.add (1 element)"), ("floor", "empty custom op")}
+    for info in FAMILIES:
+        expected |= {("execute", f"{plan.__name__}.execute") for plan in info.plans}
+        expected |= {("eager", fn.__name__) for fn in info.eager}
+        expected |= {("torch op", fn.__name__) for fn in info.torch_ops}
+    assert expected - listed == set()
+    assert all(isinstance(row["us"], float) and row["us"] > 0 for row in rows)
+
+
 def test_gpu_check_dry_run(tmp_path):
     """bench/gpu_check.sh --dry-run: the GPU check's steps on tiny CPU shapes (peer discovery,
     every registry benchmark writing its JSON and plot, the summary), so the first GPU run

@@ -152,6 +152,118 @@ def test_refused_execute_touches_nothing(info, index, backend):
     assert _unchanged(args, snapshot) == []
 
 
+def _relocated(t: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """A fresh tensor of ``t``'s dtype, shape and strides, ``offset`` elements into a new
+    buffer."""
+    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride())) if t.numel() else 0
+    base = torch.empty(extent + offset, dtype=t.dtype, device=t.device)
+    return torch.as_strided(base, t.shape, t.stride(), offset)
+
+
+def _alias(plan, args) -> tuple[str, torch.Tensor] | None:
+    """(operand, a view of the same dtype, shape and strides into another operand's buffer,
+    one of them written): the first such pair of non-empty tensors that fits, or None."""
+    planned = [o for o in plan.operands if args.get(o.name) is not None and args[o.name].numel()]
+    for written in (o for o in planned if o.is_written):
+        for other in (o for o in planned if o.role == "in"):
+            for guest, host in ((written, other), (other, written)):
+                g, h = args[guest.name], args[host.name]
+                extent = 1 + sum((n - 1) * s for n, s in zip(g.shape, g.stride()))
+                if (g.dtype == h.dtype and h.data_ptr() % guest.alignment == 0
+                        and h.untyped_storage().nbytes()
+                        >= (h.storage_offset() + extent) * g.element_size()):
+                    return guest.name, torch.as_strided(h, g.shape, g.stride(),
+                                                        h.storage_offset())
+    return None
+
+
+def _single_changes(plan, args) -> list[tuple[str, str, object]]:
+    """(what the error says, argument, value): execute()'s arguments changed in one thing each,
+    every one refused: dtype, shape, device, strides, alignment, overlap, None for a planned
+    tensor and a tensor for one the plan was built without; the workspace's size, dtype,
+    alignment and absence where the plan needs one."""
+    planned = [o for o in plan.operands if args.get(o.name) is not None]
+    target = next(o for o in planned if o.is_written)
+    bad = args[target.name]
+    other = torch.float64 if bad.dtype != torch.float64 else torch.float32
+    changes = [
+        (rf"^{target.name}: expected dtype", target.name, bad.to(other)),
+        (rf"^{target.name}: expected shape", target.name,
+         torch.empty(bad.numel() + 1, dtype=bad.dtype, device=bad.device)),
+        (rf"^{target.name}: expected device", target.name,
+         torch.empty(bad.shape, dtype=bad.dtype, device="meta")),
+        (rf"^{target.name}: expected a torch.Tensor, got NoneType", target.name, None)]
+    wide = next((o.name for o in planned if args[o.name].ndim and args[o.name].shape[-1] > 1),
+                None)
+    if wide is not None:
+        t = args[wide]
+        view = torch.empty(*t.shape[:-1], 2 * t.shape[-1], dtype=t.dtype, device=t.device)
+        changes.append((rf"^{wide}: expected (a contiguous|the last dimension|strides)", wide,
+                        view[..., ::2]))
+    loose = next((o for o in planned if o.alignment > args[o.name].element_size()
+                  and args[o.name].numel()), None)
+    if loose is not None:
+        changes.append((rf"^{loose.name}: expected a data pointer aligned to {loose.alignment}",
+                        loose.name, _relocated(args[loose.name], 1)))
+    alias = _alias(plan, args)
+    if alias is not None:
+        changes.append((r"must not overlap", *alias))
+    absent = next((o.name for o in plan.operands if o.name not in plan._descs), None)
+    if absent is not None:
+        changes.append((rf"^{absent}: this plan was built without {absent}", absent, bad))
+    if plan.workspace_size:
+        ws = args["workspace"]
+        changes += [
+            (r"^workspace: expected a contiguous uint8 tensor", "workspace", ws[:-1]),
+            (r"^workspace: expected a contiguous uint8 tensor", "workspace",
+             torch.empty(ws.numel(), dtype=torch.int8, device=ws.device)),
+            (r"^workspace: expected a data pointer aligned", "workspace",
+             torch.empty(ws.numel() + 1, dtype=torch.uint8, device=ws.device)[1:]),
+            (r"^workspace: expected a uint8 tensor of at least", "workspace", None)]
+    return changes
+
+
+@pytest.mark.parametrize("info,index,backend", _params(BACKENDS))
+def test_repeated_execute_refuses_each_single_change(info, index, backend, monkeypatch):
+    """execute() decides its per-tensor checks once per argument signature: after a successful
+    call, a call that changes one thing is refused with the message a first call with that
+    change gets, before anything is launched or written; fresh tensors of the signature that
+    passed skip the per-tensor checks; the passing arguments still pass afterwards; neither the
+    full checks nor the remembered path dispatch a torch op."""
+    import fusedops.core.checks as checks
+    call = _call(info, index, backend)
+    plan, args = _ready(info, index, backend)
+    first = call.build(backend).compile()                # never executed successfully
+    launched = []
+    for p in (plan, first):
+        p._launch = lambda binding, stream: launched.append(sorted(binding))
+    plan.execute(**args)
+    assert len(launched) == 1
+    snapshot = _snapshot(args)
+    for match, name, value in _single_changes(plan, args):
+        changed = {**args, name: value}
+        with pytest.raises(ValidationError, match=match) as expected:
+            first.execute(**changed)
+        with pytest.raises(ValidationError) as repeated:
+            plan.execute(**changed)
+        assert str(repeated.value) == str(expected.value), name
+    assert len(launched) == 1 and _unchanged(args, snapshot) == []
+    fresh = {k: _relocated(v) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
+    if plan.workspace_size:
+        fresh["workspace"] = plan.allocate_workspace()
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("the per-tensor checks ran again for a signature that passed")
+    with monkeypatch.context() as patched, NoTorchOps():
+        patched.setattr(checks, "check_execute_tensor", refuse)
+        patched.setattr(checks, "check_workspace", refuse)
+        plan.execute(**fresh)
+    with NoTorchOps():
+        plan.execute(**args)
+        first.execute(**args)                           # the full checks dispatch no op either
+    assert len(launched) == 4
+
+
 @pytest.mark.parametrize("info,index,backend", _params(["torch"]))
 def test_construction_errors_name_the_argument(info, index, backend):
     call = _call(info, index, backend)

@@ -14,7 +14,7 @@ import torch
 from ..errors import ValidationError
 from .desc import TensorDesc
 from .dtypes import dtype_name, element_size
-from .overlap import byte_range, shares_bytes
+from .overlap import byte_range, extents_meet, shares_bytes
 
 ALIGNMENT = 16  # bytes: every floating tensor and workspace must start on a 16-byte boundary
 
@@ -138,19 +138,29 @@ def _raise_mismatch(name: str, tensor, desc: TensorDesc, alignment: int, strided
 def check_no_overlap(inputs: Mapping[str, torch.Tensor | None],
                      outputs: Mapping[str, torch.Tensor | None]) -> None:
     """Outputs (and workspace) must not share a byte with an input or with each other (exact
-    for strided views: slices of one fused buffer that never meet are fine)."""
-    seen = [(name, t) for name, t in inputs.items() if t is not None]
-    for name, tensor in outputs.items():
-        if tensor is None:
-            continue
-        for other, placed in seen:
-            if placed.device == tensor.device and shares_bytes(tensor, placed):
-                lo, hi = byte_range(tensor)
-                olo, ohi = byte_range(placed)
-                raise ValidationError(
-                    f"{name}: must not overlap {other}; they share bytes (extents "
-                    f"[{lo:#x}, {hi:#x}) and [{olo:#x}, {ohi:#x}))")
-        seen.append((name, tensor))
+    for strided views: slices of one fused buffer that never meet are fine). Pairs are searched
+    only when some output's byte extent meets another tensor's."""
+    entries = [(name, t, False) for name, t in inputs.items() if t is not None]
+    entries += [(name, t, True) for name, t in outputs.items() if t is not None]
+    spans = [(*byte_range(t), written) for _, t, written in entries]
+    if extents_meet(span for span in spans if span[0] < span[1]):
+        _raise_first_overlap(entries, spans)
+
+
+def _raise_first_overlap(entries, spans) -> None:
+    """Raises for the first written tensor (in order) sharing a byte with an earlier tensor,
+    the earliest such: ``entries`` (name, tensor, written), inputs first, with their byte
+    extents ``spans``."""
+    seen = []
+    for (name, tensor, written), (lo, hi, _) in zip(entries, spans):
+        if written and lo < hi:
+            for other, placed, olo, ohi in seen:
+                if (lo < ohi and olo < hi and placed.device == tensor.device
+                        and shares_bytes(tensor, placed)):
+                    raise ValidationError(
+                        f"{name}: must not overlap {other}; they share bytes (extents "
+                        f"[{lo:#x}, {hi:#x}) and [{olo:#x}, {ohi:#x}))")
+        seen.append((name, tensor, lo, hi))
 
 
 def check_workspace(workspace, required: int, device: torch.device,
@@ -169,3 +179,102 @@ def check_workspace(workspace, required: int, device: torch.device,
             f"got {dtype_name(workspace.dtype)} of {nbytes} bytes on {workspace.device}"
             f"{'' if workspace.is_contiguous() else ' (not contiguous)'}")
     expect_aligned("workspace", workspace, alignment)
+
+
+SIGNATURES_REMEMBERED = 16   # argument signatures an ExecuteChecks keeps as passed
+
+
+class ExecuteChecks:
+    """execute()'s checks of the buffers handed in against a plan's declarations (host facts
+    only), decided once per argument signature.
+
+    ``operands``: per operand in execute()'s order, (name, planned TensorDesc or None where the
+    plan was built without it, alignment in bytes, strided, written); ``workspace``: (bytes
+    required, device, alignment). Called with execute()'s arguments by name, it raises the
+    ValidationError the full checks raise first and returns None when they all pass. The full
+    checks, in order: per operand, None where the plan was built without it, otherwise
+    ``check_execute_tensor``; ``check_workspace``; ``check_no_overlap`` of the written operands
+    (and the workspace, when one is required) against the others.
+
+    A call's signature is, per argument (the workspace last), None or (type, dtype, shape,
+    strides, device, data pointer modulo the alignment required): every fact the per-operand and
+    workspace checks read, and no address. The first call with a signature runs those checks in
+    full; a signature that passed is remembered (the ``capacity`` most recent) with each checked
+    tensor's byte extent, and a later call with it runs none of them: fresh tensors of the same
+    shapes, strides and dtypes (a training step's) take this path. Overlap depends on addresses
+    and is checked on every call from the remembered extents: one sort and sweep of the byte
+    ranges (``extents_meet``), so tensors in separate buffers cost nothing per pair; only when
+    a written range meets another are pairs searched exactly (slices of one fused buffer that
+    never meet pass), in ``check_no_overlap``'s order and with its message.
+    """
+
+    def __init__(self, operands, workspace: tuple[int, torch.device, int],
+                 capacity: int = SIGNATURES_REMEMBERED) -> None:
+        self._operands = tuple(operands)
+        self._workspace = workspace
+        self._capacity = capacity
+        planned = [o for o in self._operands if o[1] is not None]
+        self._absent = tuple(o[0] for o in self._operands if o[1] is None)
+        self._names = tuple(o[0] for o in planned) + ("workspace",)
+        self._alignments = tuple(max(o[2], 1) for o in planned) + (max(workspace[2], 1),)
+        self._written = tuple(o[4] for o in planned) + (True,)
+        # check_no_overlap's order: the read operands, the written ones, then the workspace
+        self._order = tuple(sorted(range(len(self._names)), key=lambda i: self._written[i]))
+        self._passed: dict[tuple, tuple[int, ...]] = {}
+
+    def __call__(self, args: Mapping[str, object]) -> None:
+        values = [args.get(name) for name in self._names]
+        absent = [args.get(name) for name in self._absent]
+        key = extents = None
+        if absent.count(None) == len(absent):
+            try:
+                pointers = [0 if v is None else v.data_ptr() for v in values]
+                key = tuple([None if v is None else
+                             (type(v), v.dtype, v.shape, v.stride(), v.device, p % alignment)
+                             for v, p, alignment in zip(values, pointers, self._alignments)])
+                extents = self._passed.get(key)
+            except Exception:            # not a tensor: refused by the full checks
+                key = None
+        if extents is None:
+            extents, pointers = self._check_in_full(args)
+            if key is not None:
+                self._remember(key, extents)
+        spans = [(p, p + n, w) for p, n, w in zip(pointers, extents, self._written) if n]
+        if extents_meet(spans):
+            entries, spans = [], []
+            for i in self._order:
+                if extents[i]:
+                    name, written = self._names[i], self._written[i]
+                    entries.append((name, args[name], written))
+                    spans.append((pointers[i], pointers[i] + extents[i], written))
+            _raise_first_overlap(entries, spans)
+
+    def _check_in_full(self, args) -> tuple[tuple[int, ...], list[int]]:
+        """Every check but overlap; returns, per planned operand and the workspace, the byte
+        extent the overlap check covers (0 for an empty tensor or an unrequired workspace) and
+        the data pointer."""
+        extents, pointers = [], []
+        for name, desc, alignment, strided, _ in self._operands:
+            value = args.get(name)
+            if desc is None:
+                if value is not None:
+                    raise ValidationError(f"{name}: this plan was built without {name}; expected "
+                                          f"None, got {type(value).__name__}")
+                continue
+            check_execute_tensor(name, value, desc, alignment, strided)
+            lo, hi = byte_range(value)
+            extents.append(hi - lo)
+            pointers.append(lo)
+        required, device, alignment = self._workspace
+        workspace = args.get("workspace")
+        check_workspace(workspace, required, device, alignment)
+        lo, hi = byte_range(workspace) if required else (0, 0)
+        extents.append(hi - lo)
+        pointers.append(lo)
+        return tuple(extents), pointers
+
+    def _remember(self, key: tuple, extents: tuple[int, ...]) -> None:
+        passed = self._passed
+        if len(passed) >= self._capacity:
+            passed.pop(next(iter(passed), None), None)
+        passed[key] = extents

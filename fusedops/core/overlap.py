@@ -7,14 +7,24 @@ The question is whether some element of A and some element of B occupy a common 
 range. The search walks the dimensions of both tensors by decreasing stride, keeping only index
 values the remaining dimensions can still compensate; for the layouts tensors have (each stride
 at least the extent of the smaller ones) it visits a handful of nodes. Past a node budget it
-answers True: refusing a rare exotic layout is safe, writing over an input is not.
+answers True: refusing a rare exotic layout is safe, writing over an input is not. The answer
+depends only on the two layouts and the distance between their data pointers, so it is
+remembered per (distance, layouts): views of one fused buffer are searched once.
+
+``extents_meet`` answers the cheaper question first, for many tensors at once: whether any
+written tensor's byte extent intersects another tensor's (a sort and one sweep); only when one
+does must pairs be searched.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterable
+
 import torch
 
 NODE_BUDGET = 100_000
+LAYOUT_PAIRS_REMEMBERED = 4096   # (distance, layouts) answers kept by ``shares_bytes``
 
 
 def byte_range(tensor: torch.Tensor) -> tuple[int, int]:
@@ -26,12 +36,26 @@ def byte_range(tensor: torch.Tensor) -> tuple[int, int]:
     return start, start + extent * tensor.element_size()
 
 
-def _terms(tensor: torch.Tensor, sign: int) -> tuple[int, list[tuple[int, int, int]]]:
-    """(base offset, [(stride in bytes > 0, least, most index multiplier)]) of a tensor, with
+def extents_meet(spans: Iterable[tuple[int, int, bool]]) -> bool:
+    """True when some span marked written intersects another span: ``spans`` are non-empty
+    [start, end) byte extents, each with whether its tensor is written. Spans that are only read
+    may intersect each other (views of one fused input)."""
+    end_all = end_written = -1
+    for start, end, written in sorted(spans):
+        if start < (end_all if written else end_written):
+            return True
+        if end > end_all:
+            end_all = end
+        if written and end > end_written:
+            end_written = end
+    return False
+
+
+def _terms(shape, stride, e: int, sign: int) -> tuple[int, list[tuple[int, int, int]]]:
+    """(base offset, [(stride in bytes > 0, least, most index multiplier)]) of a layout, with
     negative strides folded into the base and ``sign`` applied."""
-    e = tensor.element_size()
     base, terms = 0, []
-    for size, stride in zip(tensor.shape, tensor.stride()):
+    for size, stride in zip(shape, stride):
         if size <= 1 or stride == 0:
             continue
         s = stride * e
@@ -46,14 +70,27 @@ def shares_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     """True when some byte belongs to an element of both tensors (same device assumed)."""
     if a.numel() == 0 or b.numel() == 0:
         return False
-    (alo, ahi), (blo, bhi) = byte_range(a), byte_range(b)
-    if not (alo < bhi and blo < ahi):
+    return layouts_share_bytes(a.data_ptr() - b.data_ptr(), tuple(a.shape), tuple(a.stride()),
+                               a.element_size(), tuple(b.shape), tuple(b.stride()),
+                               b.element_size())
+
+
+@functools.lru_cache(maxsize=LAYOUT_PAIRS_REMEMBERED)
+def layouts_share_bytes(distance: int, shape_a: tuple[int, ...], stride_a: tuple[int, ...],
+                        size_a: int, shape_b: tuple[int, ...], stride_b: tuple[int, ...],
+                        size_b: int) -> bool:
+    """Whether non-empty layouts A and B (shapes, strides in elements, element sizes in bytes)
+    share a byte when A's data pointer lies ``distance`` bytes after B's."""
+    def extent(shape, stride, e):
+        return (1 + sum((n - 1) * abs(s) for n, s in zip(shape, stride))) * e
+    if not (distance < extent(shape_b, stride_b, size_b)
+            and 0 < distance + extent(shape_a, stride_a, size_a)):
         return False
-    base_a, terms_a = _terms(a, +1)
-    base_b, terms_b = _terms(b, -1)
+    base_a, terms_a = _terms(shape_a, stride_a, size_a, +1)
+    base_b, terms_b = _terms(shape_b, stride_b, size_b, -1)
     terms = sorted(terms_a + terms_b, key=lambda t: -t[0])
-    start = a.data_ptr() - b.data_ptr() + base_a + base_b
-    lo, hi = -a.element_size(), b.element_size()         # exclusive bounds of the difference
+    start = distance + base_a + base_b
+    lo, hi = -size_a, size_b                            # exclusive bounds of the difference
     # the least and most the remaining terms can add, from each position on
     rest_min = [0] * (len(terms) + 1)
     rest_max = [0] * (len(terms) + 1)

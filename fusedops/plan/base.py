@@ -30,8 +30,7 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from ..core.checks import (check_execute_tensor, check_no_overlap, check_workspace, expect_aligned,
-                           expect_last_dim_contiguous)
+from ..core.checks import ExecuteChecks, expect_aligned, expect_last_dim_contiguous
 from ..core.desc import TensorDesc
 from ..core.index_checks import check_inputs_requested
 from ..core.device import bind_device
@@ -97,6 +96,7 @@ class Plan:
             self.auto_order)
         self._program: Program = getattr(self._impl, f"{self.program_name}_program")(self.problem)
         self._alignment_of: Program | None = None
+        self._execute_checks: tuple = (None, None, ())
         self._declare_program_buffers()
 
     # -- what a subclass implements ----------------------------------------------------------
@@ -289,33 +289,27 @@ class Plan:
 
     # -- execute ------------------------------------------------------------------------------
     def _execute(self, args: Mapping[str, Any]) -> Any:
-        """execute()'s body: checks the handed buffers (host facts only), launches, returns."""
+        """execute()'s body: checks the handed buffers (host facts only; ``ExecuteChecks``:
+        decided once per argument signature, overlap on every call), launches, returns."""
         if self._launch is None:
             raise PlanStateError(f"{type(self).__name__}.execute() called before compile()")
-        binding: dict[str, Any] = {}
-        read: dict[str, torch.Tensor] = {}
-        written: dict[str, torch.Tensor] = {}
-        for operand in self.operands:
-            name = operand.name
-            value = args.get(name)
-            desc = self._descs.get(name)
-            if desc is None:
-                if value is not None:
-                    raise ValidationError(f"{name}: this plan was built without {name}; expected "
-                                          f"None, got {type(value).__name__}")
-                continue
-            check_execute_tensor(name, value, desc, operand.alignment, operand.strided)
-            binding[name] = value
-            (written if operand.is_written else read)[name] = value
-        workspace = args.get("workspace")
-        check_workspace(workspace, self.workspace_size, self._device, self._workspace_alignment)
-        if self.workspace_size:
-            written["workspace"] = workspace
-        check_no_overlap(read, written)
+        program, checks, names = self._execute_checks
+        if program is not self._program:
+            program, checks, names = self._execute_checks = self._make_execute_checks()
+        checks(args)
+        binding = {name: args.get(name) for name in names}
         stream = resolve_stream(args.get("current_stream"), self._device)
-        binding["workspace"] = workspace
         self._run(binding, stream)
         return self._result(binding)
+
+    def _make_execute_checks(self) -> tuple[Program, ExecuteChecks, tuple[str, ...]]:
+        """(the program they hold for, execute()'s checks, the names execute() binds)."""
+        operands = [(o.name, self._descs.get(o.name), o.alignment, o.strided, o.is_written)
+                    for o in self.operands]
+        checks = ExecuteChecks(operands, (self.workspace_size, self._device,
+                                          self._workspace_alignment))
+        names = tuple(o.name for o in self.operands if o.name in self._descs) + ("workspace",)
+        return self._program, checks, names
 
     def _result(self, binding: Mapping[str, Any]) -> Any:
         """The TupleDict of the declared ``returns`` the plan has."""

@@ -34,6 +34,11 @@ class PlanCache:
     def __len__(self) -> int:
         return len(self._plans)
 
+    def plans(self) -> list[Any]:
+        """The cached plans, least recently used first."""
+        with self._lock:
+            return list(self._plans.values())
+
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()

@@ -405,3 +405,27 @@ def test_kernel_specs_take_their_arguments_from_the_jit_signature():
     with pytest.raises(ValueError, match=r"'BLOCK' is a tl.constexpr parameter, not a runtime "
                                          r"argument; 'N' is a runtime parameter, not a tl.constexpr"):
         KernelSpec.make(probe, {"BLOCK": "i32"}, dict(N=3, HAS_Y=True), (1,))
+
+
+def test_eager_plans_are_found_by_the_call_signature_after_one_validated_call(monkeypatch):
+    """A repeated eager call with fresh tensors of the same dtypes, shapes, strides and device
+    and the same options finds its plan without validating again; an option equal in value but
+    of another type (1 for True) is validated (and refused) as on a first call."""
+    from fusedops.engram_gate import EngramGateSavedBackward
+    x, kv, weight = torch.randn(3, 2, 16), torch.randn(3, 48), torch.randn(2, 16)
+    saved, grad = torch.randn(3, 2, 4), torch.randn(3, 2, 16)
+    tensors = dict(x=x, kv=kv, weight=weight, saved=saved, grad_out=grad)
+    plan = EngramGateSavedBackward.cached(tensors, backend="torch", accumulate=True)
+    fresh = {k: v.clone() for k, v in tensors.items()}
+
+    def validated(*args, **kwargs):
+        raise AssertionError("validated again")
+
+    with monkeypatch.context() as m:
+        m.setattr(EngramGateSavedBackward, "normalise_options", classmethod(validated))
+        assert EngramGateSavedBackward.cached(fresh, backend="torch", accumulate=True) is plan
+    with pytest.raises(ValidationError, match=r"^accumulate: expected a bool"):
+        EngramGateSavedBackward.cached(fresh, backend="torch", accumulate=1)
+    wider = dict(fresh, x=torch.randn(4, 2, 16))
+    with pytest.raises(ValidationError, match=r"kv: expected shape"):
+        EngramGateSavedBackward.cached(wider, backend="torch", accumulate=True)

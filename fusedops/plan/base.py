@@ -329,12 +329,19 @@ class Plan:
         """The compiled plan for these tensors (tensors or TensorDescs) and options, from the
         process-wide eager plan cache (keyed also by a forced tile-table family: see
         ``core.target.target_override``). Options are validated before the lookup."""
+        signature = _call_signature(cls, tensors, options, backend)
+        plan = EAGER_PLANS.lookup(signature) if signature is not None else None
+        if plan is not None:
+            return plan
         values = cls.normalise_options(options)
         descs = {name: _describe(name, value) for name, value in tensors.items()
                  if name in cls._constructor_tensors}
         key = (cls, tuple(sorted(descs.items())), tuple(values.items()), backend,
                target_override())
-        return EAGER_PLANS.get(key, lambda: cls(**descs, **values, backend=backend).compile())
+        plan = EAGER_PLANS.get(key, lambda: cls(**descs, **values, backend=backend).compile())
+        if signature is not None:
+            EAGER_PLANS.put(signature, plan)
+        return plan
 
     @classmethod
     def eager(cls, tensors: Mapping[str, Any], *, backend: str = "auto", current_stream=None,
@@ -361,6 +368,33 @@ class Plan:
                             for k, d in self._descs.items())
         options = "".join(f", {k}={v!r}" for k, v in self.option_values.items())
         return f"{type(self).__name__}({tensors}{options}, backend={self._backend}, {state})"
+
+
+def _call_signature(cls, tensors: Mapping[str, Any], options: Mapping[str, Any],
+                    backend: str) -> tuple | None:
+    """An eager call's arguments as they were passed, cheap to build: each constructor tensor's
+    dtype, shape, strides and device (what its TensorDesc holds), each option with its type (so
+    64 and 64.0, 1 and True differ), the backend and the forced target. It maps to the plan only
+    after a call with exactly these arguments was validated and built; None (look up by the
+    validated key) when an argument is neither a tensor nor None or an option is unhashable."""
+    parts = []
+    for name in sorted(tensors):
+        if name not in cls._constructor_tensors:
+            continue
+        value = tensors[name]
+        if value is None:
+            parts.append((name, None))
+        elif isinstance(value, torch.Tensor):
+            parts.append((name, value.dtype, value.shape, value.stride(), value.device))
+        else:
+            return None
+    given = tuple((name, type(value), value) for name, value in sorted(options.items()))
+    signature = (cls, tuple(parts), given, backend, target_override())
+    try:
+        hash(signature)
+    except TypeError:
+        return None
+    return signature
 
 
 def _describe(name: str, value) -> TensorDesc | None:

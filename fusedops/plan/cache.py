@@ -18,6 +18,21 @@ class PlanCache:
         self._capacity = capacity
         self._lock = threading.Lock()
 
+    def lookup(self, key: Hashable) -> Any:
+        """The plan stored under ``key`` (now the most recent), or None."""
+        with self._lock:
+            plan = self._plans.get(key)
+            if plan is not None:
+                self._plans.move_to_end(key)
+            return plan
+
+    def put(self, key: Hashable, plan: Any) -> None:
+        """Stores ``plan`` under ``key`` too (the least recent entries go past the capacity)."""
+        with self._lock:
+            self._plans[key] = plan
+            while len(self._plans) > self._capacity:
+                self._plans.popitem(last=False)
+
     def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
         with self._lock:
             plan = self._plans.get(key)

@@ -31,6 +31,16 @@ def pytest_configure(config):
     config.stash[AOT_FIGURES_KEY] = []
 
 
+def pytest_collection_modifyitems(config, items):
+    """Marks the tests of ``long_tests.LONG_TESTS`` (over 10 s on one core, each with its
+    reason) ``long``."""
+    from long_tests import LONG_TESTS
+    for item in items:
+        reason = LONG_TESTS.get(item.nodeid.split("[")[0])
+        if reason:
+            item.add_marker(pytest.mark.long(reason=reason))
+
+
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     rows = config.stash.get(AOT_FIGURES_KEY, [])
     if rows:

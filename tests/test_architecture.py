@@ -360,3 +360,18 @@ def test_the_circle_check_sees_a_circle():
             ["fusedops.probe_a", "fusedops.probe_b", "fusedops.probe_c"]]
     finally:
         MODULES = saved
+
+
+def test_every_long_test_exists_and_says_why():
+    """tests/long_tests.py names only tests that exist, each with a reason."""
+    from long_tests import LONG_TESTS
+    missing = []
+    for node, reason in LONG_TESTS.items():
+        path, _, name = node.partition("::")
+        source = ROOT / path
+        defined = source.exists() and any(
+            isinstance(n, ast.FunctionDef) and n.name == name
+            for n in ast.parse(source.read_text()).body)
+        if not defined or not reason.strip():
+            missing.append(node)
+    assert missing == []

@@ -405,6 +405,15 @@ def test_kernel_specs_take_their_arguments_from_the_jit_signature():
     with pytest.raises(ValueError, match=r"'BLOCK' is a tl.constexpr parameter, not a runtime "
                                          r"argument; 'N' is a runtime parameter, not a tl.constexpr"):
         KernelSpec.make(probe, {"BLOCK": "i32"}, dict(N=3, HAS_Y=True), (1,))
+    # a pointer left to the i32 default is refused when the program binds it to a buffer
+    forgotten = KernelSpec.make(probe, {"y_ptr": None, "scale": "fp32"},
+                                dict(BLOCK=64, HAS_Y=False), (4,))
+    stage = Stage(forgotten, dict(N=4, stride_x=1, scale=1.0))
+    with pytest.raises(ValueError, match=r"argument x_ptr is a scalar in the kernel's spec but "
+                                         r"takes a buffer \('x'\): give its pointer type"):
+        Program(stages=(stage,))._getters(stage, frozenset({"x"}))
+    assert len(Program(stages=(Stage(spec, dict(N=4, stride_x=1, scale=1.0)),))._getters(
+        Stage(spec, dict(N=4, stride_x=1, scale=1.0)), frozenset({"x"}))) == 4
 
 
 def test_eager_plans_are_found_by_the_call_signature_after_one_validated_call(monkeypatch):

@@ -147,6 +147,11 @@ class KernelSpec:
         """The value of constexpr ``name``."""
         return dict(self.constexprs)[name]
 
+    @property
+    def scalar_args(self) -> frozenset[str]:
+        """The runtime arguments typed as scalars (no pointer): none may take a buffer."""
+        return frozenset(n for n, t in self.signature if t != "constexpr" and not t.startswith("*"))
+
     def runtime_arg_names(self) -> tuple[str, ...]:
         """The kernel's runtime arguments, then ``global_scratch`` when it makes descriptors."""
         names = tuple(n for n, t in self.signature if t != "constexpr")

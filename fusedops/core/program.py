@@ -143,6 +143,9 @@ class Program:
 
     def _getter(self, stage: Stage, arg: str, names: frozenset[str]) -> Callable[[Binding], Any]:
         source = stage.bind.get(arg, SCRATCH if arg == SCRATCH.name else arg.removesuffix("_ptr"))
+        if isinstance(source, (Piece, str)) and arg in getattr(stage.kernel, "scalar_args", ()):
+            raise ValueError(f"stage {stage.name}: argument {arg} is a scalar in the kernel's "
+                             f"spec but takes a buffer ({source!r}): give its pointer type")
         if isinstance(source, Piece):
             layout = {"workspace": self.workspace, "saved": self.saved}[source.buffer]
             if source.name not in layout:

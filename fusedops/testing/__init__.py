@@ -20,7 +20,7 @@ from ..backends import ptx_emulator
 from ..opinfo import FP32_REDUCTION, ROUNDED_ONCE, Tolerance
 from ..plan.selection import BACKENDS, backend_unavailable_reason
 
-__all__ = ["FP32_REDUCTION", "NoTorchOps", "ROUNDED_ONCE", "Tolerance", "assert_close",
+__all__ = ["FP32_REDUCTION", "HostReads", "NoTorchOps", "ROUNDED_ONCE", "Tolerance", "assert_close",
            "default_device", "errors", "ptx_emulator", "runnable_backends"]
 
 
@@ -71,3 +71,17 @@ class NoTorchOps(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         raise AssertionError(f"dispatched {func}")
+
+
+class HostReads(TorchDispatchMode):
+    """Records in ``reads`` the operators inside the ``with`` block that read a device value on
+    the host (.item(), bool(), tolist()): a synchronisation, and not capturable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.reads.append(func)
+        return func(*args, **(kwargs or {}))

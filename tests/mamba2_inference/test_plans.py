@@ -6,13 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedops
 from fusedops import Mamba2StateRollback, Mamba2StateUpdate
 from fusedops.core.status import Status
 from fusedops.errors import ValidationError
 from fusedops.memory import MIB, NEMOTRON_3_ULTRA
+from fusedops.testing import HostReads
 
 from helpers import DEVICE, GPU_BACKENDS, requires_cuda
 
@@ -123,18 +123,6 @@ def test_wrong_typed_rollback_options_raise_validation_errors(option, value):
         fusedops.mamba2_rollback(state, snapshots, accepted, **{option: value}, **backend)
 
 
-class _HostReads(TorchDispatchMode):
-    """Records the operators that read a device value on the host (.item(), bool(), tolist())."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.reads.append(func)
-        return func(*args, **(kwargs or {}))
-
 
 def test_torch_backend_reads_no_index_value_on_the_host():
     """The torch backend validates slots and accepted counts with device ops only."""
@@ -150,7 +138,7 @@ def test_torch_backend_reads_no_index_value_on_the_host():
     rollback = Mamba2StateRollback(state, snapshots, accepted, state_batch_indices=idx,
                                    status=status, backend="torch").compile()
     y = torch.empty_like(core["x"])
-    with _HostReads() as mode:
+    with HostReads() as mode:
         update.execute(state, *core.values(), y, D=opts["D"], z=opts["z"], dt_bias=opts["dt_bias"],
                        state_batch_indices=idx, snapshots=snapshots, status=status)
         rollback.execute(state, snapshots, accepted, state_batch_indices=idx, status=status)

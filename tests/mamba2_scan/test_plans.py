@@ -8,7 +8,6 @@ import inspect
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import fusedops
 import fusedops.ops
@@ -19,6 +18,7 @@ from fusedops.plan import EAGER_PLANS
 from fusedops.mamba2_scan import samples
 from fusedops.mamba2_scan.info import INFO
 from fusedops.mamba2_scan.oracle import scan_with_gradients
+from fusedops.testing import HostReads
 
 from helpers import DEVICE, requires_cuda
 
@@ -209,18 +209,6 @@ def test_refused_chunk_size_does_not_poison_the_eager_plan_cache():
     assert torch.equal(y_op, y)
 
 
-class _HostReads(TorchDispatchMode):
-    """Records the operators that read a device value on the host (.item(), bool(), tolist())."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.reads = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.reads.append(func)
-        return func(*args, **(kwargs or {}))
-
 
 def test_torch_backend_reads_no_index_value_on_the_host():
     """The torch backend sanitises and reports with device ops only (capturable, no sync)."""
@@ -234,7 +222,7 @@ def test_torch_backend_reads_no_index_value_on_the_host():
                                   **case.options, status=status, backend="torch").compile()
     outputs = fwd.allocate_outputs()
     grads = bwd.allocate_outputs()
-    with _HostReads() as mode:
+    with HostReads() as mode:
         fwd.execute(**args, **outputs, status=status)
         bwd.execute(**args, dy=t["dy"], saved=outputs["saved"], dfinal_states=t["dfinal_states"],
                     **grads, status=status)
